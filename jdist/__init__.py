@@ -1,0 +1,59 @@
+"""jdist: data-parallel training for JAX on every local device and across MPI processes."""
+
+from jdist import errors
+from jdist.collectives import DATA_AXIS
+from jdist.collectives import all_gather
+from jdist.collectives import barrier
+from jdist.collectives import broadcast_params
+from jdist.collectives import host_allreduce
+from jdist.collectives import pmean
+from jdist.collectives import psum
+from jdist.parallel import data_parallel
+from jdist.parallel import local_replicas
+from jdist.parallel import replicate
+from jdist.parallel import unreplicate
+from jdist.topology import Topology
+from jdist.topology import init
+from jdist.topology import topology
+from jdist.transforms.allreduce import AllReduceState
+from jdist.transforms.allreduce import allreduce
+from jdist.transforms.allreduce import wire_bytes
+from jdist.transforms.compress import SparsifyState
+from jdist.transforms.compress import cast
+from jdist.transforms.compress import threshold
+from jdist.transforms.compress import topk
+from jdist.transforms.dist_opt import dist_opt
+from jdist.transforms.partial import PartialSyncState
+from jdist.transforms.partial import partial_sync
+from jdist.transforms.partial import sync_params
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "AllReduceState",
+    "DATA_AXIS",
+    "PartialSyncState",
+    "SparsifyState",
+    "Topology",
+    "all_gather",
+    "allreduce",
+    "barrier",
+    "broadcast_params",
+    "cast",
+    "data_parallel",
+    "dist_opt",
+    "errors",
+    "host_allreduce",
+    "init",
+    "local_replicas",
+    "partial_sync",
+    "pmean",
+    "psum",
+    "replicate",
+    "sync_params",
+    "threshold",
+    "topk",
+    "topology",
+    "unreplicate",
+    "wire_bytes",
+)

@@ -1,0 +1,123 @@
+"""Tensor fusion: pytrees to a few flat buffers and back.
+
+Crossing processes costs a latency per MPI call, so a gradient pytree of many
+small leaves travels as a few flat buffers: leaves of one dtype are ravelled
+and concatenated into buckets of at most `bucket_bytes` (Horovod's fusion
+buffer; PyTorch DDP's buckets). A leaf larger than a bucket travels alone.
+
+`FlatSpec` is the static description (tree structure, shapes, dtypes) that
+turns one flat vector back into the pytree; it is hashable, so it can ride
+in a pytree node's aux data (the "ctx" of compress/decompress).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+  """Leaves (by position in the flattened tree) that travel as one buffer."""
+  dtype: Any
+  leaf_ids: tuple[int, ...]
+  sizes: tuple[int, ...]
+
+  @property
+  def size(self) -> int:
+    return sum(self.sizes)
+
+  @property
+  def nbytes(self) -> int:
+    return self.size * np.dtype(self.dtype).itemsize
+
+
+def plan_buckets(leaves: Sequence[Any], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
+  """Groups leaves by dtype, in order, into buckets of at most `bucket_bytes`.
+
+  Args:
+    leaves: arrays or shape/dtype structs.
+    bucket_bytes: the most bytes one bucket holds (a bigger leaf goes alone).
+
+  Returns:
+    Buckets covering every leaf exactly once.
+  """
+  if bucket_bytes <= 0:
+    raise ValueError(f"bucket_bytes={bucket_bytes} must be positive.")
+  open_buckets: dict[Any, tuple[list[int], list[int], int]] = {}
+  done: list[Bucket] = []
+  for leaf_id, leaf in enumerate(leaves):
+    dtype = np.dtype(leaf.dtype)
+    size = math.prod(leaf.shape)
+    ids, sizes, nbytes = open_buckets.get(dtype, ([], [], 0))
+    if ids and nbytes + size * dtype.itemsize > bucket_bytes:
+      done.append(Bucket(dtype, tuple(ids), tuple(sizes)))
+      ids, sizes, nbytes = [], [], 0
+    open_buckets[dtype] = (ids + [leaf_id], sizes + [size], nbytes + size * dtype.itemsize)
+  for dtype, (ids, sizes, _) in open_buckets.items():
+    done.append(Bucket(dtype, tuple(ids), tuple(sizes)))
+  return done
+
+
+def pack(leaves: Sequence[jax.Array], bucket: Bucket) -> jax.Array:
+  """The bucket's leaves, ravelled and concatenated into one 1-D buffer."""
+  parts = [jnp.ravel(leaves[i]) for i in bucket.leaf_ids]
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def unpack(buffer: jax.Array, bucket: Bucket, shapes: Sequence[tuple[int, ...]]) -> dict[int, jax.Array]:
+  """Splits a bucket's buffer back into its leaves, keyed by leaf position."""
+  out = {}
+  offset = 0
+  for leaf_id, size in zip(bucket.leaf_ids, bucket.sizes):
+    out[leaf_id] = buffer[offset:offset + size].reshape(shapes[leaf_id])
+    offset += size
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatSpec:
+  """Static recipe to turn a flat vector back into a pytree."""
+  treedef: Any
+  shapes: tuple[tuple[int, ...], ...]
+  dtypes: tuple[Any, ...]
+
+  @property
+  def sizes(self) -> tuple[int, ...]:
+    return tuple(math.prod(s) for s in self.shapes)
+
+  @property
+  def size(self) -> int:
+    return sum(self.sizes)
+
+
+def flat_spec(tree: Any) -> FlatSpec:
+  leaves, treedef = jax.tree.flatten(tree)
+  return FlatSpec(treedef, tuple(tuple(l.shape) for l in leaves),
+                  tuple(np.dtype(l.dtype) for l in leaves))
+
+
+def ravel(tree: Any, dtype: Any = jnp.float32) -> jax.Array:
+  """All leaves of `tree` as one 1-D vector of `dtype` (leaf order)."""
+  leaves = jax.tree.leaves(tree)
+  if not leaves:
+    return jnp.zeros((0,), dtype)
+  parts = [jnp.ravel(l).astype(dtype) for l in leaves]
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def unravel(flat: jax.Array, spec: FlatSpec) -> Any:
+  """Inverse of `ravel`: leaves get back their shapes and dtypes."""
+  leaves = []
+  offset = 0
+  for shape, dtype, size in zip(spec.shapes, spec.dtypes, spec.sizes):
+    leaves.append(flat[offset:offset + size].reshape(shape).astype(dtype))
+    offset += size
+  return jax.tree.unflatten(spec.treedef, leaves)

@@ -1,0 +1,187 @@
+"""Reductions of pytrees over every replica, for use inside a pmapped step.
+
+`psum`, `pmean` and `all_gather` reduce over every replica of the job: the
+local devices of this process (XLA collectives over `DATA_AXIS`), then the
+processes (see `transport`). Across processes a pytree travels fused: one
+flat buffer per dtype and bucket, not one MPI call per leaf.
+
+`reduce_payload` is what `jdist.allreduce` calls: it accepts the gradient
+tree itself or a compressed payload (`payloads.HalfPayload`,
+`payloads.SparsePayload`) and picks the wire format from its type.
+
+Before a pytree first crosses processes, its structure, shapes and dtypes are
+compared across processes (at trace time, one small host exchange), so a
+mismatch is an error on every rank that names the first differing leaf,
+instead of a hang or silently mixed buffers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jdist import errors
+from jdist import topology as topology_lib
+from jdist.collectives import fusion
+from jdist.collectives import payloads
+from jdist.collectives import transport
+from jdist.collectives import world as world_lib
+from jdist.collectives.transport import DATA_AXIS
+
+
+def require_data_parallel(what: str) -> None:
+  """Raises a clear error unless called inside a `jdist.data_parallel` step."""
+  try:
+    lax.axis_index(DATA_AXIS)
+  except NameError:
+    raise errors.CollectiveContextError(
+        f"{what} reduces over the replicas of a data-parallel step, so it must run "
+        f"inside a function wrapped by @jdist.data_parallel (axis name "
+        f"{DATA_AXIS!r}). Outside a step, use host-side helpers such as "
+        f"jdist.broadcast_params, jdist.sync_params or jdist.host_allreduce.") from None
+
+
+def _signature(tree: Any) -> list[tuple[str, tuple[int, ...], str]]:
+  leaves = jax.tree_util.tree_leaves_with_path(tree)
+  return [(jax.tree_util.keystr(path), tuple(leaf.shape), str(jnp.dtype(leaf.dtype)))
+          for path, leaf in leaves]
+
+
+def check_structure(tree: Any, what: str) -> None:
+  """Checks that every process holds a pytree of the same signature.
+
+  Host side (call at trace time or outside jit). A no-op in one process.
+
+  Raises:
+    StructureMismatchError: on every rank, naming the first differing leaf.
+  """
+  world = world_lib.get()
+  if world is None or world.size == 1:
+    return
+  signature = _signature(tree)
+  digest = hashlib.sha256(repr(signature).encode()).hexdigest()
+  digests = world.allgather_object(digest, f"structure check of {what}")
+  if len(set(digests)) == 1:
+    return
+  signatures = world.allgather_object(signature, f"structure check of {what}")
+  raise errors.StructureMismatchError(_describe_mismatch(signatures, what))
+
+
+def _describe_mismatch(signatures: list[list[tuple]], what: str) -> str:
+  reference = signatures[0]
+  for rank, other in enumerate(signatures[1:], start=1):
+    for index in range(max(len(reference), len(other))):
+      mine = reference[index] if index < len(reference) else None
+      theirs = other[index] if index < len(other) else None
+      if mine != theirs:
+        def show(entry):
+          return "no leaf" if entry is None else f"{entry[0]} shape={entry[1]} dtype={entry[2]}"
+        return (f"{what}: processes hold different pytrees, so they cannot be "
+                f"reduced together. First difference at leaf #{index}: rank 0 has "
+                f"{show(mine)}, rank {rank} has {show(theirs)}. Every process must "
+                f"build the same model and optimizer (same shapes and dtypes).")
+  return f"{what}: processes hold different pytree structures ({len(reference)} leaves on rank 0)."
+
+
+def _fused(tree: Any, what: str, reduce_buffer, bucket_bytes: int,
+           fuse_local: bool = False) -> Any:
+  """Applies `reduce_buffer` to the tree's leaves, fused into buckets.
+
+  Within one process XLA already combines per-leaf all-reduces, so plain sums
+  skip the concatenation there (`fuse_local=False`).
+  """
+  if transport.route() == "local" and not fuse_local:
+    return jax.tree.map(lambda leaf: reduce_buffer(leaf.reshape(-1)).reshape(leaf.shape), tree)
+  check_structure(tree, what)
+  leaves, treedef = jax.tree.flatten(tree)
+  shapes = [leaf.shape for leaf in leaves]
+  out = {}
+  for bucket in fusion.plan_buckets(leaves, bucket_bytes):
+    out.update(fusion.unpack(reduce_buffer(fusion.pack(leaves, bucket)), bucket, shapes))
+  return jax.tree.unflatten(treedef, [out[i] for i in range(len(leaves))])
+
+
+def psum(tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> Any:
+  """Sum of `tree` over every replica (inside `jdist.data_parallel`)."""
+  require_data_parallel("jdist.psum")
+  if not jax.tree.leaves(tree):
+    return tree
+  return _fused(tree, "jdist.psum", transport.sum_all, bucket_bytes)
+
+
+def pmean(tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> Any:
+  """Mean of `tree` over every replica; integer leaves are averaged as floats."""
+  require_data_parallel("jdist.pmean")
+  replicas = topology_lib.topology().replica_count
+  as_float = jax.tree.map(
+      lambda x: x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float32), tree)
+  summed = psum(as_float, bucket_bytes=bucket_bytes)
+  return jax.tree.map(lambda x: (x / replicas).astype(x.dtype), summed)
+
+
+def all_gather(tree: Any) -> Any:
+  """Every replica's value of each leaf, stacked: leaves get a leading [R] axis.
+
+  Replicas are in global order (process-major, then local device).
+  """
+  require_data_parallel("jdist.all_gather")
+  return jax.tree.map(
+      lambda leaf: transport.gather_all(leaf.reshape(-1)).reshape((-1,) + leaf.shape), tree)
+
+
+def _to_bytes(x: jax.Array) -> jax.Array:
+  return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+
+
+def _from_bytes(x: jax.Array, dtype, count: int) -> jax.Array:
+  width = jnp.dtype(dtype).itemsize
+  return lax.bitcast_convert_type(x.reshape(count, width), dtype)
+
+
+def _reduce_sparse(payload: payloads.SparsePayload, factor: float) -> Any:
+  """All-gathers every replica's (values, indices) as one byte buffer; scatter-adds."""
+  values, indices = payload.values, payload.indices.astype(jnp.int32)
+  count = values.shape[0]
+  wire = jnp.concatenate([_to_bytes(values), _to_bytes(indices)])
+  everyone = transport.gather_all(wire)  # [R, bytes]
+  value_bytes = count * values.dtype.itemsize
+  all_values = jax.vmap(lambda b: _from_bytes(b[:value_bytes], values.dtype, count))(everyone)
+  all_indices = jax.vmap(lambda b: _from_bytes(b[value_bytes:], jnp.int32, count))(everyone)
+  dense = jnp.zeros((payload.ctx.spec.size,), jnp.float32)
+  dense = dense.at[all_indices.reshape(-1)].add(all_values.reshape(-1).astype(jnp.float32))
+  return fusion.unravel(dense * (factor / payload.ctx.scale), payload.ctx.spec)
+
+
+def _reduce_half(payload: payloads.HalfPayload, factor: float, bucket_bytes: int) -> Any:
+  summed = _fused(payload.tree, "jdist.allreduce (16-bit)",
+                  lambda b: transport.sum_all_16bit(b) if b.dtype in payloads.HALF_DTYPES
+                  else transport.sum_all(b), bucket_bytes, fuse_local=True)
+  return payloads.from_half(summed, payload.ctx, factor)
+
+
+def reduce_payload(updates: Any, *, mean: bool = True,
+                   bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> Any:
+  """Sum or mean over every replica of a gradient tree or a compressed payload.
+
+  Args:
+    updates: a pytree of arrays, a `HalfPayload` or a `SparsePayload`.
+    mean: divide by the replica count (else sum).
+    bucket_bytes: fusion bucket size for dense and 16-bit exchanges.
+
+  Returns:
+    The reduced gradient tree, leaves in their original dtypes.
+  """
+  require_data_parallel("jdist.allreduce")
+  factor = 1.0 / topology_lib.topology().replica_count if mean else 1.0
+  if isinstance(updates, payloads.SparsePayload):
+    return _reduce_sparse(updates, factor)
+  if isinstance(updates, payloads.HalfPayload):
+    return _reduce_half(updates, factor, bucket_bytes)
+  summed = psum(updates, bucket_bytes=bucket_bytes)
+  if not mean:
+    return summed
+  return jax.tree.map(lambda x: (x * factor).astype(x.dtype), summed)

@@ -1,0 +1,171 @@
+"""The MPI world: the one place in jdist that imports mpi4py.
+
+`start()` initializes MPI (thread level MULTIPLE: device threads and the
+watchdog call MPI concurrently), duplicates the communicators jdist uses so
+they never mix with a user's own MPI traffic, and starts the watchdog.
+
+Communicators:
+  * `comm`: a duplicate of COMM_WORLD for host-side exchanges (broadcast,
+    structure checks, barriers) and for mpi4jax inside one-device steps.
+  * `device_comm(d)`: one duplicate per local device index. With several
+    local devices per process, device `d` of every process exchanges its
+    shard on `device_comm(d)`, so concurrent calls from XLA's device threads
+    never pair up wrongly.
+  * the watchdog's own duplicate, for progress queries.
+
+Host-side exchanges use non-blocking MPI and poll with short sleeps, so a rank
+waiting for a slow peer does not spin a CPU core the peer may need.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from jdist import errors
+from jdist.collectives import watchdog as watchdog_lib
+
+_MISSING_MPI_HELP = (
+    "This process was started by an MPI launcher (mpirun/mpiexec) with several "
+    "processes, but {what} cannot be imported ({err}). Install the MPI extras "
+    "into the environment the ranks run in: `bash scripts/install.sh`, or "
+    "`pip install mpi4py` and then `pip install --no-build-isolation mpi4jax` "
+    "(built against the MPI whose mpirun you use). To run on one process "
+    "instead, start the script without mpirun.")
+
+
+def _import_mpi():
+  try:
+    from mpi4py import MPI  # pylint: disable=g-import-not-at-top
+  except ImportError as err:
+    raise errors.MissingMPIError(_MISSING_MPI_HELP.format(what="mpi4py", err=err)) from err
+  return MPI
+
+
+def import_mpi4jax():
+  """mpi4jax, or a MissingMPIError that says how to install it."""
+  try:
+    import mpi4jax  # pylint: disable=g-import-not-at-top
+  except ImportError as err:
+    raise errors.MissingMPIError(_MISSING_MPI_HELP.format(what="mpi4jax", err=err)) from err
+  return mpi4jax
+
+
+class Traffic:
+  """Counts what this process handed to MPI from inside compiled steps."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self.calls = 0
+    self.bytes = 0
+
+  def add(self, nbytes: int) -> None:
+    with self._lock:
+      self.calls += 1
+      self.bytes += int(nbytes)
+
+  def snapshot(self) -> tuple[int, int]:
+    with self._lock:
+      return self.calls, self.bytes
+
+
+class MpiWorld:
+  """MPI state of this process; created once by `start()`."""
+
+  def __init__(self, mpi, timeout: float):
+    self.MPI = mpi
+    self.comm = mpi.COMM_WORLD.Dup()
+    self.rank = self.comm.Get_rank()
+    self.size = self.comm.Get_size()
+    node = self.comm.Split_type(mpi.COMM_TYPE_SHARED, key=self.rank)
+    self.local_rank = node.Get_rank()
+    self.local_size = node.Get_size()
+    node.Free()
+    self.timeout = timeout
+    self.thread_multiple = mpi.Query_thread() == mpi.THREAD_MULTIPLE
+    self.traffic = Traffic()
+    self._device_comms: list[Any] = []
+    self.watchdog = watchdog_lib.Watchdog(self.comm.Dup(), mpi, timeout=timeout)
+    self._checked_signatures: set[str] = set()
+
+  def attach(self, topology) -> None:
+    """Creates the per-device communicators and starts the watchdog."""
+    if not self._device_comms:
+      self._device_comms = [self.comm.Dup() for _ in range(topology.local_device_count)]
+    self.watchdog.start()
+
+  def device_comm(self, local_device: int):
+    return self._device_comms[local_device]
+
+  # Host-side exchanges, each under the watchdog's deadline.
+
+  def _wait(self, request, label: str) -> None:
+    if request.Test():
+      return
+    with self.watchdog.waiting(label):
+      pause = 1e-5
+      while not request.Test():
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+
+  def barrier(self, label: str = "barrier") -> None:
+    self._wait(self.comm.Ibarrier(), label)
+
+  def allgather_bytes(self, payload: bytes, label: str) -> list[bytes]:
+    sizes = np.zeros(self.size, np.int64)
+    self._wait(self.comm.Iallgather(np.array([len(payload)], np.int64), sizes), label)
+    out = np.empty(int(sizes.sum()), np.uint8)
+    displacements = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    self._wait(self.comm.Iallgatherv(np.frombuffer(payload, np.uint8),
+                                     [out, sizes, displacements, self.MPI.BYTE]), label)
+    return [out[d:d + s].tobytes() for d, s in zip(displacements, sizes)]
+
+  def allgather_object(self, obj: Any, label: str) -> list[Any]:
+    return [pickle.loads(b) for b in self.allgather_bytes(pickle.dumps(obj), label)]
+
+  def bcast_array(self, array: np.ndarray, root: int, label: str) -> np.ndarray:
+    buffer = np.ascontiguousarray(array) if self.rank == root else np.empty_like(array)
+    self._wait(self.comm.Ibcast(buffer, root=root), label)
+    return buffer
+
+  def allreduce_array(self, array: np.ndarray, label: str) -> np.ndarray:
+    out = np.empty_like(array)
+    self._wait(self.comm.Iallreduce(np.ascontiguousarray(array), out,
+                                    op=self.MPI.SUM), label)
+    return out
+
+  def gather_bytes(self, payload: bytes, root: int, label: str) -> list[bytes] | None:
+    everyone = self.allgather_bytes(payload, label)  # small metadata only
+    return everyone if self.rank == root else None
+
+  def check_once(self, key: str) -> bool:
+    """True the first time `key` is seen (structure checks run once each)."""
+    if key in self._checked_signatures:
+      return False
+    self._checked_signatures.add(key)
+    return True
+
+  def abort(self, code: int = 1) -> None:
+    self.comm.Abort(code)
+
+
+_world: MpiWorld | None = None
+_lock = threading.Lock()
+
+
+def start(timeout: float) -> MpiWorld:
+  """Initializes MPI once and returns the world."""
+  global _world
+  with _lock:
+    if _world is None:
+      _world = MpiWorld(_import_mpi(), timeout)
+    return _world
+
+
+def get() -> MpiWorld | None:
+  """The MPI world, or None in a single-process run."""
+  return _world

@@ -1,0 +1,29 @@
+"""Errors jdist raises: each says what is wrong and how to fix it."""
+
+
+class JdistError(RuntimeError):
+  """Base class of jdist's own errors."""
+
+
+class MissingMPIError(JdistError):
+  """Launched by mpirun, but the MPI Python packages are not importable."""
+
+
+class CollectiveContextError(JdistError):
+  """A collective was called outside a function run by `jdist.data_parallel`."""
+
+
+class ShapeError(JdistError, ValueError):
+  """An input does not fit the topology (e.g. batch not divisible by devices)."""
+
+
+class StructureMismatchError(JdistError):
+  """Processes tried to exchange pytrees of different structure/shape/dtype."""
+
+
+class CommTimeoutError(JdistError):
+  """A cross-process exchange waited past its deadline."""
+
+
+class CheckpointError(JdistError):
+  """A checkpoint cannot be written or does not fit this run."""

@@ -1,0 +1,213 @@
+"""Who is where: processes, local devices and replicas.
+
+`init()` is the one entry point. Launched by `mpirun` (an MPI environment with
+more than one process) it sets up the MPI world through the collective layer;
+launched as a plain `python` process it needs no MPI at all. Either way it
+returns the same `Topology` object on every later call.
+
+A *replica* is one device of one process: the unit of data parallelism. The
+global replica index of local device `d` on process `p` is
+`p * local_device_count + d`, so replicas are numbered process-major.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+
+import jax
+
+from jdist import errors
+
+# Environment variables set by MPI launchers for every rank they start.
+_LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS")
+_LAUNCHER_LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "PMI_LOCAL_RANK")
+
+TIMEOUT_ENV = "JDIST_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+  """Where this process stands in the data-parallel job.
+
+  Attributes:
+    process_index: rank of this process among all processes (MPI rank).
+    process_count: number of processes (MPI world size; 1 without mpirun).
+    local_device_count: devices this process drives with `jax.pmap`.
+    local_rank: rank of this process among the processes on its node; the
+      GPU it binds when each process drives one GPU.
+    local_process_count: processes on this node.
+    backend: "mpi" (mpi4jax across processes), "jax" (JAX's own
+      multi-process collectives) or "none" (a single process).
+    timeout: seconds any cross-process exchange may wait before the watchdog
+      names the missing ranks and aborts the job.
+  """
+
+  process_index: int
+  process_count: int
+  local_device_count: int
+  local_rank: int = 0
+  local_process_count: int = 1
+  backend: str = "none"
+  timeout: float = DEFAULT_TIMEOUT_S
+
+  @property
+  def replica_count(self) -> int:
+    """Total replicas: every local device of every process."""
+    return self.process_count * self.local_device_count
+
+  @property
+  def replica_indices(self) -> tuple[int, ...]:
+    """Global replica indices of this process's local devices, in device order."""
+    first = self.process_index * self.local_device_count
+    return tuple(range(first, first + self.local_device_count))
+
+  def replica_index(self, local_device: int) -> int:
+    """Global replica index of local device number `local_device`."""
+    if not 0 <= local_device < self.local_device_count:
+      raise ValueError(
+          f"local_device={local_device} is out of range: this process has "
+          f"{self.local_device_count} local devices.")
+    return self.process_index * self.local_device_count + local_device
+
+  @property
+  def is_primary(self) -> bool:
+    """True on process 0, the one that prints, logs and writes checkpoints."""
+    return self.process_index == 0
+
+  @property
+  def multi_process(self) -> bool:
+    return self.process_count > 1
+
+  def __str__(self) -> str:
+    return (f"process {self.process_index}/{self.process_count} x "
+            f"{self.local_device_count} local devices = {self.replica_count} "
+            f"replicas (backend {self.backend})")
+
+
+_lock = threading.Lock()
+_topology: Topology | None = None
+
+
+def launched_by_mpi() -> bool:
+  """True when an MPI launcher started this process as one of several."""
+  for name in _LAUNCHER_SIZE_VARS:
+    value = os.environ.get(name)
+    if value is not None and value.isdigit() and int(value) > 1:
+      return True
+  return False
+
+
+def _launcher_local_rank() -> int | None:
+  for name in _LAUNCHER_LOCAL_RANK_VARS:
+    value = os.environ.get(name)
+    if value is not None and value.isdigit():
+      return int(value)
+  return None
+
+
+def _resolve_timeout(timeout: float | None) -> float:
+  if timeout is None:
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+      return DEFAULT_TIMEOUT_S
+    try:
+      timeout = float(raw)
+    except ValueError:
+      raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds.") from None
+  if not timeout > 0:
+    raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
+  return float(timeout)
+
+
+def _bind_local_gpu(local_rank: int) -> None:
+  """Makes this process see only GPU `local_rank` (one GPU per process)."""
+  # Must happen before JAX creates its backends; later it cannot take effect.
+  if os.environ.get("CUDA_VISIBLE_DEVICES") is None:
+    jax.config.update("jax_cuda_visible_devices", str(local_rank))
+
+
+def init(*, timeout: float | None = None, backend: str | None = None,
+         bind_gpu: bool | None = None) -> Topology:
+  """Sets up the data-parallel world and returns this process's `Topology`.
+
+  Idempotent: later calls return the first call's object (arguments of later
+  calls must agree with it or be left out).
+
+  Args:
+    timeout: seconds a cross-process exchange may wait before the watchdog
+      aborts the job, naming the missing ranks. Default: the `JDIST_TIMEOUT`
+      environment variable, else 300.
+    backend: "mpi" (default under mpirun: mpi4py/mpi4jax), "jax" (JAX's own
+      multi-process collectives, via `jax.distributed.initialize`), or "none"
+      (one process). Default: "mpi" when launched by an MPI launcher with
+      more than one process, else "none".
+    bind_gpu: under mpirun on GPUs, bind GPU `local_rank` to this process
+      (SINGA's `rank_in_local`). Default: True when several processes share
+      a node and CUDA_VISIBLE_DEVICES is unset.
+
+  Returns:
+    The `Topology` of this process.
+
+  Raises:
+    jdist.errors.MissingMPIError: launched by mpirun but mpi4py/mpi4jax are
+      not installed.
+    ValueError: an unknown backend or a bad timeout.
+  """
+  global _topology
+  with _lock:
+    if _topology is not None:
+      if backend is not None and backend != _topology.backend:
+        raise ValueError(
+            f"jdist.init(backend={backend!r}) after jdist was initialized with "
+            f"backend={_topology.backend!r}; call init once, first.")
+      return _topology
+    resolved_timeout = _resolve_timeout(timeout)
+    if backend is None:
+      backend = "mpi" if launched_by_mpi() else "none"
+    if backend not in ("mpi", "jax", "none"):
+      raise ValueError(f"backend={backend!r} is not one of 'mpi', 'jax', 'none'.")
+    if backend == "none" and launched_by_mpi():
+      raise ValueError(
+          "backend='none' but this process was started by mpirun with several "
+          "processes; use backend='mpi' (the default) or 'jax'.")
+
+    if backend == "none":
+      topology = Topology(0, 1, jax.local_device_count(), backend="none",
+                          timeout=resolved_timeout)
+    else:
+      # The collective layer owns MPI; it raises MissingMPIError if absent.
+      from jdist.collectives import world
+      mpi_world = world.start(resolved_timeout)
+      local_rank = _launcher_local_rank()
+      if local_rank is None:
+        local_rank = mpi_world.local_rank
+      if bind_gpu is None:
+        bind_gpu = mpi_world.local_size > 1
+      if bind_gpu:
+        _bind_local_gpu(local_rank)
+      if backend == "jax":
+        jax.distributed.initialize()
+      topology = Topology(
+          process_index=mpi_world.rank,
+          process_count=mpi_world.size,
+          local_device_count=jax.local_device_count(),
+          local_rank=local_rank,
+          local_process_count=mpi_world.local_size,
+          backend=backend,
+          timeout=resolved_timeout,
+      )
+      mpi_world.attach(topology)
+    _topology = topology
+    return topology
+
+
+def topology() -> Topology:
+  """The current `Topology`, initializing with defaults if needed."""
+  return _topology if _topology is not None else init()
+
+
+def is_initialized() -> bool:
+  return _topology is not None

@@ -1,0 +1,1 @@
+"""Optax transformations for data-parallel training."""

@@ -1,0 +1,183 @@
+"""Compressors: transformations that shrink what the next `allreduce` sends.
+
+Each hands `jdist.allreduce` a payload (see `jdist.collectives.payloads`)
+instead of the gradient tree; `allreduce` turns it back into gradients.
+
+* `cast(dtype)`: 16-bit values on the wire, pre-divided by the replica count
+  (Horovod's predivide) so sums cannot overflow, accumulated in float32.
+* `topk(ratio)`: the k = ceil(ratio * n) largest-magnitude entries of the
+  whole flattened gradient (selection over the fused vector, as SINGA does
+  per fused buffer), sent as values + int32 indices by all-gather.
+* `threshold(value)`: entries with |x| >= value, up to a static `capacity`.
+
+With error feedback (SINGA's `corr`, Deep Gradient Compression), what is not
+sent stays in a per-replica residual added to the next step's gradient, so
+nothing is lost: sent + residual = gradient + previous residual, exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jdist import topology as topology_lib
+from jdist.collectives import fusion
+from jdist.collectives import payloads
+
+
+def _check_dtype(dtype) -> np.dtype:
+  try:
+    dtype = np.dtype(dtype)
+  except TypeError:
+    dtype = None
+  if dtype not in payloads.HALF_DTYPES:
+    raise ValueError(f"dtype={dtype!r} is not a 16-bit float; use jnp.float16 or jnp.bfloat16.")
+  return dtype
+
+
+def cast(dtype: Any = jnp.float16) -> optax.GradientTransformation:
+  """What the next `jdist.allreduce` sends travels in `dtype` (16 bits).
+
+  The reduced gradients come back in their own dtype. Values are divided by
+  the replica count before the cast (no overflow as replicas grow) and sums
+  are accumulated in float32.
+
+  Args:
+    dtype: jnp.float16 or jnp.bfloat16.
+
+  Raises:
+    ValueError: dtype is not a 16-bit float.
+  """
+  dtype = _check_dtype(dtype)
+
+  def update_fn(updates, state, params=None):
+    del params
+    scale = 1.0 / topology_lib.topology().replica_count
+    if isinstance(updates, payloads.HalfPayload):
+      raise ValueError("jdist.cast is applied twice: keep one cast before jdist.allreduce.")
+    if isinstance(updates, payloads.SparsePayload):
+      values = (updates.values * scale).astype(dtype)
+      return updates.with_values(values, updates.ctx.scale * scale), state
+    return payloads.to_half(updates, dtype, scale), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+class SparsifyState(NamedTuple):
+  """State of `topk` and `threshold`.
+
+  Attributes:
+    residual: what was not sent yet, flattened (float32; empty without
+      error feedback).
+    sent: entries sent in the last step.
+    overflow: entries that passed the threshold but did not fit the capacity
+      in the last step (always 0 for top-K).
+    step: steps taken.
+  """
+  residual: jax.Array
+  sent: jax.Array
+  overflow: jax.Array
+  step: jax.Array
+
+
+def _init(error_feedback: bool):
+  def init_fn(params):
+    size = fusion.flat_spec(params).size if error_feedback else 0
+    zero = jnp.zeros([], jnp.int32)
+    return SparsifyState(jnp.zeros((size,), jnp.float32), zero, zero, zero)
+  return init_fn
+
+
+def _dense_input(updates, name: str):
+  if payloads.is_payload(updates):
+    raise ValueError(f"{name} must come before jdist.cast and jdist.allreduce in the "
+                     f"chain: it selects entries of the dense gradient.")
+  spec = fusion.flat_spec(updates)
+  return spec, fusion.ravel(updates, jnp.float32)
+
+
+def topk(ratio: float, error_feedback: bool = True) -> optax.GradientTransformation:
+  """Only the ceil(ratio * n) largest-magnitude gradient entries are sent.
+
+  Args:
+    ratio: fraction of entries to send, in (0, 1].
+    error_feedback: keep unsent entries in a residual for later steps.
+
+  Raises:
+    ValueError: ratio outside (0, 1].
+  """
+  if not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+    raise ValueError(f"ratio={ratio!r} must be in (0, 1], e.g. 0.01 to send 1% of entries.")
+
+  def update_fn(updates, state, params=None):
+    del params
+    spec, flat = _dense_input(updates, "jdist.topk")
+    x = flat + state.residual if error_feedback else flat
+    count = max(1, math.ceil(ratio * spec.size))
+    if count >= spec.size:
+      indices = jnp.arange(spec.size, dtype=jnp.int32)
+    else:
+      _, indices = lax.top_k(jnp.abs(x), count)
+      indices = indices.astype(jnp.int32)
+    values = x[indices]
+    residual = x.at[indices].set(0.0) if error_feedback else state.residual
+    payload = payloads.SparsePayload(values, indices, payloads.SparseCtx(spec, 1.0))
+    return payload, SparsifyState(residual, jnp.asarray(count, jnp.int32),
+                                  jnp.zeros([], jnp.int32), state.step + 1)
+
+  return optax.GradientTransformation(_init(error_feedback), update_fn)
+
+
+def threshold(value: float, error_feedback: bool = True, *,
+              capacity: float | int = 0.05) -> optax.GradientTransformation:
+  """Entries with |gradient| >= value are sent, up to a static capacity.
+
+  Shapes must be static, so at most `capacity` entries are sent per step. When
+  more pass, the ones sent are a window of the passing entries that rotates
+  with the step (no part of the model is favoured); the rest stay in the
+  residual with error feedback (sent in a later step) or are dropped without
+  it. `SparsifyState.overflow` counts them.
+
+  Args:
+    value: magnitude threshold (> 0).
+    error_feedback: keep unsent entries in a residual for later steps.
+    capacity: entries sent at most per step: a fraction of the parameter
+      count (float in (0, 1]) or an absolute count (int >= 1).
+
+  Raises:
+    ValueError: a non-positive value or a bad capacity.
+  """
+  if not isinstance(value, (int, float)) or not value > 0:
+    raise ValueError(f"value={value!r} must be a positive magnitude threshold.")
+  if isinstance(capacity, bool) or not (
+      (isinstance(capacity, int) and capacity >= 1)
+      or (isinstance(capacity, float) and 0 < capacity <= 1)):
+    raise ValueError(f"capacity={capacity!r} must be a fraction in (0, 1] or an int >= 1.")
+
+  def update_fn(updates, state, params=None):
+    del params
+    spec, flat = _dense_input(updates, "jdist.threshold")
+    size = spec.size
+    x = flat + state.residual if error_feedback else flat
+    slots = capacity if isinstance(capacity, int) else max(1, math.ceil(capacity * size))
+    slots = min(slots, size)
+    passing = jnp.abs(x) >= value
+    passed = passing.sum(dtype=jnp.int32)
+    # Rotate where the window of passing entries starts, so overflow is fair.
+    offset = (state.step * slots) % size
+    rolled = jnp.nonzero(jnp.roll(passing, -offset), size=slots, fill_value=0)[0]
+    valid = jnp.arange(slots) < passed
+    indices = jnp.where(valid, (rolled + offset) % size, 0).astype(jnp.int32)
+    values = jnp.where(valid, x[indices], 0.0)
+    residual = x.at[indices].add(-values) if error_feedback else state.residual
+    payload = payloads.SparsePayload(values, indices, payloads.SparseCtx(spec, 1.0))
+    sent = jnp.minimum(passed, slots)
+    return payload, SparsifyState(residual, sent, passed - sent, state.step + 1)
+
+  return optax.GradientTransformation(_init(error_feedback), update_fn)

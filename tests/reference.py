@@ -1,0 +1,90 @@
+"""Single-device references that distributed runs are compared against.
+
+Each process builds the *global* batch from a seed, trains the reference on
+all of it on one device, and feeds its own replicas' slices to jdist: N
+replicas on batches of B must train like one device on the N*B batch.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jdist
+
+
+class TinyMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = x.reshape((x.shape[0], -1))
+    x = nn.relu(nn.Dense(32)(x))
+    return nn.Dense(10)(x)
+
+
+class TinyCNN(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Conv(8, (3, 3))(x))
+    x = nn.max_pool(x, (2, 2), (2, 2))
+    x = nn.relu(nn.Conv(16, (3, 3))(x))
+    x = x.reshape((x.shape[0], -1))
+    return nn.Dense(10)(x)
+
+
+def global_batch(replicas, per_replica, seed=0, shape=(8, 8, 1)):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(replicas * per_replica,) + shape).astype(np.float32)
+  y = rng.integers(0, 10, size=(replicas * per_replica,)).astype(np.int32)
+  return x, y
+
+
+def local_slices(array, topo, per_replica):
+  """This process's replicas' rows, shaped [local_devices, per_replica, ...]."""
+  rows = [array[r * per_replica:(r + 1) * per_replica] for r in topo.replica_indices]
+  return np.stack(rows)
+
+
+def loss_fn(model, params, x, y):
+  logits = model.apply(params, x)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def train_reference(model, params, tx, batches, steps):
+  """One device, the whole global batch each step."""
+  opt_state = tx.init(params)
+
+  @jax.jit
+  def step(params, opt_state, x, y):
+    grads = jax.grad(lambda p: loss_fn(model, p, x, y))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  for i in range(steps):
+    x, y = batches[i % len(batches)]
+    params, opt_state = step(params, opt_state, x, y)
+  return params
+
+
+def train_jdist(model, params, tx, batches, steps, topo, per_replica):
+  """Every replica on its own slice of the same global batches."""
+  replicated = jdist.replicate(params)
+  opt_state = jdist.data_parallel(tx.init)(replicated)
+
+  @jdist.data_parallel
+  def step(params, opt_state, x, y):
+    grads = jax.grad(lambda p: loss_fn(model, p, x, y))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  for i in range(steps):
+    x, y = batches[i % len(batches)]
+    replicated, opt_state = step(replicated, opt_state, local_slices(x, topo, per_replica),
+                                 local_slices(y, topo, per_replica))
+  return replicated, opt_state
+
+
+def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol,
+                               err_msg=jax.tree_util.keystr(path))
