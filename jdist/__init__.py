@@ -14,7 +14,7 @@ from jdist.parallel import replicate
 from jdist.parallel import unreplicate
 from jdist.topology import Topology
 from jdist.topology import init
-from jdist.topology import topology
+from jdist.topology import current as get_topology
 from jdist.transforms.allreduce import AllReduceState
 from jdist.transforms.allreduce import allreduce
 from jdist.transforms.allreduce import wire_bytes
@@ -43,6 +43,7 @@ __all__ = (
     "data_parallel",
     "dist_opt",
     "errors",
+    "get_topology",
     "host_allreduce",
     "init",
     "local_replicas",
@@ -53,7 +54,6 @@ __all__ = (
     "sync_params",
     "threshold",
     "topk",
-    "topology",
     "unreplicate",
     "wire_bytes",
 )

@@ -73,7 +73,7 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
         data_parallel, donate_argnums=donate_argnums,
         static_broadcasted_argnums=static_broadcasted_argnums, in_axes=in_axes,
         out_axes=out_axes, check_inputs=check_inputs)
-  topo = topology_lib.topology()
+  topo = topology_lib.current()
   static = ((static_broadcasted_argnums,) if isinstance(static_broadcasted_argnums, int)
             else tuple(static_broadcasted_argnums))
   world = world_lib.get()
@@ -134,5 +134,5 @@ def unreplicate(tree: Any) -> Any:
 def local_replicas(tree: Any) -> list[Any]:
   """Host copies of the tree on each local device, in device order."""
   host = jax.device_get(tree)
-  count = topology_lib.topology().local_device_count
+  count = topology_lib.current().local_device_count
   return [jax.tree.map(lambda x, i=i: x[i], host) for i in range(count)]

@@ -204,7 +204,7 @@ def init(*, timeout: float | None = None, backend: str | None = None,
     return topology
 
 
-def topology() -> Topology:
+def current() -> Topology:
   """The current `Topology`, initializing with defaults if needed."""
   return _topology if _topology is not None else init()
 

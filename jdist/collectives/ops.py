@@ -116,7 +116,7 @@ def psum(tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> Any:
 def pmean(tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> Any:
   """Mean of `tree` over every replica; integer leaves are averaged as floats."""
   require_data_parallel("jdist.pmean")
-  replicas = topology_lib.topology().replica_count
+  replicas = topology_lib.current().replica_count
   as_float = jax.tree.map(
       lambda x: x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float32), tree)
   summed = psum(as_float, bucket_bytes=bucket_bytes)
@@ -176,7 +176,7 @@ def reduce_payload(updates: Any, *, mean: bool = True,
     The reduced gradient tree, leaves in their original dtypes.
   """
   require_data_parallel("jdist.allreduce")
-  factor = 1.0 / topology_lib.topology().replica_count if mean else 1.0
+  factor = 1.0 / topology_lib.current().replica_count if mean else 1.0
   if isinstance(updates, payloads.SparsePayload):
     return _reduce_sparse(updates, factor)
   if isinstance(updates, payloads.HalfPayload):

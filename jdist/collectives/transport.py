@@ -76,7 +76,7 @@ def _record(nbytes: float, calls: int) -> None:
 
 def route(topo=None) -> str:
   """How buffers cross processes for this topology (see module doc)."""
-  topo = topo or topology_lib.topology()
+  topo = topo or topology_lib.current()
   if topo.process_count == 1 or topo.backend == "jax":
     return "local"
   if topo.local_device_count == 1 and os.environ.get(ROUTE_ENV) != "callback":
@@ -117,11 +117,11 @@ def _host_allgather(piece: np.ndarray, device: np.ndarray) -> np.ndarray:
   return out
 
 
-def _host_sum16(bits: np.ndarray, device: np.ndarray, dtype_name: np.ndarray) -> np.ndarray:
+def _host_sum16(bits: np.ndarray, is_bf16: np.ndarray, device: np.ndarray) -> np.ndarray:
   """Sums uint16-coded 16-bit floats over processes, accumulating in float32."""
   world = world_lib.get()
   comm = world.device_comm(int(device))
-  dtype = np.dtype(jnp.bfloat16) if int(dtype_name) else np.dtype(np.float16)
+  dtype = np.dtype(jnp.bfloat16) if int(is_bf16) else np.dtype(np.float16)
   chunks = bits.reshape(world.size, -1)
   received = np.empty_like(chunks)
   comm.Alltoall(np.ascontiguousarray(chunks), received)
@@ -137,10 +137,15 @@ def _callback(host_fn, result: jax.ShapeDtypeStruct, *args):
   return jax.pure_callback(host_fn, result, *args, device, vmap_method="sequential")
 
 
+HALF_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
 def sum_all(buffer: jax.Array) -> jax.Array:
   """Sum of a 1-D buffer over every replica, in the buffer's dtype."""
-  topo = topology_lib.topology()
+  topo = topology_lib.current()
   which = route(topo)
+  if which != "local" and buffer.dtype in HALF_DTYPES:
+    return sum_all_16bit(buffer)  # MPI has no 16-bit float sum
   if which == "local":
     if topo.process_count > 1:
       _record(2 * (topo.process_count - 1) / topo.process_count * buffer.nbytes, 1)
@@ -175,7 +180,7 @@ def sum_all_16bit(buffer: jax.Array) -> jax.Array:
   rounded once per hop. The caller pre-divides to keep sums in range.
   """
   dtype = buffer.dtype
-  topo = topology_lib.topology()
+  topo = topology_lib.current()
   which = route(topo)
   size = buffer.shape[0]
   if topo.process_count > 1:
@@ -210,7 +215,7 @@ def sum_all_16bit(buffer: jax.Array) -> jax.Array:
 
 def gather_all(buffer: jax.Array) -> jax.Array:
   """Every replica's 1-D buffer, stacked in global replica order: [R, n]."""
-  topo = topology_lib.topology()
+  topo = topology_lib.current()
   which = route(topo)
   processes, devices = topo.process_count, topo.local_device_count
   if processes > 1:

@@ -58,7 +58,7 @@ def cast(dtype: Any = jnp.float16) -> optax.GradientTransformation:
 
   def update_fn(updates, state, params=None):
     del params
-    scale = 1.0 / topology_lib.topology().replica_count
+    scale = 1.0 / topology_lib.current().replica_count
     if isinstance(updates, payloads.HalfPayload):
       raise ValueError("jdist.cast is applied twice: keep one cast before jdist.allreduce.")
     if isinstance(updates, payloads.SparsePayload):

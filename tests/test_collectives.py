@@ -1,0 +1,127 @@
+"""The collective layer: reductions over every replica, fusion, host exchanges."""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdist
+from jdist import errors
+from jdist.collectives import fusion
+from jdist.collectives import ops
+from jdist.collectives import transport
+
+
+def _replica_ids(topo):
+  """A per-device array holding each local device's global replica index."""
+  return np.array(topo.replica_indices, np.float32)
+
+
+def test_psum_pmean_all_gather_over_every_replica(topo):
+  replicas = topo.replica_count
+
+  @jdist.data_parallel
+  def step(ids):
+    tree = {"f32": ids * jnp.ones((3, 5)), "i32": ids.astype(jnp.int32) * jnp.ones(4, jnp.int32),
+            "f16": (ids * jnp.ones(7)).astype(jnp.float16)}
+    return jdist.psum(tree), jdist.pmean(tree), jdist.all_gather(ids)
+
+  summed, mean, gathered = step(_replica_ids(topo))
+  total = replicas * (replicas - 1) / 2
+  np.testing.assert_array_equal(summed["f32"], np.full((topo.local_device_count, 3, 5), total))
+  np.testing.assert_array_equal(summed["i32"], np.full((topo.local_device_count, 4), total))
+  assert summed["i32"].dtype == jnp.int32 and summed["f16"].dtype == jnp.float16
+  np.testing.assert_allclose(mean["f32"], total / replicas, rtol=1e-6)
+  np.testing.assert_allclose(mean["f16"].astype(np.float32), total / replicas, rtol=1e-3)
+  for device in range(topo.local_device_count):
+    np.testing.assert_array_equal(gathered[device], np.arange(replicas))
+
+
+def _count_primitives(jaxpr, names):
+  count = 0
+  for eqn in jaxpr.eqns:
+    if any(n in eqn.primitive.name for n in names):
+      count += 1
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      count += _count_primitives(sub, names)
+  return count
+
+
+@pytest.mark.parametrize("bucket_bytes, expected_buffers", [(fusion.DEFAULT_BUCKET_BYTES, 1),
+                                                            (100 * 40 * 4 // 4, 4)])
+def test_hundred_leaves_cross_processes_as_few_buffers(topo, bucket_bytes, expected_buffers):
+  tree = {f"leaf{i:03d}": jnp.full((40,), float(i)) for i in range(100)}
+  assert len(fusion.plan_buckets(jax.tree.leaves(tree), bucket_bytes)) == expected_buffers
+  step = jdist.data_parallel(lambda t: jdist.psum(t, bucket_bytes=bucket_bytes))
+  replicated = jdist.replicate(tree)
+  jaxpr = jax.make_jaxpr(step.pmapped)(replicated).jaxpr
+  cross_process_calls = _count_primitives(jaxpr, ("allreduce_mpi", "pure_callback"))
+  with transport.measure() as ledger:  # a new function: pmap caches traces
+    jax.make_jaxpr(jdist.data_parallel(lambda t: jdist.psum(t, bucket_bytes=bucket_bytes)).pmapped)(replicated)
+  if topo.process_count == 1:
+    assert cross_process_calls == 0 and ledger.calls == 0
+  else:
+    # One MPI call per fused buffer, not one per leaf.
+    assert cross_process_calls == expected_buffers
+    assert ledger.calls == expected_buffers
+  out = step(replicated)
+  np.testing.assert_array_equal(out["leaf042"][0], np.full((40,), 42.0 * topo.replica_count))
+
+
+def test_collectives_outside_data_parallel_raise_clear_error():
+  for fn in (jdist.psum, jdist.pmean, jdist.all_gather):
+    with pytest.raises(errors.CollectiveContextError, match="@jdist.data_parallel"):
+      fn({"x": jnp.ones(3)})
+
+
+def test_broadcast_params_gives_everyone_roots_values(topo):
+  root = topo.process_count - 1
+  own = {"w": np.full((3, 4), float(topo.process_index), np.float32),
+         "b": np.arange(5, dtype=np.int32) * (topo.process_index + 1)}
+  got = jdist.broadcast_params(own, root=root)
+  np.testing.assert_array_equal(got["w"], np.full((3, 4), float(root)))
+  np.testing.assert_array_equal(got["b"], np.arange(5) * (root + 1))
+  assert got["b"].dtype == jnp.int32
+  with pytest.raises(ValueError, match="root=5 is not a process index"):
+    jdist.broadcast_params(own, root=5)
+
+
+def test_host_allreduce_sums_over_processes(topo):
+  out = jdist.host_allreduce({"n": np.array([1.0, topo.process_index])})
+  np.testing.assert_array_equal(out["n"], [topo.process_count, sum(range(topo.process_count))])
+  mean = jdist.host_allreduce({"n": np.array([2.0])}, mean=True)
+  np.testing.assert_array_equal(mean["n"], [2.0])
+
+
+def test_structure_mismatch_message_names_first_leaf():
+  a = ops._signature({"w": jnp.ones((2, 3)), "b": jnp.ones(3)})
+  b = ops._signature({"w": jnp.ones((2, 4)), "b": jnp.ones(3)})
+  message = ops._describe_mismatch([a, b], "jdist.psum")
+  assert "['w']" in message and "(2, 3)" in message and "(2, 4)" in message and "rank 1" in message
+
+
+def test_plan_buckets_respects_cap_and_dtypes():
+  leaves = [jnp.ones(10), jnp.ones(10, jnp.int32), jnp.ones(30), jnp.ones(5), jnp.ones(100)]
+  buckets = fusion.plan_buckets(leaves, bucket_bytes=160)
+  covered = sorted(i for b in buckets for i in b.leaf_ids)
+  assert covered == list(range(5))
+  for bucket in buckets:
+    assert len({np.dtype(leaves[i].dtype) for i in bucket.leaf_ids}) == 1
+    assert bucket.nbytes <= 160 or len(bucket.leaf_ids) == 1
+  with pytest.raises(ValueError, match="bucket_bytes"):
+    fusion.plan_buckets(leaves, 0)
+
+
+def test_pack_unpack_and_ravel_round_trip():
+  tree = {"a": jnp.arange(6.0).reshape(2, 3), "b": jnp.arange(4, dtype=jnp.bfloat16)}
+  spec = fusion.flat_spec(tree)
+  flat = fusion.ravel(tree)
+  assert flat.shape == (10,) and spec.size == 10
+  back = fusion.unravel(flat, spec)
+  assert back["b"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(back["a"], tree["a"])
+  leaves = jax.tree.leaves(tree)
+  bucket = fusion.plan_buckets(leaves)[0]
+  np.testing.assert_array_equal(fusion.unpack(fusion.pack(leaves, bucket), bucket,
+                                              [l.shape for l in leaves])[0], tree["a"])

@@ -1,0 +1,64 @@
+"""jdist.init and Topology."""
+
+import pytest
+
+import jdist
+from jdist import topology as topology_lib
+from tests import launch
+
+
+def test_init_is_idempotent_and_consistent(topo):
+  assert jdist.init() is topo
+  assert topo.replica_count == topo.process_count * topo.local_device_count
+  assert len(topo.replica_indices) == topo.local_device_count
+  assert topo.replica_indices[0] == topo.process_index * topo.local_device_count
+  assert topo.replica_index(0) == topo.replica_indices[0]
+  assert topo.is_primary == (topo.process_index == 0)
+  assert 0 <= topo.local_rank < topo.local_process_count
+  assert topo.backend == ("mpi" if topo.process_count > 1 else "none")
+  with pytest.raises(ValueError, match="out of range"):
+    topo.replica_index(topo.local_device_count)
+
+
+def test_init_rejects_conflicting_backend(topo):
+  other = "jax" if topo.backend != "jax" else "none"
+  with pytest.raises(ValueError, match="call init once"):
+    jdist.init(backend=other)
+
+
+def test_timeout_validation(monkeypatch):
+  assert topology_lib._resolve_timeout(5) == 5.0
+  monkeypatch.setenv(topology_lib.TIMEOUT_ENV, "42")
+  assert topology_lib._resolve_timeout(None) == 42.0
+  monkeypatch.setenv(topology_lib.TIMEOUT_ENV, "soon")
+  with pytest.raises(ValueError, match="JDIST_TIMEOUT='soon'"):
+    topology_lib._resolve_timeout(None)
+  with pytest.raises(ValueError, match="positive"):
+    topology_lib._resolve_timeout(-1)
+
+
+_WITHOUT_MPI4PY = (
+    "import sys; sys.modules['mpi4py'] = None\n"
+    "import jdist\n"
+    "try:\n"
+    "  jdist.init()\n"
+    "except jdist.errors.MissingMPIError as err:\n"
+    "  print('MISSING:', err)\n")
+
+
+def test_mpirun_without_mpi4py_is_a_clear_error():
+  env = launch.clean_env(1, OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK="0")
+  result = launch.python(["-c", _WITHOUT_MPI4PY], env=env, timeout=120)
+  assert result.returncode == 0, result.stderr
+  assert "MISSING:" in result.stdout and "mpi4py" in result.stdout
+  assert "scripts/install.sh" in result.stdout
+
+
+def test_launch_detection(monkeypatch):
+  for name in topology_lib._LAUNCHER_SIZE_VARS:
+    monkeypatch.delenv(name, raising=False)
+  assert not topology_lib.launched_by_mpi()
+  monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")
+  assert not topology_lib.launched_by_mpi()
+  monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "3")
+  assert topology_lib.launched_by_mpi()
