@@ -1,6 +1,12 @@
 """jdist: data-parallel training for JAX on every local device and across MPI processes."""
 
+from jdist import checkpoint
+from jdist import data
+from jdist import datasets
 from jdist import errors
+from jdist import metrics
+from jdist import models
+from jdist.checkpoint import CheckpointManager
 from jdist.collectives import DATA_AXIS
 from jdist.collectives import all_gather
 from jdist.collectives import barrier
@@ -8,6 +14,10 @@ from jdist.collectives import broadcast_params
 from jdist.collectives import host_allreduce
 from jdist.collectives import pmean
 from jdist.collectives import psum
+from jdist.data import ShardedLoader
+from jdist.data import shard_batch as shard
+from jdist.metrics import MetricAccumulator
+from jdist.metrics import metric_sums
 from jdist.parallel import data_parallel
 from jdist.parallel import local_replicas
 from jdist.parallel import replicate
@@ -31,6 +41,9 @@ __version__ = "0.1.0"
 
 __all__ = (
     "AllReduceState",
+    "CheckpointManager",
+    "MetricAccumulator",
+    "ShardedLoader",
     "DATA_AXIS",
     "PartialSyncState",
     "SparsifyState",
@@ -40,17 +53,24 @@ __all__ = (
     "barrier",
     "broadcast_params",
     "cast",
+    "checkpoint",
+    "data",
     "data_parallel",
+    "datasets",
     "dist_opt",
     "errors",
     "get_topology",
     "host_allreduce",
     "init",
     "local_replicas",
+    "metric_sums",
+    "metrics",
+    "models",
     "partial_sync",
     "pmean",
     "psum",
     "replicate",
+    "shard",
     "sync_params",
     "threshold",
     "topk",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import warnings
 
 import jax
 
@@ -122,6 +123,36 @@ def _resolve_timeout(timeout: float | None) -> float:
   return float(timeout)
 
 
+MIN_HOST_THREADS = 16
+
+
+def _reserve_host_threads() -> None:
+  """Gives XLA's CPU client enough threads for blocking cross-process calls.
+
+  XLA sizes the CPU client's thread pool from the NPROC environment variable,
+  else the core count. With several local devices, each device's host
+  callback blocks a pool thread inside MPI until its peer on the other
+  process arrives; on a 2-core machine the pool (2 threads) is then full and
+  the work the other device still needs never runs: a deadlock on both
+  processes (measured: 2 processes x 2 devices, buffers >= 64K floats). Extra
+  pool threads cost nothing while idle.
+  """
+  if "NPROC" in os.environ:
+    return
+  os.environ["NPROC"] = str(max(os.cpu_count() or 1, MIN_HOST_THREADS))
+  try:
+    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+    started = bool(getattr(xla_bridge, "_backends", None))
+  except ImportError:
+    started = False
+  if started:
+    warnings.warn(
+        "jdist.init() ran after JAX created its backends, so XLA's CPU thread pool "
+        "keeps its size and several devices per process may deadlock in "
+        "cross-process exchanges. Call jdist.init() before any JAX computation, or "
+        f"set NPROC={MIN_HOST_THREADS} in the environment.", RuntimeWarning, stacklevel=3)
+
+
 def _bind_local_gpu(local_rank: int) -> None:
   """Makes this process see only GPU `local_rank` (one GPU per process)."""
   # Must happen before JAX creates its backends; later it cannot take effect.
@@ -178,6 +209,7 @@ def init(*, timeout: float | None = None, backend: str | None = None,
       topology = Topology(0, 1, jax.local_device_count(), backend="none",
                           timeout=resolved_timeout)
     else:
+      _reserve_host_threads()
       # The collective layer owns MPI; it raises MissingMPIError if absent.
       from jdist.collectives import world
       mpi_world = world.start(resolved_timeout)
