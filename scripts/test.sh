@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The whole test suite, in the three topologies (processes x devices):
+#   1 x 4   plain pytest, every test (fault injection and CLI jobs included)
+#   2 x 1   mpirun -np 2 pytest, the tests that exchange across processes
+#   2 x 2   the same with two devices per process (the hierarchical route)
+# then the docs build. Extra arguments go to every pytest run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${JDIST_VENV:-.venv}
+export PATH="$PWD/$venv/bin:$PATH"
+python="$venv/bin/python"
+
+# Tests that involve no cross-process exchange run once, in the plain session;
+# jobs that end a whole MPI job (fault injection) or launch their own mpirun
+# are named *fault* / *subprocess* and run only there.
+mpi_selection=(tests --ignore=tests/test_data.py --ignore=tests/test_datasets.py
+               --ignore=tests/test_models.py --ignore=tests/test_benchmarks.py
+               --ignore=tests/test_watchdog.py -k "not fault and not subprocess"
+               --capture=sys)
+
+echo "== tests: 1 process x 4 devices"
+"$python" -m pytest tests "$@"
+for devices in 1 2; do
+  echo "== tests: 2 processes x $devices device(s)"
+  bash scripts/mpirun.sh -np 2 -x JDIST_TEST_DEVICES=$devices \
+    "$python" -m pytest "${mpi_selection[@]}" "$@"
+done
+if [ -f mkdocs.yml ]; then
+  echo "== docs: mkdocs build --strict"
+  "$python" -m mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
+fi
