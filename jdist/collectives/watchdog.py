@@ -10,19 +10,32 @@ forever. The watchdog turns that into an error:
   completion a monitor thread awaits.
 * A background thread checks the current wait against the deadline and
   answers progress queries from other ranks on a communicator of its own.
-* When a wait passes the deadline, the thread asks every rank where it is,
-  prints which ranks have not arrived (and the step), and aborts the MPI job
+* When a wait passes the deadline, the thread asks every rank where it is
+  (which exchange it waits in, which step it last finished, the line its main
+  thread is on), prints which ranks have not arrived, and aborts the MPI job
   so that every process exits non-zero.
 
 Work on one rank between exchanges (rank 0 evaluating or writing a
-checkpoint) never counts: only time spent waiting in an exchange does.
+checkpoint) does not count against that rank: only the other ranks' waits
+have a deadline, so such work must end within it. Tracing and compiling do
+not count at all: a peer whose main thread is inside JAX's tracer or compiler
+(a first step compiling slowly on one rank) extends the deadline, up to
+`compile_grace` seconds per wait.
+
+An uncaught exception on one rank would otherwise leave that process waiting
+in `MPI_Finalize` and the others in their next exchange until the deadline:
+`start()` chains a `sys.excepthook` that prints the traceback and aborts the
+job at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 import queue
 import sys
+import sysconfig
 import threading
 import time
 from typing import Any
@@ -31,26 +44,94 @@ _QUERY_TAG = 7401
 _REPLY_TAG = 7402
 _POLL_S = 0.1
 
+# Frames that mean "this thread is tracing or compiling with JAX": the
+# compiler entry points (jax/_src/compiler.py), lowering to MLIR and tracing
+# to a jaxpr. Dispatching or waiting for a step is none of these.
+_COMPILE_FILES = ("compiler.py", "mlir.py", "partial_eval.py")
+_COMPILE_FUNCTIONS = ("_trace_for_jit", "lower_sharding_computation", "_cached_lowering_to_hlo",
+                      "trace_to_jaxpr", "trace_to_jaxpr_dynamic", "lower_jaxpr_to_module",
+                      "_cached_compilation", "compile_or_get_cached")
+_LIBRARY_DIRS = tuple({os.path.normpath(p) + os.sep for p in
+                       (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
+                        sysconfig.get_paths()["platlib"])})
+_JDIST_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+@dataclasses.dataclass
+class _Wait:
+  """One wait for other ranks: what it is, when it began, when it expires."""
+  label: str
+  since: float
+  deadline: float
+  grace_s: float = 0.0  # deadline extensions granted to compiling peers
+
+
+def _in_jax_compiler(frame) -> bool:
+  while frame is not None:
+    code = frame.f_code
+    path = code.co_filename
+    if f"{os.sep}jax{os.sep}" in path and (
+        os.path.basename(path) in _COMPILE_FILES or code.co_name in _COMPILE_FUNCTIONS):
+      return True
+    frame = frame.f_back
+  return False
+
+
+def _user_location(frame) -> str | None:
+  """'file:line in function' of the innermost frame in the user's own code."""
+  innermost = None
+  while frame is not None:
+    path = os.path.normpath(frame.f_code.co_filename)
+    here = f"{_short_path(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
+    innermost = innermost or here
+    if not (path.startswith(_LIBRARY_DIRS) or path.startswith(_JDIST_DIR)
+            or path.startswith("<")):
+      return here
+    frame = frame.f_back
+  return innermost
+
+
+def _short_path(path: str) -> str:
+  try:
+    relative = os.path.relpath(path)
+  except ValueError:
+    return path
+  return path if relative.startswith("..") else relative
+
 
 class Watchdog:
-  """Tracks this rank's waits; diagnoses and aborts when one overruns."""
+  """Tracks this rank's waits; diagnoses and aborts when one overruns.
 
-  def __init__(self, comm, mpi, *, timeout: float):
+  Args:
+    comm: an MPI communicator of the watchdog's own (a duplicate).
+    mpi: the `mpi4py.MPI` module.
+    timeout: seconds a wait may last before the job is aborted.
+    compile_grace: most extra seconds one wait is extended while a peer is
+      tracing or compiling. Default: max(600, 10 * timeout).
+  """
+
+  def __init__(self, comm, mpi, *, timeout: float, compile_grace: float | None = None):
     self.comm = comm
     self._mpi = mpi
     self.rank = comm.Get_rank()
     self.size = comm.Get_size()
     self.timeout = timeout
+    self.compile_grace = max(600.0, 10 * timeout) if compile_grace is None else compile_grace
     self._lock = threading.Lock()
-    self._wait: tuple[str, float] | None = None  # (what, since), host side
-    self._step_wait: tuple[str, float] | None = None  # pending compiled step
+    self._host_waits: list[_Wait] = []  # innermost last
+    self._step_wait: _Wait | None = None  # the pending compiled step
     self._dispatched = 0
     self._completed = 0
+    self._calls: dict[str, int] = {}
+    self._last_dispatched: str | None = None
+    self._last_completed: str | None = None
     self._last_done = time.monotonic()
     self._last_activity = time.monotonic()
     self._steps: queue.Queue = queue.Queue()
     self._pending_sends: list[Any] = []
+    self._queries = 0
     self._started = False
+    self._main_thread = threading.main_thread().ident
     self.on_timeout = self._abort  # tests may replace it
 
   def start(self) -> None:
@@ -59,39 +140,56 @@ class Watchdog:
     self._started = True
     threading.Thread(target=self._serve, name="jdist-watchdog", daemon=True).start()
     threading.Thread(target=self._monitor_steps, name="jdist-step-monitor", daemon=True).start()
+    self._install_excepthook()
 
   @property
   def step(self) -> int:
     """Steps dispatched so far (the step a waiting rank is in is `step`)."""
     return self._dispatched
 
+  def _new_wait(self, label: str, since: float) -> _Wait:
+    return _Wait(label, since, since + self.timeout)
+
   @contextlib.contextmanager
   def waiting(self, label: str):
     """Marks a host-side wait for other ranks, under the deadline."""
+    wait = self._new_wait(label, time.monotonic())
     with self._lock:
-      self._wait = (label, time.monotonic())
+      self._host_waits.append(wait)
     try:
       yield
     finally:
       with self._lock:
-        self._wait = None
+        self._host_waits.remove(wait)
         self._last_activity = time.monotonic()
 
-  def step_dispatched(self, marker) -> None:
-    """Registers a dispatched compiled step; `marker` is one of its outputs."""
+  def step_dispatched(self, marker, name: str | None = None) -> None:
+    """Registers a dispatched compiled step.
+
+    Args:
+      marker: one of the step's outputs (ready when the step has finished).
+      name: the stepped function's name; steps are then numbered per name
+        ("step 5 of train_step"), else in one sequence ("compiled step 6").
+    """
     with self._lock:
       self._dispatched += 1
       self._last_activity = time.monotonic()
+      if name is None:
+        label = f"compiled step {self._dispatched}"
+      else:
+        self._calls[name] = self._calls.get(name, 0) + 1
+        label = f"step {self._calls[name]} of {name}"
+      self._last_dispatched = label
       number = self._dispatched
     if self._started:
-      self._steps.put((number, marker, time.monotonic()))
+      self._steps.put((number, label, marker, time.monotonic()))
 
   def _monitor_steps(self) -> None:
     while True:
-      number, marker, dispatched_at = self._steps.get()
+      number, label, marker, dispatched_at = self._steps.get()
       with self._lock:
         # A queued step only starts waiting once the one before it is done.
-        self._step_wait = (f"train step {number}", max(dispatched_at, self._last_done))
+        self._step_wait = self._new_wait(label, max(dispatched_at, self._last_done))
       try:
         marker.block_until_ready()
       except Exception:  # pylint: disable=broad-except
@@ -99,51 +197,98 @@ class Watchdog:
       with self._lock:
         self._step_wait = None
         self._completed = number
+        self._last_completed = label
         self._last_done = self._last_activity = time.monotonic()
+
+  def _current_wait(self) -> _Wait | None:
+    # Caller holds the lock. A host wait is what the main thread is in.
+    return self._host_waits[-1] if self._host_waits else self._step_wait
 
   def status(self) -> dict[str, Any]:
     """Where this rank is, as reported to a rank that diagnoses a stall."""
     now = time.monotonic()
+    frame = sys._current_frames().get(self._main_thread)  # pylint: disable=protected-access
     with self._lock:
-      current = self._wait or self._step_wait
+      current = self._current_wait()
       return {
           "rank": self.rank,
           "dispatched": self._dispatched,
           "completed": self._completed,
-          "waiting_in": current[0] if current else None,
-          "waiting_s": now - current[1] if current else 0.0,
+          "last_dispatched": self._last_dispatched,
+          "last_completed": self._last_completed,
+          "waiting_in": current.label if current else None,
+          "waiting_s": now - current.since if current else 0.0,
           "idle_s": now - self._last_activity,
+          # Blocked in a host exchange (even one made while tracing) is waiting.
+          "compiling": (not self._host_waits and frame is not None
+                        and _in_jax_compiler(frame)),
+          "where": _user_location(frame) if frame is not None else None,
       }
 
   def _answer_queries(self) -> None:
     mpi_status = self._mpi.Status()
     while self.comm.Iprobe(source=self._mpi.ANY_SOURCE, tag=_QUERY_TAG, status=mpi_status):
       source = mpi_status.Get_source()
-      self.comm.recv(source=source, tag=_QUERY_TAG)
-      self._pending_sends.append(self.comm.isend(self.status(), dest=source, tag=_REPLY_TAG))
+      query = self.comm.recv(source=source, tag=_QUERY_TAG)
+      reply = dict(self.status(), query=query)
+      self._pending_sends.append(self.comm.isend(reply, dest=source, tag=_REPLY_TAG))
     self._pending_sends = [r for r in self._pending_sends if not r.Test()]
 
-  def _overrun(self) -> tuple[str, float] | None:
+  def _overrun(self) -> _Wait | None:
     now = time.monotonic()
     with self._lock:
-      for wait in (self._wait, self._step_wait):
-        if wait is not None and now - wait[1] > self.timeout:
-          return wait[0], now - wait[1]
+      for wait in self._host_waits + [self._step_wait]:
+        if wait is not None and now > wait.deadline:
+          return wait
     return None
 
+  def _still_waiting(self, wait: _Wait) -> bool:
+    with self._lock:
+      return wait is self._step_wait or any(w is wait for w in self._host_waits)
+
   def _serve(self) -> None:
+    failures = 0
     while True:
-      self._answer_queries()
-      overrun = self._overrun()
-      if overrun is not None:
-        self.on_timeout(self._diagnose(*overrun))
-        return
+      try:
+        if self._serve_once():
+          return
+        failures = 0
+      except Exception as err:  # pylint: disable=broad-except
+        # A watchdog that dies silently protects nothing: say so, keep going.
+        failures += 1
+        if failures == 1:
+          sys.stderr.write(f"jdist watchdog: rank {self.rank}: {type(err).__name__}: {err}\n")
       time.sleep(_POLL_S)
 
-  def _diagnose(self, label: str, waited: float) -> str:
+  def _serve_once(self) -> bool:
+    """Answers queries and checks the deadline; True once the job was aborted."""
+    self._answer_queries()
+    while True:
+      wait = self._overrun()
+      if wait is None:
+        return False
+      replies = self._query_peers()
+      if not self._still_waiting(wait):
+        continue  # the peers arrived while we asked: no stall after all
+      compiling = [r for r in sorted(replies) if replies[r].get("compiling")]
+      stalled = [p for p in range(self.size) if p != self.rank and _is_missing(replies.get(p))]
+      if compiling and not stalled and wait.grace_s < self.compile_grace:
+        # Compiling is work, not a stall: give the compiling peers another deadline.
+        extension = min(self.timeout, self.compile_grace - wait.grace_s)
+        with self._lock:
+          wait.deadline = time.monotonic() + extension
+          wait.grace_s += extension
+        continue
+      waited = time.monotonic() - wait.since
+      self.on_timeout(describe_stall(self.rank, self.size, wait.label, waited,
+                                     self.timeout, replies))
+      return True
+
+  def _query_peers(self) -> dict[int, dict[str, Any]]:
+    self._queries += 1
     for peer in range(self.size):
       if peer != self.rank:
-        self._pending_sends.append(self.comm.isend("where", dest=peer, tag=_QUERY_TAG))
+        self._pending_sends.append(self.comm.isend(self._queries, dest=peer, tag=_QUERY_TAG))
     replies: dict[int, dict[str, Any]] = {}
     mpi_status = self._mpi.Status()
     deadline = time.monotonic() + min(5.0, max(1.0, self.timeout / 2))
@@ -151,45 +296,91 @@ class Watchdog:
       self._answer_queries()
       while self.comm.Iprobe(source=self._mpi.ANY_SOURCE, tag=_REPLY_TAG, status=mpi_status):
         reply = self.comm.recv(source=mpi_status.Get_source(), tag=_REPLY_TAG)
-        replies[reply["rank"]] = reply
+        if reply.get("query") == self._queries:  # not a late answer to an earlier query
+          replies[reply["rank"]] = reply
       time.sleep(0.02)
-    return describe_stall(self.rank, self.size, label, waited, self.timeout, replies)
+    return replies
 
   def _abort(self, message: str) -> None:
     sys.stderr.write(message + "\n")
     sys.stderr.flush()
     self.comm.Abort(1)
 
+  def _install_excepthook(self) -> None:
+    previous = sys.excepthook
+
+    def abort_on_uncaught(kind, value, traceback):
+      previous(kind, value, traceback)
+      if issubclass(kind, KeyboardInterrupt):
+        return  # the launcher forwards the interrupt to every rank
+      sys.stderr.write(
+          f"jdist: rank {self.rank} stopped on an uncaught {kind.__name__}; aborting the "
+          f"MPI job so the other ranks do not wait for it.\n")
+      sys.stderr.flush()
+      self.comm.Abort(1)
+
+    sys.excepthook = abort_on_uncaught
+
+
+def _is_missing(reply: dict[str, Any] | None) -> bool:
+  """A peer that is neither in an exchange nor compiling (or did not answer)."""
+  return reply is None or (reply.get("waiting_in") is None and not reply.get("compiling"))
+
 
 def describe_stall(rank: int, size: int, label: str, waited: float, timeout: float,
                    replies: dict[int, dict[str, Any]]) -> str:
-  """The watchdog's report: who is missing, and where everyone is."""
+  """The watchdog's report: who is missing, and where everyone is.
+
+  Args:
+    rank: the reporting rank.
+    size: number of ranks.
+    label: the exchange the reporting rank waits in (e.g. "step 5 of train_step").
+    waited: seconds it has waited.
+    timeout: the deadline in seconds.
+    replies: each answering peer's `Watchdog.status()`; peers absent from it
+      did not answer.
+
+  Returns:
+    A multi-line message naming the missing ranks first.
+  """
   lines = [f"jdist watchdog: rank {rank} waited {waited:.1f} s in {label} for the "
            f"other ranks (limit {timeout:g} s; raise it with jdist.init(timeout=...) "
            f"or the JDIST_TIMEOUT environment variable)."]
-  missing = []
+  missing, waiting_in = [], set()
   for peer in range(size):
     if peer == rank:
       continue
     reply = replies.get(peer)
     if reply is None:
       missing.append(peer)
-      lines.append(f"  rank {peer}: MISSING - did not answer (stalled holding the "
-                   f"Python interpreter, or hung)")
-    elif reply["waiting_in"] is None:
+      lines.append(f"  rank {peer}: MISSING - did not answer (hung holding the Python "
+                   f"interpreter, or exiting)")
+      continue
+    where = f" at {reply['where']}" if reply.get("where") else ""
+    last = reply.get("last_completed") or f"{reply.get('completed', 0)} steps"
+    if reply.get("compiling"):
+      lines.append(f"  rank {peer}: still tracing/compiling with JAX{where}")
+    elif reply.get("waiting_in") is None:
       missing.append(peer)
       lines.append(f"  rank {peer}: MISSING - not in any exchange for "
-                   f"{reply['idle_s']:.1f} s; it has dispatched {reply['dispatched']} "
-                   f"steps, completed {reply['completed']}")
+                   f"{reply.get('idle_s', 0.0):.1f} s{where}; last finished: {last}")
     else:
+      waiting_in.add(reply["waiting_in"])
       lines.append(f"  rank {peer}: waiting in {reply['waiting_in']} for "
-                   f"{reply['waiting_s']:.1f} s")
+                   f"{reply.get('waiting_s', 0.0):.1f} s{where}")
   if missing:
     names = ", ".join(str(m) for m in missing)
     lines.append(f"Rank(s) {names} did not reach {label}. Aborting the job so no rank "
                  f"hangs forever.")
+  elif waiting_in == {label}:
+    lines.append(f"Every rank is waiting in {label}: the exchange itself is stuck (a "
+                 f"deadlock inside the step, or a step slower than the limit). Aborting "
+                 f"the job.")
+  elif waiting_in:
+    lines.append("Every rank is waiting, in different exchanges: the ranks' control "
+                 "flow diverged (they call collectives in a different order). Aborting "
+                 "the job.")
   else:
-    lines.append("Every rank is waiting: the ranks are in different exchanges "
-                 "(diverging control flow). Aborting the job.")
+    lines.append("The other ranks are still compiling after the grace period. Aborting "
+                 "the job.")
   return "\n".join(lines)
-

@@ -1,53 +1,117 @@
-"""A small data-parallel training job with an injected fault, for watchdog tests.
+"""A small data-parallel training job with injected faults, for watchdog tests.
 
-Run under mpirun (see tests/test_watchdog.py). Every rank trains a tiny MLP
-with `jdist.dist_opt(optax.sgd)`; at step `--at` the rank `--rank` misbehaves:
+Run under mpirun (tests/test_watchdog.py, benchmarks/stall_repeat.py). Every
+rank trains a tiny MLP with `jdist.dist_opt(optax.sgd)`, started with
+`jdist.init(timeout=--timeout)`. Each `--fault KIND:STEP` (repeatable) makes
+rank `--rank` misbehave just before dispatching step STEP (1-based):
 
-  --fault stall    sleeps `--sleep` seconds before dispatching the step
-                   (longer than the deadline: the watchdog must abort the job)
-  --fault late     the same, with a sleep shorter than the deadline (must pass)
-  --fault kill     SIGKILLs itself (the launcher must end the job)
-  --fault barrier  every rank calls jdist.barrier(); the faulty rank sleeps first
-  --fault checkpoint  rank 0 "writes a checkpoint" (sleeps) while the others
-                   wait in a barrier, within the deadline (must pass)
-  --fault none     no fault
+  stall:S       sleeps `--sleep` seconds (past the deadline: must abort)
+  late:S        sleeps `--late` seconds (within the deadline: must pass)
+  kill:S        SIGKILLs itself (the launcher must end the job)
+  raise:S       raises an exception (the job must end at once)
+  barrier:S     every rank calls jdist.barrier(); the faulty rank sleeps
+                `--sleep` seconds first (a host-side stall: must abort)
+  checkpoint:S  rank 0 "writes a checkpoint" for `--checkpoint` seconds while the
+                others wait in a barrier (within the deadline: must pass)
+  compile:S     the faulty rank traces and compiles a function for
+                `--compile` seconds first, longer than the deadline
+                (compiling must not count)
 
-Prints "jdist-job: done" on rank 0 and exits 0 when training finishes.
+Lines on stderr mark when a fault starts ("jdist-job: rank R <kind> at
+<unix time>"); rank 0 prints "jdist-job: done" when training ends.
 """
 
 import argparse
+import faulthandler
 import os
 import signal
 import sys
 import time
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 import optax
 
 import jdist
 from tests import reference
 
+KINDS = ("stall", "late", "kill", "raise", "barrier", "checkpoint", "compile")
+
+
+def parse_fault(text):
+  kind, _, step = text.partition(":")
+  if kind not in KINDS or not step.isdigit():
+    raise argparse.ArgumentTypeError(f"--fault {text!r}: use KIND:STEP, KIND in {KINDS}")
+  return kind, int(step)
+
 
 def parse_args(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument("--fault", default="none",
-                      choices=("none", "stall", "late", "kill", "barrier", "checkpoint"))
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--fault", type=parse_fault, action="append", default=[])
   parser.add_argument("--rank", type=int, default=1, help="the rank that misbehaves")
-  parser.add_argument("--at", type=int, default=5, help="the step (1-based) it misbehaves at")
   parser.add_argument("--sleep", type=float, default=60.0, help="seconds a stall lasts")
+  parser.add_argument("--late", type=float, default=3.0, help="seconds a tolerated delay lasts")
+  parser.add_argument("--checkpoint", type=float, default=7.0,
+                      help="seconds rank 0 spends writing a checkpoint")
+  parser.add_argument("--compile", type=float, default=6.0,
+                      help="seconds the faulty rank spends compiling (tracing)")
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--timeout", type=float, default=10.0, help="jdist.init(timeout=...)")
-  parser.add_argument("--sync", action="store_true",
-                      help="wait for every step's loss (default: steps run back to back)")
-  parser.add_argument("--slow-compile", type=float, default=0.0,
-                      help="extra seconds rank --rank spends before its first step, "
-                           "as if compiling slowly")
+  parser.add_argument("--per-replica", type=int, default=4, help="examples per replica")
+  parser.add_argument("--sync", action="store_true", help="wait for every step's loss")
   return parser.parse_args(argv)
+
+
+def mark(me, what):
+  print(f"jdist-job: rank {me} {what} at {time.time():.3f}", file=sys.stderr, flush=True)
+
+
+def compile_slowly(me, seconds):
+  """Traces and compiles a function whose tracing takes `seconds`.
+
+  A slow tracer stands in for a slow compile (a big model, a loaded
+  machine): either way the main thread is inside JAX's tracer/compiler, and
+  the sleep makes the duration the same on every machine.
+  """
+  def slow_to_trace(x):
+    time.sleep(seconds)  # runs once, while JAX traces
+    return jnp.sin(x) + 1
+  start = time.monotonic()
+  jax.jit(slow_to_trace).lower(jnp.ones(8)).compile()
+  mark(me, f"compiled for {time.monotonic() - start:.1f} s")
+
+
+def inject(kind, step, me, faulty, args, replicated):
+  if kind in ("stall", "late") and faulty:
+    seconds = args.sleep if kind == "stall" else args.late
+    mark(me, f"sleeping {seconds:g} s before step {step}")
+    time.sleep(seconds)
+  elif kind == "kill" and faulty:
+    mark(me, f"killing itself before step {step}")
+    os.kill(os.getpid(), signal.SIGKILL)
+  elif kind == "raise" and faulty:
+    mark(me, f"raising before step {step}")
+    raise RuntimeError(f"injected failure on rank {me} before step {step}")
+  elif kind == "barrier":
+    if faulty:
+      mark(me, f"sleeping {args.sleep:g} s before a barrier")
+      time.sleep(args.sleep)
+    jdist.barrier()
+  elif kind == "checkpoint":
+    jax.block_until_ready(replicated)
+    if me == 0:
+      mark(me, f"writing a checkpoint for {args.checkpoint:g} s")
+      time.sleep(args.checkpoint)
+    jdist.barrier("checkpoint")
+  elif kind == "compile" and faulty:
+    mark(me, f"compiling before step {step}")
+    compile_slowly(me, args.compile)
 
 
 def main(argv=None):
   args = parse_args(argv)
+  faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on demand, for debugging
   topo = jdist.init(timeout=args.timeout)
   me = topo.process_index
   faulty = me == args.rank
@@ -65,32 +129,16 @@ def main(argv=None):
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, jdist.pmean(loss)
 
-  per_replica = 4
+  per_replica = args.per_replica
   batches = [reference.global_batch(topo.replica_count, per_replica, seed=s) for s in range(3)]
-  local = [(reference.local_slices(x, topo, per_replica), reference.local_slices(y, topo, per_replica))
-           for x, y in batches]
-  if faulty and args.slow_compile:
-    time.sleep(args.slow_compile)
+  local = [(reference.local_slices(x, topo, per_replica),
+            reference.local_slices(y, topo, per_replica)) for x, y in batches]
 
   loss = None
   for step in range(1, args.steps + 1):
-    if step == args.at:
-      if args.fault in ("stall", "late") and faulty:
-        print(f"jdist-job: rank {me} sleeping {args.sleep:g} s before step {step}",
-              file=sys.stderr, flush=True)
-        time.sleep(args.sleep)
-      elif args.fault == "kill" and faulty:
-        print(f"jdist-job: rank {me} killing itself at step {step}", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-      elif args.fault == "barrier":
-        if faulty:
-          time.sleep(args.sleep)
-        jdist.barrier()
-      elif args.fault == "checkpoint":
-        jax.block_until_ready(replicated)
-        if me == 0:
-          time.sleep(args.sleep)  # writing a checkpoint, within the deadline
-        jdist.barrier("checkpoint")
+    for kind, at in args.fault:
+      if at == step:
+        inject(kind, step, me, faulty, args, replicated)
     x, y = local[step % len(local)]
     replicated, opt_state, loss = train_step(replicated, opt_state, x, y)
     if args.sync:
