@@ -153,6 +153,26 @@ def _reserve_host_threads() -> None:
         f"set NPROC={MIN_HOST_THREADS} in the environment.", RuntimeWarning, stacklevel=3)
 
 
+def _start_jax_distributed(mpi_world) -> None:
+  """Starts JAX's multi-process runtime, agreeing on a coordinator over MPI.
+
+  `jax.distributed.initialize()` does not detect Open MPI 5's launcher, so
+  rank 0 picks a free port and tells the others.
+  """
+  import socket  # pylint: disable=g-import-not-at-top
+  address = None
+  if mpi_world.rank == 0:
+    with socket.socket() as probe:
+      probe.bind(("", 0))
+      port = probe.getsockname()[1]
+    address = f"{socket.gethostname()}:{port}"
+  address = mpi_world.allgather_object(address, "jax.distributed coordinator")[0]
+  # CPU devices need a cross-process collectives library (GPUs use NCCL).
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=address, num_processes=mpi_world.size,
+                             process_id=mpi_world.rank)
+
+
 def _bind_local_gpu(local_rank: int) -> None:
   """Makes this process see only GPU `local_rank` (one GPU per process)."""
   # Must happen before JAX creates its backends; later it cannot take effect.
@@ -221,7 +241,7 @@ def init(*, timeout: float | None = None, backend: str | None = None,
       if bind_gpu:
         _bind_local_gpu(local_rank)
       if backend == "jax":
-        jax.distributed.initialize()
+        _start_jax_distributed(mpi_world)
       topology = Topology(
           process_index=mpi_world.rank,
           process_count=mpi_world.size,

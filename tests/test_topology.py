@@ -1,5 +1,7 @@
 """jdist.init and Topology."""
 
+import sys
+
 import pytest
 
 import jdist
@@ -62,3 +64,10 @@ def test_launch_detection(monkeypatch):
   assert not topology_lib.launched_by_mpi()
   monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "3")
   assert topology_lib.launched_by_mpi()
+
+
+def test_subprocess_jax_backend_trains_like_one_device():
+  result = launch.mpirun([sys.executable, "tests/jobs/backend_jax.py"], np=2, devices=2, timeout=240)
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+  assert result.stdout.count("OK rank") == 2
+  assert "backend jax" in result.stdout
