@@ -131,6 +131,8 @@ class Watchdog:
     self._pending_sends: list[Any] = []
     self._queries = 0
     self._started = False
+    self._stopping = threading.Event()
+    self._threads: list[threading.Thread] = []
     self._main_thread = threading.main_thread().ident
     self.on_timeout = self._abort  # tests may replace it
 
@@ -138,9 +140,27 @@ class Watchdog:
     if self._started or self.size < 2:
       return
     self._started = True
-    threading.Thread(target=self._serve, name="jdist-watchdog", daemon=True).start()
-    threading.Thread(target=self._monitor_steps, name="jdist-step-monitor", daemon=True).start()
+    self._threads = [threading.Thread(target=self._serve, name="jdist-watchdog", daemon=True),
+                     threading.Thread(target=self._monitor_steps, name="jdist-step-monitor",
+                                      daemon=True)]
+    for thread in self._threads:
+      thread.start()
     self._install_excepthook()
+
+  def shutdown(self) -> None:
+    """Stops the watchdog at exit, after the steps already dispatched finish.
+
+    Steps run asynchronously: when the script ends, its last steps may still
+    be waiting for other ranks. They are awaited (still under the deadline),
+    then both threads stop, so neither is inside JAX or MPI when Python and
+    MPI finalize (a thread killed there aborts the process).
+    """
+    if not self._started or self._stopping.is_set():
+      return
+    self._steps.put(None)  # the monitor drains the queue, then ends
+    self._threads[1].join()
+    self._stopping.set()
+    self._threads[0].join(timeout=10 * _POLL_S + 10)
 
   @property
   def step(self) -> int:
@@ -186,7 +206,10 @@ class Watchdog:
 
   def _monitor_steps(self) -> None:
     while True:
-      number, label, marker, dispatched_at = self._steps.get()
+      item = self._steps.get()
+      if item is None:
+        return
+      number, label, marker, dispatched_at = item
       with self._lock:
         # A queued step only starts waiting once the one before it is done.
         self._step_wait = self._new_wait(label, max(dispatched_at, self._last_done))
@@ -248,7 +271,7 @@ class Watchdog:
 
   def _serve(self) -> None:
     failures = 0
-    while True:
+    while not self._stopping.is_set():
       try:
         if self._serve_once():
           return

@@ -19,6 +19,7 @@ waiting for a slow peer does not spin a CPU core the peer may need.
 
 from __future__ import annotations
 
+import atexit
 import pickle
 import threading
 import time
@@ -97,6 +98,8 @@ class MpiWorld:
     if not self._device_comms:
       self._device_comms = [self.comm.Dup() for _ in range(topology.local_device_count)]
     self.watchdog.start()
+    # Registered after mpi4py's own handler, so it runs before MPI_Finalize.
+    atexit.register(self.watchdog.shutdown)
 
   def device_comm(self, local_device: int):
     return self._device_comms[local_device]
