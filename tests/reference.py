@@ -50,16 +50,19 @@ def loss_fn(model, params, x, y):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def train_reference(model, params, tx, batches, steps):
-  """One device, the whole global batch each step."""
-  opt_state = tx.init(params)
-
-  @jax.jit
+def train_step_fn(model, tx):
+  """The per-replica step: gradients of the local batch, then `tx`."""
   def step(params, opt_state, x, y):
     grads = jax.grad(lambda p: loss_fn(model, p, x, y))(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
+  return step
 
+
+def train_reference(model, params, tx, batches, steps):
+  """One device, the whole global batch each step."""
+  opt_state = tx.init(params)
+  step = jax.jit(train_step_fn(model, tx))
   for i in range(steps):
     x, y = batches[i % len(batches)]
     params, opt_state = step(params, opt_state, x, y)
@@ -70,13 +73,7 @@ def train_jdist(model, params, tx, batches, steps, topo, per_replica):
   """Every replica on its own slice of the same global batches."""
   replicated = jdist.replicate(params)
   opt_state = jdist.data_parallel(tx.init)(replicated)
-
-  @jdist.data_parallel
-  def step(params, opt_state, x, y):
-    grads = jax.grad(lambda p: loss_fn(model, p, x, y))(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
+  step = jdist.data_parallel(train_step_fn(model, tx))
   for i in range(steps):
     x, y = batches[i % len(batches)]
     replicated, opt_state = step(replicated, opt_state, local_slices(x, topo, per_replica),

@@ -47,12 +47,7 @@ def test_rotating_chunk_is_averaged_each_step(topo):
   replicated = jdist.replicate(params)
   opt_state = jdist.data_parallel(tx.init)(replicated)
 
-  @jdist.data_parallel
-  def step(params, opt_state, x, y):
-    grads = jax.grad(lambda p: reference.loss_fn(model, p, x, y))(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
+  step = jdist.data_parallel(reference.train_step_fn(model, tx))
   for number in range(chunks + 1):
     x, y = batches[number % len(batches)]
     replicated, opt_state = step(replicated, opt_state, reference.local_slices(x, topo, PER_REPLICA),
