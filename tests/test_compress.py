@@ -8,6 +8,7 @@ import pytest
 
 import jdist
 from jdist.collectives import payloads
+from jdist.transforms import compress
 from tests import reference
 
 PER_REPLICA = 4
@@ -79,8 +80,9 @@ def _local_send_log(tx, grad_steps):
 
 
 @pytest.mark.parametrize("make_tx", [lambda: jdist.topk(0.05),
+                                     lambda: jdist.topk(0.05, method="block"),
                                      lambda: jdist.threshold(0.5, capacity=40)],
-                         ids=["topk", "threshold-overflowing"])
+                         ids=["topk", "topk-block", "threshold-overflowing"])
 def test_error_feedback_loses_nothing(topo, make_tx):
   steps = [_replica_grads(topo, shape=(20, 10), seed=s)[0] for s in range(6)]
   sent_total, state = _local_send_log(make_tx(), steps)
@@ -90,6 +92,14 @@ def test_error_feedback_loses_nothing(topo, make_tx):
   np.testing.assert_allclose(sent_total + np.asarray(state.residual), grad_total,
                              rtol=1e-5, atol=1e-5)
   assert (np.asarray(state.sent) > 0).all()
+
+
+def test_block_topk_takes_each_blocks_largest_entry():
+  x = jnp.array([0.1, -3.0, 0.2, 0.5, 0.4, -0.1, 2.0, 0.0, 1.0, -1.5])
+  indices = compress._block_maxima(x, 4)  # blocks of 3: [0:3] [3:6] [6:9] [9:10]
+  np.testing.assert_array_equal(indices, [1, 3, 6, 9])
+  full = compress._block_maxima(x, 10)
+  np.testing.assert_array_equal(full, np.arange(10))
 
 
 def test_threshold_counts_overflow_and_sends_at_most_capacity(topo):
@@ -160,6 +170,8 @@ def test_compressor_arguments_are_checked():
     jdist.topk(0)
   with pytest.raises(ValueError, match="ratio=1.5"):
     jdist.topk(1.5)
+  with pytest.raises(ValueError, match="method='fast'"):
+    jdist.topk(0.1, method="fast")
   with pytest.raises(ValueError, match="value=-1"):
     jdist.threshold(-1)
   with pytest.raises(ValueError, match="capacity=0"):

@@ -7,6 +7,7 @@ It builds the `optax.chain` for each of SINGA DistOpt's update modes:
 | backward_and_update            | (default)                     | allreduce, inner                        |
 | backward_and_update_half       | half=True / half=jnp.bfloat16 | cast, allreduce, inner                  |
 | backward_and_spars_update      | sparsify="topk:0.01"          | topk, [cast], allreduce, inner          |
+|   (block-approximate top-K)    | sparsify="topk_block:0.01"    | topk(method="block"), ...               |
 |   (threshold)                  | sparsify="threshold:1e-3"     | threshold, [cast], allreduce, inner     |
 | backward_and_partial_update    | partial=4                     | inner, partial_sync(4)                  |
 """
@@ -23,7 +24,7 @@ from jdist.transforms import compress
 from jdist.transforms.allreduce import allreduce
 from jdist.transforms.partial import partial_sync
 
-SPARSIFY_KINDS = ("topk", "threshold")
+SPARSIFY_KINDS = ("topk", "topk_block", "threshold")
 
 
 def parse_sparsify(sparsify: Any) -> tuple[str, float] | None:
@@ -39,8 +40,9 @@ def parse_sparsify(sparsify: Any) -> tuple[str, float] | None:
   if (not isinstance(sparsify, (tuple, list)) or len(sparsify) != 2
       or sparsify[0] not in SPARSIFY_KINDS or not isinstance(sparsify[1], (int, float))):
     raise ValueError(
-        f"sparsify={sparsify!r} is not understood: use 'topk:RATIO' (e.g. 'topk:0.01') "
-        f"or 'threshold:VALUE' (e.g. 'threshold:0.001'), or a (kind, number) tuple.")
+        f"sparsify={sparsify!r} is not understood: use 'topk:RATIO' (e.g. 'topk:0.01'), "
+        f"'topk_block:RATIO' (approximate, one pass) or 'threshold:VALUE' (e.g. "
+        f"'threshold:0.001'), or a (kind, number) tuple.")
   return sparsify[0], float(sparsify[1])
 
 
@@ -61,8 +63,9 @@ def dist_opt(inner: optax.GradientTransformation, *, half: Any = False,
   Args:
     inner: any optax optimizer (sgd, adam, ...).
     half: False, True (float16) or a 16-bit dtype: gradients travel in 16 bits.
-    sparsify: None, "topk:RATIO" or "threshold:VALUE" (or a (kind, number)
-      tuple): send only selected entries, with error feedback.
+    sparsify: None, "topk:RATIO", "topk_block:RATIO" or "threshold:VALUE"
+      (or a (kind, number) tuple): send only selected entries, with error
+      feedback.
     partial: None, or a number of chunks: local updates and one rotating
       chunk of parameters averaged per step (SINGA's partial update).
     mean: average (True) or sum (False) the gradients.
@@ -95,8 +98,9 @@ def dist_opt(inner: optax.GradientTransformation, *, half: Any = False,
   steps = []
   if sparse is not None:
     kind, number = sparse
-    if kind == "topk":
-      steps.append(compress.topk(number, error_feedback))
+    if kind in ("topk", "topk_block"):
+      method = "block" if kind == "topk_block" else "exact"
+      steps.append(compress.topk(number, error_feedback, method=method))
     else:
       steps.append(compress.threshold(number, error_feedback, capacity=threshold_capacity))
   if dtype is not None:
