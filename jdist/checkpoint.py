@@ -43,6 +43,7 @@ import hashlib
 import json
 import logging
 import operator
+import os
 from typing import Any
 
 import jax
@@ -176,8 +177,8 @@ class CheckpointManager:
   Every method is collective: call it on every process, in the same order.
   The directory must be on a filesystem every process can read.
 
-  Example::
-
+  Example:
+    ```python
     manager = jdist.CheckpointManager("/shared/run1/ckpt", keep=3)
     state = {"params": params, "opt_state": opt_state}   # replicated
     if manager.latest_step() is not None:
@@ -185,6 +186,7 @@ class CheckpointManager:
       start = meta["step"] + 1
     ...
     manager.save(step, state, metadata={"step": step, "epoch": epoch})
+    ```
 
   Args:
     directory: where step directories `<directory>/<step>` are kept.
@@ -201,7 +203,9 @@ class CheckpointManager:
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
       raise ValueError(f"keep={keep!r} must be an int >= 1 (checkpoints to keep) or None "
                        f"(keep all).")
-    self.directory = epath.Path(directory)
+    # orbax refuses relative paths; every rank resolves from its own cwd.
+    self.directory = epath.Path(os.path.abspath(os.fspath(directory))) if isinstance(
+        directory, (str, os.PathLike)) else epath.Path(directory)
     self.keep = keep
     self.topology = topology or topology_lib.init()
     real = topology_lib.init()

@@ -384,7 +384,8 @@ def synthetic(num_train: int = 2048, num_test: int = 512, *,
   """Random images around one prototype per class: learnable, for benchmarks.
 
   Args:
-    num_train, num_test: examples in each split.
+    num_train: examples in the training split.
+    num_test: examples in the test split.
     image_shape: shape of one image `[H, W, C]`.
     num_classes: number of classes, one random prototype image each.
     noise: standard deviation of the Gaussian noise added to the prototype;

@@ -21,9 +21,5 @@ class StructureMismatchError(JdistError):
   """Processes tried to exchange pytrees of different structure/shape/dtype."""
 
 
-class CommTimeoutError(JdistError):
-  """A cross-process exchange waited past its deadline."""
-
-
 class CheckpointError(JdistError):
   """A checkpoint cannot be written or does not fit this run."""

@@ -101,13 +101,14 @@ class MetricAccumulator:
   only the first local replica's copy (`jdist.unreplicate`), and every process
   gets the same result.
 
-  Example::
-
+  Example:
+    ```python
     metrics = jdist.MetricAccumulator()
     for batch in loader:
       params, opt_state, sums = train_step(params, opt_state, batch)
       metrics.add(sums)
     print(metrics.result())   # {"loss": ..., "accuracy": ..., "count": ...}
+    ```
   """
 
   # Pending device scalars are folded into host sums every this many steps,

@@ -61,8 +61,10 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
   Args:
     fn: the per-replica step. Usable as `@data_parallel` or
       `@data_parallel(donate_argnums=...)`.
-    donate_argnums, static_broadcasted_argnums, in_axes, out_axes: as in
-      `jax.pmap`.
+    donate_argnums: as in `jax.pmap`.
+    static_broadcasted_argnums: as in `jax.pmap`.
+    in_axes: as in `jax.pmap`.
+    out_axes: as in `jax.pmap`.
     check_inputs: check that mapped inputs have one slice per local device.
 
   Returns:
@@ -97,7 +99,7 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
     if not watch:
       return pmapped(*args)
     outputs, marker = pmapped(*args)
-    world.watchdog.step_dispatched(marker)
+    world.watchdog.step_dispatched(marker, name)
     return outputs
 
   step.pmapped = pmapped

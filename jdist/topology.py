@@ -214,6 +214,10 @@ def init(*, timeout: float | None = None, backend: str | None = None,
         raise ValueError(
             f"jdist.init(backend={backend!r}) after jdist was initialized with "
             f"backend={_topology.backend!r}; call init once, first.")
+      if timeout is not None and _resolve_timeout(timeout) != _topology.timeout:
+        raise ValueError(
+            f"jdist.init(timeout={timeout!r}) after jdist was initialized with "
+            f"timeout={_topology.timeout:g}; call init once, first.")
       return _topology
     resolved_timeout = _resolve_timeout(timeout)
     if backend is None:
