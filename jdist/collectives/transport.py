@@ -39,6 +39,7 @@ import numpy as np
 from jax import lax
 
 from jdist import topology as topology_lib
+from jdist.collectives import payloads
 from jdist.collectives import world as world_lib
 
 DATA_AXIS = "data"
@@ -137,14 +138,11 @@ def _callback(host_fn, result: jax.ShapeDtypeStruct, *args):
   return jax.pure_callback(host_fn, result, *args, device, vmap_method="sequential")
 
 
-HALF_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-
-
 def sum_all(buffer: jax.Array) -> jax.Array:
   """Sum of a 1-D buffer over every replica, in the buffer's dtype."""
   topo = topology_lib.current()
   which = route(topo)
-  if which != "local" and buffer.dtype in HALF_DTYPES:
+  if which != "local" and buffer.dtype in payloads.HALF_DTYPES:
     return sum_all_16bit(buffer)  # MPI has no 16-bit float sum
   if which == "local":
     if topo.process_count > 1:
