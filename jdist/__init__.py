@@ -1,12 +1,15 @@
 """jdist: data-parallel training for JAX on every local device and across MPI processes."""
 
 from jdist import checkpoint
+from jdist import consistency
 from jdist import data
 from jdist import datasets
 from jdist import errors
 from jdist import metrics
 from jdist import models
 from jdist.checkpoint import CheckpointManager
+from jdist.consistency import ReplicaMismatch
+from jdist.consistency import check_replicas
 from jdist.collectives import DATA_AXIS
 from jdist.collectives import all_gather
 from jdist.collectives import barrier
@@ -33,6 +36,8 @@ from jdist.transforms.compress import cast
 from jdist.transforms.compress import threshold
 from jdist.transforms.compress import topk
 from jdist.transforms.dist_opt import dist_opt
+from jdist.transforms.finite import SkipNonFiniteState
+from jdist.transforms.finite import skip_nonfinite
 from jdist.transforms.partial import PartialSyncState
 from jdist.transforms.partial import partial_sync
 from jdist.transforms.partial import sync_params
@@ -44,8 +49,10 @@ __all__ = (
     "CheckpointManager",
     "MetricAccumulator",
     "ShardedLoader",
+    "SkipNonFiniteState",
     "DATA_AXIS",
     "PartialSyncState",
+    "ReplicaMismatch",
     "SparsifyState",
     "Topology",
     "all_gather",
@@ -53,7 +60,9 @@ __all__ = (
     "barrier",
     "broadcast_params",
     "cast",
+    "check_replicas",
     "checkpoint",
+    "consistency",
     "data",
     "data_parallel",
     "datasets",
@@ -71,6 +80,7 @@ __all__ = (
     "psum",
     "replicate",
     "shard",
+    "skip_nonfinite",
     "sync_params",
     "threshold",
     "topk",

@@ -9,7 +9,9 @@ dispatched, and it initializes jdist if the user has not.
 
 from __future__ import annotations
 
+import collections
 import functools
+import threading
 from typing import Any, Callable, Sequence
 
 import jax
@@ -50,6 +52,25 @@ def check_mapped_inputs(args: Sequence[Any], positions: Sequence[int], devices: 
             f"unmapped arguments with in_axes=None / static_broadcasted_argnums.")
 
 
+# XLA:CPU deadlocks when the host runs too far ahead: each device admits 32
+# in-flight computations, launches past that block client pool threads, and
+# with a pool of max(cores, devices) threads a step's collective can then wait
+# for a device whose execution never gets a thread (a rendezvous timeout and
+# abort after 40 s), in one process as in several. Waiting for step n-8
+# before dispatching step n keeps the queue short and costs nothing on GPUs.
+MAX_INFLIGHT_STEPS = 8
+_inflight: collections.deque = collections.deque()
+_inflight_lock = threading.Lock()
+
+
+def _limit_inflight(marker) -> None:
+  with _inflight_lock:
+    _inflight.append(marker)
+    oldest = _inflight.popleft() if len(_inflight) > MAX_INFLIGHT_STEPS else None
+  if oldest is not None:
+    oldest.block_until_ready()
+
+
 def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[int] = (),
                   static_broadcasted_argnums: int | Sequence[int] = (), in_axes: Any = 0,
                   out_axes: Any = 0, check_inputs: bool = True) -> Callable:
@@ -86,8 +107,8 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
     # the user's own outputs may be donated to the next step.
     return fn(*args), jnp.zeros((), jnp.int8)
 
-  pmapped = jax.pmap(with_marker if watch else fn, axis_name=DATA_AXIS,
-                     in_axes=in_axes, out_axes=(out_axes, 0) if watch else out_axes,
+  pmapped = jax.pmap(with_marker, axis_name=DATA_AXIS,
+                     in_axes=in_axes, out_axes=(out_axes, 0),
                      static_broadcasted_argnums=static, donate_argnums=donate_argnums)
   name = getattr(fn, "__name__", "step")
 
@@ -96,10 +117,10 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
     if check_inputs:
       check_mapped_inputs(args, _mapped_positions(in_axes, len(args), static),
                           topo.local_device_count, name)
-    if not watch:
-      return pmapped(*args)
     outputs, marker = pmapped(*args)
-    world.watchdog.step_dispatched(marker, name)
+    _limit_inflight(marker)
+    if watch:
+      world.watchdog.step_dispatched(marker, name)
     return outputs
 
   step.pmapped = pmapped

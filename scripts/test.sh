@@ -12,10 +12,10 @@ python="$venv/bin/python"
 
 # Tests that involve no cross-process exchange run once, in the plain session;
 # jobs that end a whole MPI job (fault injection) or launch their own mpirun
-# are named *fault* / *subprocess* and run only there.
+# are named test_fault_* / *subprocess* and run only there.
 mpi_selection=(tests --ignore=tests/test_data.py --ignore=tests/test_datasets.py
                --ignore=tests/test_models.py --ignore=tests/test_benchmarks.py
-               --ignore=tests/test_watchdog.py -k "not fault and not subprocess"
+               --ignore=tests/test_watchdog.py -k "not test_fault and not subprocess"
                --capture=sys)
 
 echo "== tests: 1 process x 4 devices"

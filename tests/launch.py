@@ -5,8 +5,10 @@ inside `mpirun pytest`: they start their own job here, with a hard timeout so
 a hang fails the test instead of blocking CI.
 """
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -45,12 +47,54 @@ def mpirun(args, *, np: int = 2, devices: int = 1, timeout: float = 120,
     subprocess.TimeoutExpired: the job did not end within `timeout` seconds
       (the job is killed first).
   """
-  return subprocess.run(mpirun_argv(args, np), env=env or clean_env(devices), cwd=REPO,
-                        capture_output=True, text=True, timeout=timeout)
+  return run_own_session(mpirun_argv(args, np), env or clean_env(devices), timeout)
 
 
 def python(args, *, devices: int = 1, timeout: float = 120,
            env: dict | None = None) -> subprocess.CompletedProcess:
   """Runs `python args...` as a plain single-process job."""
-  return subprocess.run([sys.executable] + list(args), env=env or clean_env(devices),
-                        cwd=REPO, capture_output=True, text=True, timeout=timeout)
+  return run_own_session([sys.executable] + list(args), env or clean_env(devices), timeout)
+
+
+def _session_members(session: int) -> list:
+  """Processes in session `session` (started with start_new_session)."""
+  members = []
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        with open(f"/proc/{entry}/stat") as stat:
+          fields = stat.read().rsplit(")", 1)[1].split()
+      except OSError:
+        continue
+      if int(fields[3]) == session:  # field 6 of stat: the session id
+        members.append(int(entry))
+  return members
+
+
+def run_own_session(argv, env, timeout: float) -> subprocess.CompletedProcess:
+  """Runs `argv` in a session of its own; on timeout, ends the whole session.
+
+  mpirun starts each rank in its own process group, so killing mpirun (or its
+  group) would leave hung ranks behind; they all share mpirun's session.
+
+  Raises:
+    subprocess.TimeoutExpired: after every process of the session is killed.
+  """
+  process = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+  try:
+    stdout, stderr = process.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    process.terminate()  # mpirun forwards SIGTERM to its ranks
+    try:
+      process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+      pass
+    if sys.platform.startswith("linux"):
+      for pid in _session_members(process.pid):
+        with contextlib.suppress(ProcessLookupError):
+          os.kill(pid, signal.SIGKILL)
+    process.kill()
+    stdout, stderr = process.communicate()
+    raise subprocess.TimeoutExpired(argv, timeout, stdout, stderr) from None
+  return subprocess.CompletedProcess(argv, process.returncode, stdout, stderr)

@@ -1,0 +1,300 @@
+"""The watchdog: a stalled rank ends the job with a report; tolerated delays do not.
+
+Two kinds of tests:
+
+* Unit tests of the report (`describe_stall`) and of the bookkeeping
+  (`Watchdog` with a stand-in communicator). Cheap; they run in every
+  topology.
+* Fault injection (names contain "fault"): each launches its own 2-process
+  job (`tests/jobs/stall.py`) under mpirun with a hard timeout, injects a
+  fault, and checks how the job ends. They run from plain pytest only: the
+  mpirun invocations of the suite pass `-k "not fault"`, and under mpirun
+  each of them only checks that it is under mpirun and returns (a job
+  launched from inside an MPI job would inherit its world).
+"""
+
+import concurrent.futures
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jdist
+from jdist.collectives import watchdog
+from tests.jobs import faults
+
+
+# --- the report -------------------------------------------------------------
+
+def _reply(rank, waiting_in=None, **extra):
+  reply = {"rank": rank, "dispatched": 4, "completed": 4, "waiting_in": waiting_in,
+           "waiting_s": 3.0 if waiting_in else 0.0, "idle_s": 10.2, "compiling": False,
+           "where": "train.py:42 in main", "last_completed": "step 4 of train_step"}
+  reply.update(extra)
+  return reply
+
+
+def test_report_names_the_idle_rank_its_line_and_last_step():
+  text = watchdog.describe_stall(0, 2, "step 5 of train_step", 10.2, 10.0, {1: _reply(1)})
+  assert "rank 0 waited 10.2 s in step 5 of train_step" in text
+  assert "limit 10 s" in text and "jdist.init(timeout=...)" in text and "JDIST_TIMEOUT" in text
+  assert "rank 1: MISSING - not in any exchange for 10.2 s at train.py:42 in main" in text
+  assert "last finished: step 4 of train_step" in text
+  assert text.splitlines()[-1].startswith("Rank(s) 1 did not reach step 5 of train_step.")
+
+
+def test_report_names_ranks_that_did_not_answer_among_waiting_ones():
+  replies = {1: _reply(1, waiting_in="step 5 of train_step"), 3: _reply(3)}
+  text = watchdog.describe_stall(0, 4, "step 5 of train_step", 11.0, 10.0, replies)
+  assert "rank 1: waiting in step 5 of train_step for 3.0 s" in text
+  assert "rank 2: MISSING - did not answer" in text
+  assert "rank 3: MISSING - not in any exchange" in text
+  assert "Rank(s) 2, 3 did not reach" in text
+  assert "rank 0:" not in text  # the reporting rank does not list itself
+
+
+def test_report_tells_a_stuck_exchange_from_diverged_control_flow():
+  same = watchdog.describe_stall(0, 2, "step 7 of train_step", 10.5, 10.0,
+                                 {1: _reply(1, waiting_in="step 7 of train_step")})
+  assert "Every rank is waiting in step 7 of train_step: the exchange itself is stuck" in same
+  assert "MISSING" not in same
+  diverged = watchdog.describe_stall(0, 2, "jdist.barrier", 10.5, 10.0,
+                                     {1: _reply(1, waiting_in="step 7 of train_step")})
+  assert "in different exchanges" in diverged and "diverged" in diverged
+
+
+def test_report_shows_a_compiling_rank_as_busy_not_missing():
+  text = watchdog.describe_stall(0, 2, "step 1 of train_step", 700.0, 10.0,
+                                 {1: _reply(1, compiling=True)})
+  assert "rank 1: still tracing/compiling with JAX at train.py:42 in main" in text
+  assert "MISSING" not in text and "still compiling after the grace period" in text
+
+
+# --- the bookkeeping ----------------------------------------------------------
+
+class _Comm:
+  """Stands in for the watchdog's communicator: rank 0 of 2, no traffic."""
+
+  def Get_rank(self):  # noqa: N802  (mpi4py's spelling)
+    return 0
+
+  def Get_size(self):  # noqa: N802
+    return 2
+
+
+class _Marker:
+  def __init__(self):
+    self.done = threading.Event()
+
+  def block_until_ready(self):
+    self.done.wait()
+
+
+def test_steps_are_numbered_per_function_and_waits_nest():
+  dog = watchdog.Watchdog(_Comm(), mpi=None, timeout=5.0)
+  dog.step_dispatched(_Marker(), name="init")
+  dog.step_dispatched(_Marker(), name="train_step")
+  dog.step_dispatched(_Marker(), name="train_step")
+  dog.step_dispatched(_Marker())
+  status = dog.status()
+  assert status["last_dispatched"] == "compiled step 4"
+  assert status["dispatched"] == 4 and dog.step == 4
+  assert dog._calls == {"init": 1, "train_step": 2}  # pylint: disable=protected-access
+  with dog.waiting("outer"):
+    with dog.waiting("structure check"):
+      assert dog.status()["waiting_in"] == "structure check"
+    assert dog.status()["waiting_in"] == "outer"
+  assert dog.status()["waiting_in"] is None
+
+
+def test_only_a_wait_past_its_deadline_overruns():
+  dog = watchdog.Watchdog(_Comm(), mpi=None, timeout=0.2)
+  assert dog._overrun() is None  # pylint: disable=protected-access
+  with dog.waiting("jdist.barrier"):
+    assert dog._overrun() is None  # pylint: disable=protected-access
+    time.sleep(0.3)
+    wait = dog._overrun()  # pylint: disable=protected-access
+    assert wait is not None and wait.label == "jdist.barrier"
+    assert dog._still_waiting(wait)  # pylint: disable=protected-access
+  assert not dog._still_waiting(wait)  # pylint: disable=protected-access
+  assert dog._overrun() is None  # pylint: disable=protected-access
+
+
+def test_status_reports_where_the_main_thread_is():
+  dog = watchdog.Watchdog(_Comm(), mpi=None, timeout=5.0)
+  status = dog.status()  # asked from the main thread itself, here
+  assert status["where"].startswith("tests/test_watchdog.py:")
+  assert "test_status_reports_where_the_main_thread_is" in status["where"]
+  assert status["compiling"] is False
+
+
+def test_tracing_counts_as_compiling_but_not_a_host_wait_made_while_tracing():
+  dog = watchdog.Watchdog(_Comm(), mpi=None, timeout=5.0)
+  seen = []
+
+  def traced(x):
+    seen.append(dog.status()["compiling"])
+    with dog.waiting("structure check of jdist.psum"):  # blocked on peers, not compiling
+      seen.append(dog.status()["compiling"])
+    return x + 1
+
+  jax.jit(traced)(jnp.ones(3)).block_until_ready()
+  assert seen == [True, False]
+  assert dog.status()["compiling"] is False  # running compiled code is not compiling
+
+
+def test_compile_grace_has_a_bound():
+  assert watchdog.Watchdog(_Comm(), mpi=None, timeout=10.0).compile_grace == 600.0
+  assert watchdog.Watchdog(_Comm(), mpi=None, timeout=300.0).compile_grace == 3000.0
+
+
+# --- fault injection: separate mpirun jobs, plain pytest only ------------------
+
+# Each fault test's job: keyword arguments of tests.jobs.faults.run.
+_JOBS = {
+    "stall_2x1": dict(faults=["stall:5"], devices=1, timeout=10.0),
+    "stall_2x2": dict(faults=["stall:5"], devices=2, timeout=10.0),
+    # Rank 1 is 3 s late at step 3; rank 0 writes a 6 s "checkpoint" at step 6
+    # while rank 1 waits in a barrier: both within the 10 s deadline.
+    "tolerated": dict(faults=["late:3", "checkpoint:6"], timeout=10.0,
+                      extra=["--late", "3", "--checkpoint", "6"]),
+    "compile": dict(faults=["compile:1"], timeout=2.0, extra=["--compile", "6"]),
+    "kill": dict(faults=["kill:5"], timeout=60.0),
+    "raise": dict(faults=["raise:5"], timeout=60.0),
+    "barrier": dict(faults=["barrier:5"], timeout=5.0),
+    # Many steps back to back: XLA:CPU deadlocked (a collective's rendezvous
+    # times out after 40 s and aborts) once more than 32 steps were in flight
+    # and launches blocked its few pool threads, in one process as in several,
+    # unless data_parallel bounds the steps in flight.
+    "back_to_back_2x2": dict(faults=[], devices=2, timeout=10.0, extra=["--steps", "200"]),
+    "back_to_back_1x2": dict(faults=[], processes=1, devices=2,
+                             extra=["--steps", "150", "--per-replica", "4096"]),
+}
+_PARALLEL_JOBS = 2  # jobs run two at a time: each is mostly start-up and waiting
+
+
+def _uses_job(name):
+  """Marks a fault test as reading the result of job `name`."""
+  def mark(test):
+    test.fault_job = name
+    return test
+  return mark
+
+
+def _under_mpirun():
+  return jdist.get_topology().process_count > 1
+
+
+@pytest.fixture(scope="module")
+def fault_jobs(request):
+  """Starts the jobs of the selected fault tests at once; maps job name to a future."""
+  if _under_mpirun():
+    yield {}  # never launch a job from inside an MPI job
+    return
+  wanted = []
+  for item in request.session.items:
+    callspec = getattr(item, "callspec", None)
+    name = (callspec.params.get("job") if callspec
+            else getattr(getattr(item, "function", None), "fault_job", None))
+    if name in _JOBS and item.module is sys.modules[__name__] and name not in wanted:
+      wanted.append(name)
+  with concurrent.futures.ThreadPoolExecutor(_PARALLEL_JOBS) as pool:
+    futures = {}
+    for name in wanted:
+      futures[name] = pool.submit(faults.run, **_JOBS[name])
+    yield futures
+    for future in futures.values():
+      future.cancel()
+
+
+def _job(fault_jobs, name):
+  return fault_jobs[name].result()
+
+
+def _explain(result):
+  return (f"exit {result.returncode} after {result.elapsed:.1f} s\nstdout:\n{result.stdout[-2000:]}\n"
+          f"stderr:\n{result.stderr[-4000:]}")
+
+
+@pytest.mark.parametrize("job", ["stall_2x1", "stall_2x2"])
+def test_fault_stalled_rank_aborts_the_job_naming_rank_and_step(fault_jobs, job):
+  if _under_mpirun():
+    assert not fault_jobs  # launched from plain pytest only
+    return
+  timeout = _JOBS[job]["timeout"]
+  result = _job(fault_jobs, job)
+  why = faults.check_stall_abort(result, timeout, step=5)
+  assert why is None, f"{why}\n{_explain(result)}"
+  assert result.since("sleeping") >= timeout  # not before the deadline either
+
+
+@_uses_job("tolerated")
+def test_fault_delays_within_the_deadline_pass(fault_jobs):
+  if _under_mpirun():
+    assert not fault_jobs
+    return
+  result = _job(fault_jobs, "tolerated")
+  assert result.returncode == 0, _explain(result)
+  assert "jdist-job: done" in result.stdout
+  assert "jdist watchdog" not in result.stderr
+
+
+@_uses_job("compile")
+def test_fault_slow_compile_on_one_rank_does_not_count(fault_jobs):
+  if _under_mpirun():
+    assert not fault_jobs
+    return
+  result = _job(fault_jobs, "compile")
+  assert result.returncode == 0, _explain(result)
+  compiled = float(result.stderr.split("compiled for ")[1].split(" s")[0])
+  assert compiled > 2 * _JOBS["compile"]["timeout"], _explain(result)  # well past the deadline
+
+
+@_uses_job("kill")
+def test_fault_killed_rank_ends_the_job_quickly(fault_jobs):
+  if _under_mpirun():
+    assert not fault_jobs
+    return
+  result = _job(fault_jobs, "kill")
+  assert result.returncode != 0, _explain(result)
+  assert result.since("killing") < 15, _explain(result)
+
+
+@_uses_job("raise")
+def test_fault_uncaught_exception_on_one_rank_ends_the_job_at_once(fault_jobs):
+  if _under_mpirun():
+    assert not fault_jobs
+    return
+  # Without the watchdog's excepthook, the raising rank would wait in
+  # MPI_Finalize and the other in its step until the 60 s deadline.
+  result = _job(fault_jobs, "raise")
+  assert result.returncode != 0, _explain(result)
+  assert result.since("raising") < 15, _explain(result)
+  assert "RuntimeError: injected failure on rank 1" in result.stderr
+  assert "rank 1 stopped on an uncaught RuntimeError" in result.stderr
+
+
+@_uses_job("barrier")
+def test_fault_stall_in_a_host_side_barrier_is_caught(fault_jobs):
+  if _under_mpirun():
+    assert not fault_jobs
+    return
+  timeout = _JOBS["barrier"]["timeout"]
+  result = _job(fault_jobs, "barrier")
+  assert result.returncode != 0, _explain(result)
+  assert timeout <= result.since("sleeping") < timeout + 15, _explain(result)
+  assert "in jdist.barrier" in result.stderr and "rank 1: MISSING" in result.stderr, \
+      _explain(result)
+
+
+@pytest.mark.parametrize("job", ["back_to_back_2x2", "back_to_back_1x2"])
+def test_fault_many_steps_back_to_back_do_not_deadlock(fault_jobs, job):
+  if _under_mpirun():
+    assert not fault_jobs
+    return
+  result = _job(fault_jobs, job)
+  assert result.returncode == 0, _explain(result)
+  assert "jdist-job: done" in result.stdout
