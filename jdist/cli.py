@@ -1,0 +1,276 @@
+"""The `jdist` command: `jdist train ...`, `jdist info`, `jdist bench ...`.
+
+    jdist train --model cnn --dataset digits --epochs 3 --batch-size 32
+    mpirun -np 2 jdist train --cpu-devices 2 --sparsify topk:0.01
+    jdist info                     # versions, devices and topology
+    jdist bench --quick            # the benchmark suite (source checkouts)
+
+Bad input ends with one line on stderr, `jdist train: error: ...`, and exit
+status 2 (settings) or 1 (data, checkpoints, failures while running); never
+a traceback from inside JAX unless `--debug` asks for one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from jdist import config as config_lib
+
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+EXIT_INTERRUPTED = 130
+
+
+class _Parser(argparse.ArgumentParser):
+  """An ArgumentParser whose errors are one line: `prog: error: message`."""
+
+  def error(self, message: str):
+    self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_train_parser(prog: str = "jdist train") -> argparse.ArgumentParser:
+  """The parser of `jdist train`'s flags (`--debug` is the only one not in TrainConfig)."""
+  defaults = config_lib.TrainConfig()
+  parser = _Parser(prog=prog, allow_abbrev=False,
+                   description="Train a model data-parallel on every local device and, "
+                   "under mpirun, every process.",
+                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  group = parser.add_argument_group("data and model")
+  group.add_argument("--model", default=defaults.model,
+                     help="cnn (SINGA's MNIST CNN), mlp, resnet8/20/32/56 (BatchNorm), "
+                     "resnet8_gn ... (GroupNorm)")
+  group.add_argument("--dataset", default=defaults.dataset,
+                     help="digits (bundled, no download), mnist, fashion_mnist, synthetic")
+  group.add_argument("--data-dir", help="directory holding the MNIST-format IDX files")
+  group.add_argument("--no-download", dest="download", action="store_false",
+                     help="fail instead of downloading a dataset that is not found")
+  group.add_argument("--train-limit", type=int, help="use only the first N training examples")
+  group.add_argument("--test-limit", type=int, help="use only the first N test examples")
+  group = parser.add_argument_group("optimization")
+  group.add_argument("--epochs", type=int, default=defaults.epochs)
+  group.add_argument("--batch-size", type=int, default=defaults.batch_size,
+                     help="examples per replica per step (global batch = this x replicas)")
+  group.add_argument("--eval-batch-size", type=int, default=defaults.eval_batch_size,
+                     help="examples per replica per evaluation step (0: max(batch size, 128))")
+  group.add_argument("--optimizer", default=defaults.optimizer,
+                     choices=config_lib.OPTIMIZERS)
+  group.add_argument("--lr", type=float, default=defaults.lr, help="learning rate")
+  group.add_argument("--momentum", type=float, default=defaults.momentum,
+                     help="SGD momentum (0 for none), or Adam's b1")
+  group.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
+  group.add_argument("--seed", type=int, default=defaults.seed,
+                     help="seed of the initial parameters and the data order")
+  group.add_argument("--max-steps", type=int,
+                     help="stop after this many steps in all (with a checkpoint)")
+  group = parser.add_argument_group("communication (jdist.dist_opt modes)")
+  group.add_argument("--half", choices=config_lib.HALF_CHOICES,
+                     help="gradients cross replicas as 16-bit floats")
+  group.add_argument("--sparsify", metavar="topk:RATIO|threshold:VALUE",
+                     help="send only the top RATIO of gradient entries, or those above "
+                     "VALUE, with error feedback")
+  group.add_argument("--partial", type=int, metavar="CHUNKS",
+                     help="SINGA's partial update: local steps, one of CHUNKS parameter "
+                     "chunks averaged per step (not with --half/--sparsify)")
+  group.add_argument("--skip-nonfinite", action="store_true",
+                     help="every replica skips steps whose gradients hold NaN or Inf")
+  group.add_argument("--check-replicas-every", type=int, default=0, metavar="STEPS",
+                     help="check that all replicas hold identical parameters (0: never)")
+  group = parser.add_argument_group("checkpoints and logs")
+  group.add_argument("--checkpoint-dir", help="write checkpoints here (rank 0 writes)")
+  group.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
+                     help="also checkpoint every N steps (0: at epoch ends only)")
+  group.add_argument("--resume", action="store_true",
+                     help="continue from the latest checkpoint in --checkpoint-dir")
+  group.add_argument("--log-file", help="JSON-lines log: one record per epoch and a summary")
+  group.add_argument("--eval-every", type=int, default=defaults.eval_every, metavar="EPOCHS",
+                     help="evaluate every N epochs and after the last (0: never)")
+  group.add_argument("--no-progress", dest="progress", action="store_false",
+                     help="no progress bar (per-epoch lines are printed either way)")
+  group = parser.add_argument_group("runtime")
+  group.add_argument("--timeout", type=float, metavar="SECONDS",
+                     help="how long a cross-process exchange may wait before the job is "
+                     "aborted (default $JDIST_TIMEOUT or 300)")
+  group.add_argument("--backend", default=defaults.backend, choices=config_lib.BACKENDS,
+                     help="cross-process collectives: mpi4jax (mpi) or JAX's own (jax)")
+  group.add_argument("--cpu-devices", type=int, metavar="N",
+                     help="for CPU testing: run N host (CPU) devices per process, as "
+                     "XLA_FLAGS=--xla_force_host_platform_device_count=N would")
+  group.add_argument("--debug", action="store_true",
+                     help="show the full traceback when the run fails")
+  return parser
+
+
+def parse_train_args(argv, prog: str = "jdist train") -> tuple[config_lib.TrainConfig, bool]:
+  """Parses and validates `jdist train` flags.
+
+  Returns:
+    (config, debug).
+
+  Raises:
+    SystemExit: with status 2 and a one-line message on stderr for any bad
+      flag, value or combination (status 0 for --help).
+  """
+  parser = build_train_parser(prog)
+  args = vars(parser.parse_args(argv))
+  debug = args.pop("debug")
+  config = config_lib.TrainConfig(**args)
+  try:
+    config_lib.validate(config)
+  except config_lib.ConfigError as err:
+    parser.error(str(err))
+  return config, debug
+
+
+def _collective_errors() -> tuple[type, ...]:
+  """Errors raised on every process alike: each can exit without aborting the others."""
+  from jdist import errors  # pylint: disable=g-import-not-at-top
+  from jdist import train as train_lib  # pylint: disable=g-import-not-at-top
+  kinds = [config_lib.ConfigError, train_lib.TrainError, errors.CheckpointError,
+           errors.StructureMismatchError]
+  try:
+    from jdist.consistency import ReplicaMismatchError  # pylint: disable=g-import-not-at-top
+    kinds.append(ReplicaMismatchError)
+  except ImportError:
+    pass
+  return tuple(kinds)
+
+
+def _report_failure(prog: str, err: BaseException) -> int:
+  """Prints one error line (rank 0 for collective errors) and ends this process's part."""
+  from jdist import topology  # pylint: disable=g-import-not-at-top
+  from jdist.collectives import world as world_lib  # pylint: disable=g-import-not-at-top
+  topo = topology.current() if topology.is_initialized() else None
+  text = str(err) or type(err).__name__
+  if isinstance(err, _collective_errors()):
+    if topo is None or topo.is_primary:
+      sys.stderr.write(f"{prog}: error: {text}\n")
+    return EXIT_FAILURE
+  rank = f" (rank {topo.process_index})" if topo is not None and topo.multi_process else ""
+  sys.stderr.write(f"{prog}: error{rank}: {type(err).__name__}: {text}\n"
+                   f"{prog}: run with --debug for the traceback.\n")
+  sys.stderr.flush()
+  world = world_lib.get()
+  if world is not None and world.size > 1:
+    world.abort(EXIT_FAILURE)  # the other ranks may be waiting for this one
+  return EXIT_FAILURE
+
+
+def train_main(argv=None, prog: str = "jdist train") -> int:
+  """`jdist train`: parse, validate, train; returns the exit status."""
+  config, debug = parse_train_args(sys.argv[1:] if argv is None else argv, prog)
+  from jdist import train as train_lib  # pylint: disable=g-import-not-at-top
+  try:
+    train_lib.train(config)
+  except KeyboardInterrupt:
+    sys.stderr.write(f"{prog}: interrupted\n")
+    return EXIT_INTERRUPTED
+  except Exception as err:  # pylint: disable=broad-except
+    if debug:
+      raise
+    return _report_failure(prog, err)
+  return 0
+
+
+def info_main(argv=None) -> int:
+  """`jdist info`: versions, devices and the topology of this (mpirun) job."""
+  parser = _Parser(prog="jdist info", description=info_main.__doc__)
+  parser.add_argument("--cpu-devices", type=int, metavar="N",
+                      help="force N host (CPU) devices per process first")
+  args = parser.parse_args(argv)
+  if args.cpu_devices is not None and args.cpu_devices < 1:
+    parser.error(f"--cpu-devices={args.cpu_devices} must be an integer >= 1.")
+  from importlib import metadata  # pylint: disable=g-import-not-at-top
+  import platform  # pylint: disable=g-import-not-at-top
+  import socket  # pylint: disable=g-import-not-at-top
+  try:
+    if args.cpu_devices:
+      config_lib.force_cpu_devices(args.cpu_devices)
+    import jax  # pylint: disable=g-import-not-at-top
+    import jdist  # pylint: disable=g-import-not-at-top
+    from jdist.collectives import host, world  # pylint: disable=g-import-not-at-top
+    topo = jdist.init()
+  except Exception as err:  # pylint: disable=broad-except
+    return _report_failure("jdist info", err)
+  devices = jax.local_devices()
+  mine = (f"process {topo.process_index} on {socket.gethostname()} (pid {os.getpid()}, "
+          f"local rank {topo.local_rank}): {len(devices)} x {devices[0].platform} "
+          f"[{devices[0].device_kind}]")
+  everyone = host.allgather_object(mine, "jdist info")
+  if not topo.is_primary:
+    return 0
+  versions = []
+  for package in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "mpi4py",
+                  "mpi4jax"):
+    try:
+      versions.append(f"{package} {metadata.version(package)}")
+    except metadata.PackageNotFoundError:
+      versions.append(f"{package} (not installed)")
+  print(f"jdist {jdist.__version__} (python {platform.python_version()}, "
+        f"{platform.system()} {platform.machine()})")
+  print("packages: " + ", ".join(versions))
+  mpi_world = world.get()
+  if mpi_world is not None:
+    library = mpi_world.MPI.Get_library_version().strip().splitlines()[0]
+    print(f"MPI: {library} (thread multiple: {mpi_world.thread_multiple})")
+  print(f"topology: {topo}; timeout {topo.timeout:g} s")
+  for line in everyone:
+    print(f"  {line}")
+  for name in ("XLA_FLAGS", "JAX_PLATFORMS", "NPROC", "JDIST_TIMEOUT", "CUDA_VISIBLE_DEVICES"):
+    if os.environ.get(name):
+      print(f"  ${name}={os.environ[name]}")
+  return 0
+
+
+def bench_main(argv=None) -> int:
+  """`jdist bench`: runs the benchmark suite (`python -m benchmarks`) of a source checkout."""
+  try:
+    import benchmarks.__main__ as bench  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    # An editable install: the checkout holding jdist/ also holds benchmarks/.
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, checkout)
+    try:
+      import benchmarks.__main__ as bench  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      sys.stderr.write("jdist bench: error: the benchmarks package is not importable; it "
+                       "ships with the source checkout: run jdist bench (or python -m "
+                       "benchmarks) from the repository root.\n")
+      return EXIT_FAILURE
+  return bench.main(argv) or 0
+
+
+COMMANDS = {"train": "train a model (jdist train --help)",
+            "info": "print versions, devices and the topology",
+            "bench": "run the benchmark suite (source checkouts)"}
+
+
+def main(argv=None) -> int:
+  """Entry point of the `jdist` console script; returns the exit status."""
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if argv and argv[0] == "train":
+    return train_main(argv[1:])
+  if argv and argv[0] == "info":
+    return info_main(argv[1:])
+  if argv and argv[0] == "bench":
+    return bench_main(argv[1:])
+  parser = _Parser(prog="jdist", description="jdist: data-parallel training for JAX.",
+                   epilog="\n".join(f"  {name:6} {text}" for name, text in COMMANDS.items()),
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("command", choices=tuple(COMMANDS), help="what to do")
+  parser.add_argument("--version", action="version", version=_version())
+  parser.parse_args(argv[:1] or [])  # help, version, or a one-line error
+  return EXIT_USAGE
+
+
+def _version() -> str:
+  try:
+    from importlib import metadata  # pylint: disable=g-import-not-at-top
+    return f"jdist {metadata.version('jdist')}"
+  except Exception:  # pylint: disable=broad-except
+    return "jdist (version unknown)"
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,294 @@
+"""The training job's settings: one dataclass, checked before anything runs.
+
+`TrainConfig` holds everything `jdist.train.train` needs; `jdist train` (see
+`jdist.cli`) fills it from the command line. `validate` checks every value
+and combination up front and raises `ConfigError` naming the setting (and
+its command-line flag) and how to fix it, so a bad value never reaches JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any
+
+from jdist.transforms.dist_opt import SPARSIFY_KINDS
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+HALF_CHOICES = ("fp16", "bf16")
+BACKENDS = ("auto", "mpi", "jax", "none")
+CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+# Settings that shape the trained state or the data order: a resumed run must
+# use the checkpoint's values, or it would not continue the same run.
+RESUME_MUST_MATCH = ("model", "dataset", "optimizer", "half", "sparsify", "partial",
+                     "skip_nonfinite", "batch_size", "train_limit", "seed")
+# Settings that may change on resume but make it differ from an uninterrupted run.
+RESUME_MAY_DIFFER = ("lr", "momentum", "weight_decay")
+
+
+class ConfigError(ValueError):
+  """A training setting is out of range or contradicts another one."""
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  """Settings of one data-parallel training run.
+
+  Attributes:
+    model: a name in `jdist.models.MODELS` ("cnn", "mlp", "resnet20", ...).
+    dataset: a name in `jdist.datasets.NAMES` ("digits" needs no files).
+    data_dir: directory searched first for MNIST-format files.
+    download: allow downloading MNIST-format datasets that are not found.
+    epochs: passes over the training set (>= 1).
+    batch_size: examples per replica per step; the global batch is
+      batch_size x replica_count.
+    eval_batch_size: examples per replica per evaluation step (0: the
+      larger of batch_size and 128).
+    optimizer: "sgd" (with momentum), "adam" or "adamw".
+    lr: learning rate (> 0).
+    momentum: SGD momentum, or Adam's b1, in [0, 1).
+    weight_decay: decoupled weight decay (>= 0; adamw's, or added to sgd).
+    half: None, "fp16" or "bf16": gradients cross replicas in 16 bits.
+    sparsify: None, "topk:RATIO" (RATIO in (0, 1]) or "threshold:VALUE"
+      (VALUE > 0): send only selected gradient entries, with error feedback.
+    partial: None or a number of chunks >= 1: SINGA's partial update (local
+      steps, one rotating chunk of parameters averaged per step).
+    skip_nonfinite: every replica skips steps whose gradients hold NaN/Inf.
+    seed: seed of the initial parameters and of the data order (>= 0).
+    train_limit, test_limit: use only the first N examples of each split.
+    checkpoint_dir: where checkpoints go; None for none.
+    checkpoint_every: also checkpoint every N steps (0: only at epoch ends).
+    resume: continue from the latest checkpoint in checkpoint_dir.
+    max_steps: stop (with a checkpoint) after this many steps in all; None
+      to run every epoch. Resuming afterwards continues the same run.
+    log_file: JSON-lines log (one record per epoch and a summary), or None.
+    eval_every: evaluate every N epochs (the last epoch always; 0: never).
+    check_replicas_every: check every N steps that all replicas hold the
+      same parameters (0: never; under partial, after each full sync).
+    timeout: seconds a cross-process exchange may wait (None: jdist's
+      default, $JDIST_TIMEOUT or 300).
+    backend: "auto", "mpi", "jax" or "none" (see `jdist.init`).
+    progress: show a progress bar on rank 0.
+    cpu_devices: force this many host (CPU) devices per process, for testing
+      data parallelism without accelerators; None leaves JAX's default.
+  """
+
+  model: str = "cnn"
+  dataset: str = "digits"
+  data_dir: str | None = None
+  download: bool = True
+  epochs: int = 3
+  batch_size: int = 32
+  eval_batch_size: int = 0
+  optimizer: str = "sgd"
+  lr: float = 0.05
+  momentum: float = 0.9
+  weight_decay: float = 0.0
+  half: str | None = None
+  sparsify: str | None = None
+  partial: int | None = None
+  skip_nonfinite: bool = False
+  seed: int = 0
+  train_limit: int | None = None
+  test_limit: int | None = None
+  checkpoint_dir: str | None = None
+  checkpoint_every: int = 0
+  resume: bool = False
+  max_steps: int | None = None
+  log_file: str | None = None
+  eval_every: int = 1
+  check_replicas_every: int = 0
+  timeout: float | None = None
+  backend: str = "auto"
+  progress: bool = True
+  cpu_devices: int | None = None
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @property
+  def eval_batch(self) -> int:
+    return self.eval_batch_size or max(self.batch_size, 128)
+
+
+def _flag(name: str) -> str:
+  return f"{name} (--{name.replace('_', '-')})"
+
+
+def _int(config: TrainConfig, name: str, minimum: int, optional: bool = False) -> None:
+  value = getattr(config, name)
+  if optional and value is None:
+    return
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    raise ConfigError(f"{_flag(name)}={value!r} must be an integer >= {minimum}.")
+
+
+def _number(config: TrainConfig, name: str, low: float, high: float, *,
+            low_open: bool, high_open: bool, hint: str) -> None:
+  value = getattr(config, name)
+  ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and (value > low if low_open else value >= low)
+        and (value < high if high_open else value <= high))
+  if not ok:
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    raise ConfigError(f"{_flag(name)}={value!r} must be a number in {interval}; {hint}.")
+
+
+
+def parse_sparsify(text: str) -> tuple[str, float]:
+  """Splits "topk:0.01" / "topk_block:0.01" / "threshold:1e-3" into (kind, number).
+
+  Raises:
+    ConfigError: an unknown kind, a missing or malformed number, a top-k
+      ratio outside (0, 1] or a threshold that is not positive.
+  """
+  kind, colon, number_text = str(text).partition(":")
+  kind = kind.strip().lower()
+  if kind not in SPARSIFY_KINDS or not colon:
+    raise ConfigError(f"sparsify (--sparsify)={text!r} is not understood: use "
+                      f"'topk:RATIO' (e.g. topk:0.01), 'topk_block:RATIO' (approximate, "
+                      f"one pass) or 'threshold:VALUE' (e.g. threshold:1e-3).")
+  try:
+    number = float(number_text)
+  except ValueError:
+    raise ConfigError(f"sparsify (--sparsify)={text!r}: {number_text!r} is not a number; "
+                      f"use e.g. {kind}:{'0.01' if kind == 'topk' else '1e-3'}.") from None
+  if kind != "threshold" and not (math.isfinite(number) and 0 < number <= 1):
+    raise ConfigError(f"sparsify (--sparsify)={text!r}: the top-k ratio {number_text} must "
+                      f"be in (0, 1], the fraction of entries sent (e.g. topk:0.01 for 1%).")
+  if kind == "threshold" and not (math.isfinite(number) and number > 0):
+    raise ConfigError(f"sparsify (--sparsify)={text!r}: the threshold {number_text} must be "
+                      f"a positive magnitude (e.g. threshold:1e-3).")
+  return kind, number
+
+
+def normalize_dataset(name: str) -> str:
+  return str(name).strip().lower().replace("-", "_")
+
+
+def validate(config: TrainConfig) -> TrainConfig:
+  """Checks every setting and combination; returns the config for chaining.
+
+  Raises:
+    ConfigError: the first bad setting, named with its flag and the fix.
+  """
+  # Imported here: these pull in JAX and Flax, which `jdist --help` need not.
+  from jdist import datasets
+  from jdist import models
+
+  if config.model not in models.MODELS:
+    raise ConfigError(f"model (--model)={config.model!r} is unknown; choose one of "
+                      f"{', '.join(sorted(models.MODELS))}.")
+  if normalize_dataset(config.dataset) not in datasets.NAMES:
+    raise ConfigError(f"dataset (--dataset)={config.dataset!r} is unknown; choose one of "
+                      f"{', '.join(datasets.NAMES)}.")
+  if config.optimizer not in OPTIMIZERS:
+    raise ConfigError(f"optimizer (--optimizer)={config.optimizer!r} is unknown; choose "
+                      f"one of {', '.join(OPTIMIZERS)}.")
+  _int(config, "epochs", 1)
+  _int(config, "batch_size", 1)
+  _int(config, "eval_batch_size", 0)
+  _int(config, "seed", 0)
+  _int(config, "train_limit", 1, optional=True)
+  _int(config, "test_limit", 1, optional=True)
+  _int(config, "checkpoint_every", 0)
+  _int(config, "max_steps", 1, optional=True)
+  _int(config, "eval_every", 0)
+  _int(config, "check_replicas_every", 0)
+  _int(config, "cpu_devices", 1, optional=True)
+  _int(config, "partial", 1, optional=True)
+  _number(config, "lr", 0.0, math.inf, low_open=True, high_open=True,
+          hint="the learning rate must be positive, e.g. 0.05")
+  _number(config, "momentum", 0.0, 1.0, low_open=False, high_open=True,
+          hint="use 0 for plain SGD, e.g. 0.9")
+  _number(config, "weight_decay", 0.0, math.inf, low_open=False, high_open=True,
+          hint="use 0 for none, e.g. 1e-4")
+  if config.timeout is not None:
+    _number(config, "timeout", 0.0, math.inf, low_open=True, high_open=True,
+            hint="seconds a cross-process exchange may wait, e.g. 300")
+  if config.half is not None and config.half not in HALF_CHOICES:
+    raise ConfigError(f"half (--half)={config.half!r} is unknown; choose one of "
+                      f"{', '.join(HALF_CHOICES)} (or leave it out for 32-bit gradients).")
+  if config.sparsify is not None:
+    parse_sparsify(config.sparsify)
+  if config.backend not in BACKENDS:
+    raise ConfigError(f"backend (--backend)={config.backend!r} is unknown; choose one of "
+                      f"{', '.join(BACKENDS)}.")
+  if config.partial is not None and (config.half is not None or config.sparsify is not None):
+    raise ConfigError(
+        "--partial averages parameters in full precision and cannot be combined with "
+        "--half or --sparsify (which compress gradients); choose one communication mode.")
+  if config.resume and not config.checkpoint_dir:
+    raise ConfigError("--resume needs --checkpoint-dir DIR: the directory to resume from.")
+  if config.checkpoint_every and not config.checkpoint_dir:
+    raise ConfigError("--checkpoint-every needs --checkpoint-dir DIR: where to write them.")
+  return config
+
+
+def resume_conflicts(saved: dict[str, Any], config: TrainConfig) -> tuple[list[str], list[str]]:
+  """Compares a checkpoint's stored config with this run's.
+
+  Returns:
+    (errors, notes): settings that must match but differ, and settings that
+    differ harmlessly but make the run differ from an uninterrupted one;
+    each a "name: checkpoint X, this run Y" string.
+  """
+  def differ(names):
+    out = []
+    for name in names:
+      old, new = saved.get(name), getattr(config, name)
+      if name == "dataset" and old is not None:
+        old, new = normalize_dataset(old), normalize_dataset(new)
+      if old != new:
+        out.append(f"{_flag(name)}: checkpoint {old!r}, this run {new!r}")
+    return out
+  return differ(RESUME_MUST_MATCH), differ(RESUME_MAY_DIFFER)
+
+
+def build_optimizer(config: TrainConfig):
+  """The data-parallel optax chain the config asks for."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  import jdist  # pylint: disable=g-import-not-at-top
+  if config.optimizer == "sgd":
+    inner = optax.sgd(config.lr, momentum=config.momentum or None)
+    if config.weight_decay:
+      inner = optax.chain(optax.add_decayed_weights(config.weight_decay), inner)
+  elif config.optimizer == "adam":
+    inner = optax.adam(config.lr, b1=config.momentum)
+  else:
+    inner = optax.adamw(config.lr, b1=config.momentum, weight_decay=config.weight_decay)
+  half = {None: False, "fp16": jnp.float16, "bf16": jnp.bfloat16}[config.half]
+  tx = jdist.dist_opt(inner, half=half, sparsify=config.sparsify, partial=config.partial)
+  if config.skip_nonfinite:
+    from jdist.transforms.finite import skip_nonfinite  # pylint: disable=g-import-not-at-top
+    tx = skip_nonfinite(tx)
+  return tx
+
+
+def force_cpu_devices(count: int) -> None:
+  """Makes JAX create `count` CPU devices in this process (CPU testing only).
+
+  Sets `XLA_FLAGS=--xla_force_host_platform_device_count=count` and JAX's
+  platform to "cpu". XLA reads the flag when JAX creates its backends, so
+  this must run before the first JAX computation.
+
+  Raises:
+    ConfigError: JAX's backends already exist with another device count.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  if getattr(xla_bridge, "_backends", None):
+    if jax.default_backend() != "cpu" or jax.local_device_count() != count:
+      raise ConfigError(
+          f"cpu_devices (--cpu-devices)={count}: JAX is already running with "
+          f"{jax.local_device_count()} {jax.default_backend()} devices, so the device "
+          f"count can no longer change. Set it before any JAX computation, or set "
+          f"XLA_FLAGS={CPU_DEVICES_FLAG}={count} JAX_PLATFORMS=cpu in the environment.")
+    return
+  flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
+           if not flag.startswith(CPU_DEVICES_FLAG)]
+  os.environ["XLA_FLAGS"] = " ".join(flags + [f"{CPU_DEVICES_FLAG}={count}"])
+  jax.config.update("jax_platforms", "cpu")
