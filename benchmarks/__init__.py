@@ -1,0 +1,12 @@
+"""jdist's benchmark suite.
+
+    python -m benchmarks            # the full suite (~10 min on 2 cores)
+    python -m benchmarks --quick    # the smoke run CI uses (tiny sizes)
+    python -m benchmarks.accuracy   # accuracy vs compression (~40 min)
+
+Modules: `timing` (warm-up, interleaving, medians), `workload` (models,
+data, train steps), one module per measured section (`allreduce`,
+`overhead`, `compression`, `selection`, `scaling`, `accuracy`), `worker`
+(a job's process), `jobs` (launching jobs and merging ranks), `analysis`
+(ratios and targets), `report` and `plots` (results.md and the figures).
+"""

@@ -1,0 +1,206 @@
+"""Section 6: test accuracy against compression (a longer, separate run).
+
+    python -m benchmarks.accuracy [--epochs 4] [--dataset auto] [--modes ...]
+
+Trains SINGA's CNN (`jdist.models`) with `jdist.dist_opt(optax.sgd(0.005,
+momentum=0.9))` in each mode (plain, fp16, top-K 1% with error feedback,
+partial sync of 4 chunks) on 2 processes (`mpirun -np 2`, one device each),
+from the same initial parameters and the same data order, and records the
+test accuracy after every epoch. The data: Fashion-MNIST where Debian's
+`dataset-fashion-mnist` package put it (/usr/share/datasets/fashion-mnist),
+else scikit-learn's 8x8 digits.
+
+The default (4 epochs of Fashion-MNIST per mode) takes about 30-40 minutes
+on the 2-core machine; it writes accuracy.json and accuracy.md into --out
+(default docs/benchmarks) and is meant to run in the background:
+
+    nohup .venv/bin/python -m benchmarks.accuracy > /tmp/accuracy.log 2>&1 &
+
+`--epochs 1 --limit 6000` is a quick check that the whole path works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jdist
+from benchmarks import jobs
+from benchmarks import report
+from benchmarks import workload
+from jdist import datasets
+from jdist import models
+
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+MODES = {
+    "plain": {},
+    "fp16": {"half": True},
+    "topk1%": {"sparsify": "topk:0.01", "error_feedback": True},
+    "partial4": {"partial": 4},
+}
+LEARNING_RATE = 0.005  # SINGA's MNIST example: SGD(lr=0.005, momentum=0.9)
+MOMENTUM = 0.9
+SEED = 0
+
+
+# ----------------------------------------------------------------------------
+# The section, run by benchmarks.worker in each rank.
+
+
+def load_data(name: str, limit: int | None):
+  """(Dataset, its name): Fashion-MNIST if installed (or asked for), else digits."""
+  if name == "auto":
+    name = "fashion_mnist" if os.path.isdir(FASHION_MNIST_DIR) else "digits"
+  if name == "fashion_mnist":
+    data = datasets.load_fashion_mnist(FASHION_MNIST_DIR if os.path.isdir(FASHION_MNIST_DIR)
+                                       else None, download=False)
+  else:
+    data = datasets.load(name, download=False)
+  if limit:
+    data = data._replace(train_x=data.train_x[:limit], train_y=data.train_y[:limit])
+  return data
+
+
+def build_model(data):
+  """SINGA's CNN sized for the data (jdist.models), and its initial parameters."""
+  shape = data.train_x.shape[1:]
+  model = models.create_model("cnn", num_classes=data.num_classes, input_shape=shape)
+  params, _ = models.init_model(model, jax.random.key(SEED), shape)
+  return model, params
+
+
+def epoch_batches(num_examples: int, replicas: int, batch: int, epoch: int):
+  """Per step, every replica's example indices: the same order on every rank."""
+  order = np.random.default_rng((SEED, epoch)).permutation(num_examples)
+  steps = num_examples // (replicas * batch)
+  return order[:steps * replicas * batch].reshape(steps, replicas, batch)
+
+
+def make_evaluate(model, data):
+  """Test accuracy of (unreplicated) parameters, computed on the host of each rank."""
+
+  @jax.jit
+  def correct(params, x, y):
+    return jnp.sum(jnp.argmax(model.apply({"params": params}, x), -1) == y)
+
+  def evaluate(params) -> float:
+    hits = sum(int(correct(params, data.test_x[i:i + 1000], data.test_y[i:i + 1000]))
+               for i in range(0, len(data.test_y), 1000))
+    return hits / len(data.test_y)
+
+  return evaluate
+
+
+def train_mode(ctx, mode: str, data, model, params, evaluate, epochs: int, batch: int):
+  """Yields one row per epoch of training in `mode`."""
+
+  topo = ctx.topo
+  tx = jdist.dist_opt(optax.sgd(LEARNING_RATE, momentum=MOMENTUM), **MODES[mode])
+  step = workload.jdist_step(model, tx)
+  replicated = jdist.replicate(params)
+  opt_state = jdist.data_parallel(tx.init)(replicated)
+  mine = list(topo.replica_indices)
+  for epoch in range(epochs):
+    start = time.perf_counter()
+    losses = []
+    for indices in epoch_batches(len(data.train_y), topo.replica_count, batch, epoch):
+      rows = indices[mine]  # [local devices, batch]
+      replicated, opt_state, loss = step(replicated, opt_state,
+                                         workload.shard(data.train_x[rows]),
+                                         workload.shard(data.train_y[rows]))
+      losses.append(loss)
+    synced = jdist.sync_params(replicated) if "partial" in MODES[mode] else replicated
+    accuracy = evaluate(jdist.unreplicate(synced))
+    yield {"mode": mode, "epoch": epoch + 1, "test_accuracy": accuracy,
+           "train_loss": float(sum(float(l[0]) for l in losses[-50:]) / min(50, len(losses))),
+           "steps": len(losses), "wire_bytes_per_step": float(
+               jdist.wire_bytes(jdist.unreplicate(opt_state))),
+           "epoch_s": time.perf_counter() - start}
+
+
+def run(ctx):
+  """The section: every mode in turn, a row per epoch."""
+  options = ctx.options
+  data = load_data(options.get("dataset", "auto"), options.get("limit"))
+  model, params = build_model(data)
+  evaluate = make_evaluate(model, data)
+  for mode in options.get("modes", list(MODES)):
+    for row in train_mode(ctx, mode, data, model, params, evaluate,
+                          int(options.get("epochs", 4)), int(options.get("batch", 32))):
+      yield dict(row, dataset=data.name, train_examples=len(data.train_y),
+                 test_examples=len(data.test_y), batch_per_replica=options.get("batch", 32),
+                 replicas=ctx.topo.replica_count)
+
+
+# ----------------------------------------------------------------------------
+# The driver.
+
+
+def markdown(results: dict) -> str:
+  rows = results["rows"]
+  env = results["environment"]
+  lines = ["# jdist: accuracy against compression", "",
+           f"Generated by `{results['command']}` on {env['date']} in "
+           f"{results['wall_s'] / 60:.1f} min; {env['cpu']}, {env['cores']} cores "
+           f"(load average at start {env['load_average_start'][0]:.2f}).", ""]
+  if rows:
+    first = rows[0]
+    lines += [f"SINGA's CNN, {first['dataset']} ({first['train_examples']:,} train / "
+              f"{first['test_examples']:,} test images), {first['replicas']} replicas x "
+              f"batch {first['batch_per_replica']}, `dist_opt(optax.sgd({LEARNING_RATE}, "
+              f"momentum={MOMENTUM}), ...)`, same initial parameters and data order.", ""]
+  lines += report.table(
+      ["mode", "epoch", "test accuracy", "train loss (last 50 steps)", "sent per step",
+       "epoch s"],
+      [[r["mode"], r["epoch"], f"{r['test_accuracy']:.4f}", f"{r['train_loss']:.4f}",
+        report.size(r["wire_bytes_per_step"]), f"{r['epoch_s']:.0f}"] for r in rows])
+  if results.get("error"):
+    lines += ["Run ended early:", "", "```", results["error"][-1500:], "```", ""]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.accuracy", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--epochs", type=int, default=4)
+  parser.add_argument("--dataset", default="auto", choices=("auto", "fashion_mnist", "digits"))
+  parser.add_argument("--modes", default=",".join(MODES), help=f"from {', '.join(MODES)}")
+  parser.add_argument("--batch", type=int, default=32, help="examples per replica per step")
+  parser.add_argument("--limit", type=int, help="use only the first N training examples")
+  parser.add_argument("--out", default=os.path.join(jobs.REPO, "docs", "benchmarks"))
+  parser.add_argument("--timeout", type=float, default=3600, help="seconds before the job "
+                      "is killed")
+  args = parser.parse_args(argv)
+  modes = tuple(args.modes.split(","))
+  if set(modes) - set(MODES) or args.epochs < 1 or args.batch < 1:
+    parser.error(f"--modes must be from {list(MODES)}; --epochs and --batch must be >= 1.")
+  options = {"epochs": args.epochs, "dataset": args.dataset, "modes": modes,
+             "batch": args.batch, "limit": args.limit}
+  job = jobs.Job("accuracy-2x1", 2, 1, ("accuracy",), options=tuple(options.items()))
+  start = time.perf_counter()
+  environment = report.environment()
+  result = jobs.run(job, quick=False, timeout=args.timeout)
+  section = result.get("sections", {}).get("accuracy", {})
+  results = {"command": "python -m benchmarks.accuracy " + " ".join(argv or sys.argv[1:]),
+             "options": options, "environment": environment,
+             "wall_s": time.perf_counter() - start, "rows": section.get("rows", []),
+             "error": result.get("error") or section.get("error")}
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "accuracy.json"), "w", encoding="utf-8") as f:
+    json.dump(results, f, indent=1)
+  with open(os.path.join(args.out, "accuracy.md"), "w", encoding="utf-8") as f:
+    f.write(markdown(results))
+  print(markdown(results))
+  return 1 if results["error"] else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,135 @@
+"""Section 1 (and 5): all-reduce time of float32 buffers, 4 KB to 64 MB.
+
+Variants, interleaved at each size in one job:
+  * `memcpy`: `np.copyto` of the buffer, the machine's memory limit;
+  * `mpi`: mpi4py `Allreduce` on numpy buffers, the MPI floor;
+  * `mpi4jax`: `mpi4jax.allreduce` in a jitted function (one device only);
+  * `jdist_psum`: `jdist.psum` inside `jdist.data_parallel`, whatever route
+    the topology picks (mpi4jax with one device per process, the callback
+    route with several, XLA/gloo under backend "jax");
+  * `jdist_mean`: the `jdist.allreduce()` transformation (sum, then divide);
+  * `jdist_fp16`: `jdist.cast(float16)` + `jdist.allreduce()`: 16 bits on
+    the wire, float32 in and out;
+  * `jdist_callback`: `jdist.psum` with the callback route forced
+    (`JDIST_ROUTE=callback`) on one device per process.
+
+Rows hold the buffer size per replica (`bytes`), the replica count and the
+median time; bandwidths are computed by the driver (`analysis`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jdist
+from jdist import collectives
+from benchmarks import timing
+
+SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KB .. 64 MB
+# Smoke run: a small size and one above 256 KB, where the 2x2 callback route
+# once deadlocked (XLA's CPU pool starved by MPI-blocked host callbacks).
+QUICK_SIZES = (4096, 1 << 20)
+
+
+@contextlib.contextmanager
+def forced_route(route: str | None):
+  """Traces jdist collectives with `JDIST_ROUTE=route` (read at trace time)."""
+  if route is None:
+    yield
+    return
+  previous = os.environ.get(collectives.transport.ROUTE_ENV)
+  os.environ[collectives.transport.ROUTE_ENV] = route
+  try:
+    if collectives.route() != route:
+      raise RuntimeError(f"JDIST_ROUTE={route} did not select the {route!r} route.")
+    yield
+  finally:
+    if previous is None:
+      del os.environ[collectives.transport.ROUTE_ENV]
+    else:
+      os.environ[collectives.transport.ROUTE_ENV] = previous
+
+
+def jdist_mean(dtype=None) -> Callable:
+  """Per-replica `jdist.allreduce()` (after `jdist.cast(dtype)` if given)."""
+  parts = ([jdist.cast(dtype)] if dtype is not None else []) + [jdist.allreduce()]
+  tx = optax.chain(*parts)
+  return lambda x: tx.update(x, tx.init(x))[0]
+
+
+def _jdist_variants(topo: jdist.Topology) -> dict[str, tuple[Callable, str | None]]:
+  """name -> (per-replica function, forced route or None)."""
+  variants = {
+      "jdist_psum": (jdist.psum, None),
+      "jdist_mean": (jdist_mean(), None),
+      "jdist_fp16": (jdist_mean(jnp.float16), None),
+  }
+  if topo.backend == "mpi" and topo.local_device_count == 1:
+    variants["jdist_callback"] = (jdist.psum, "callback")
+  return variants
+
+
+def _host_variants(topo: jdist.Topology, count: int) -> dict[str, Callable[[], Any]]:
+  """The baselines: a memory copy, MPI on numpy buffers, mpi4jax in jit."""
+  src = np.random.default_rng(0).random(count, dtype=np.float32)
+  dst = np.empty_like(src)
+  variants = {"memcpy": lambda: np.copyto(dst, src)}
+  if topo.process_count == 1:
+    return variants
+  from mpi4py import MPI  # pylint: disable=import-outside-toplevel
+  comm = baseline_comm()
+  variants["mpi"] = lambda: comm.Allreduce(src, dst, op=MPI.SUM)
+  if topo.backend == "mpi" and topo.local_device_count == 1:
+    import mpi4jax  # pylint: disable=import-outside-toplevel
+    on_device = jnp.asarray(src)
+    reduce = jax.jit(lambda x: mpi4jax.allreduce(x, op=MPI.SUM, comm=comm))
+    variants["mpi4jax"] = lambda: reduce(on_device)
+  return variants
+
+
+_comm = None
+
+
+def baseline_comm():
+  """A communicator of the benchmark's own, apart from jdist's."""
+  global _comm
+  if _comm is None:
+    from mpi4py import MPI  # pylint: disable=import-outside-toplevel
+    _comm = MPI.COMM_WORLD.Dup()
+  return _comm
+
+
+def measure_size(ctx, nbytes: int) -> list[dict]:
+  """Every variant at one buffer size (float32, `nbytes` per replica)."""
+  topo = ctx.topo
+  count = nbytes // 4
+  variants = _host_variants(topo, count)
+  routes: dict[str, str] = {}
+  buffer = jdist.replicate(jnp.ones((count,), jnp.float32))
+  for name, (fn, route) in _jdist_variants(topo).items():
+    step = jdist.data_parallel(fn)
+    with forced_route(route):
+      jax.block_until_ready(step(buffer))  # compiles with the forced route
+      routes[name] = collectives.route()
+    variants[name] = lambda step=step: step(buffer)
+  series = timing.interleaved(variants, repeats=timing.repeats_for(nbytes, quick=ctx.quick),
+                              warmup=ctx.warmup(2), sync=ctx.sync)
+  rows = []
+  for name, times in series.items():
+    rows.append({"variant": name, "route": routes.get(name, "host"), "bytes": nbytes,
+                 "replicas": topo.replica_count, "processes": topo.process_count,
+                 "backend": topo.backend, **times.as_dict()})
+  return rows
+
+
+def run(ctx):
+  """Yields a row per variant and size, smallest sizes first."""
+  for nbytes in QUICK_SIZES if ctx.quick else SIZES:
+    yield from measure_size(ctx, nbytes)

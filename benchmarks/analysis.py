@@ -1,0 +1,173 @@
+"""From the jobs' raw rows to the figures the report shows, and the targets.
+
+Every ratio here divides two numbers measured in the same job, interleaved
+(see `timing`), so both sides saw the same machine load.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+GB = 1e9
+# The targets the issue sets (name -> the bound on the measured ratio).
+OVERHEAD_BOUND = 1.03
+FP16_BYTES_BOUND = 0.5
+FP16_TIME_BOUND = 0.6
+FP16_MIN_BYTES = 16 << 20
+TOPK_COMM_BOUND = 0.3
+TOPK_MIN_PARAMS = 5_000_000  # "at 10M params": the ~10M model
+
+
+def section_rows(jobs: Iterable[dict], section: str) -> list[dict]:
+  """Every row of `section` over all jobs, each tagged with its job's name."""
+  rows = []
+  for job in jobs:
+    for row in job.get("sections", {}).get(section, {}).get("rows", []):
+      rows.append(dict(row, job=job["job"]))
+  return rows
+
+
+def _index(rows: list[dict], *keys: str) -> dict[tuple, dict]:
+  return {tuple(row[k] for k in keys): row for row in rows}
+
+
+def allreduce(jobs: list[dict]) -> list[dict]:
+  """Bandwidths, and each variant's time against MPI's in the same job and size."""
+  rows = section_rows(jobs, "allreduce")
+  by_variant = _index(rows, "job", "bytes", "variant")
+  out = []
+  for row in rows:
+    time_s = row["time_s"]
+    algbw = row["bytes"] / time_s / GB
+    collective = row["variant"] != "memcpy"
+    replicas = row["replicas"]
+    mpi = by_variant.get((row["job"], row["bytes"], "mpi"))
+    out.append(dict(row, algbw_GBps=algbw,
+                    busbw_GBps=algbw * 2 * (replicas - 1) / replicas if collective else None,
+                    vs_mpi=time_s / mpi["time_s"] if mpi else None))
+  return out
+
+
+def overhead(jobs: list[dict]) -> list[dict]:
+  out = []
+  for row in section_rows(jobs, "overhead"):
+    nocheck = row.get("jdist_nocheck_time_s")
+    out.append(dict(row, ratio=row["jdist_time_s"] / row["pmap_time_s"],
+                    nocheck_ratio=nocheck / row["pmap_time_s"] if nocheck else None))
+  return out
+
+
+def compression(jobs: list[dict]) -> list[dict]:
+  """Per model: communication time (step - compute) and ratios against plain."""
+  rows = section_rows(jobs, "compression")
+  by_mode = _index(rows, "job", "model", "mode")
+  out = []
+  for row in rows:
+    compute = by_mode[(row["job"], row["model"], "compute")]["time_s"]
+    plain = by_mode.get((row["job"], row["model"], "plain"))
+    comm = row["time_s"] - compute
+    entry = dict(row, compute_s=compute, comm_s=comm)
+    if plain is not None and row["mode"] != "compute":
+      plain_comm = plain["time_s"] - compute
+      entry.update(bytes_ratio=row["wire_bytes"] / plain["wire_bytes"],
+                   time_ratio=row["time_s"] / plain["time_s"],
+                   comm_ratio=comm / plain_comm if plain_comm > 0 else None)
+    out.append(entry)
+  return out
+
+
+def half(jobs: list[dict]) -> list[dict]:
+  """Each piece of the 16-bit all-reduce against jdist's float32 one, same size."""
+  rows = section_rows(jobs, "half")
+  f32 = _index([r for r in rows if r["piece"] == "jdist_f32"], "job", "bytes")
+  return [dict(row, vs_f32=row["time_s"] / f32[(row["job"], row["bytes"])]["time_s"])
+          for row in rows]
+
+
+def selection(jobs: list[dict]) -> list[dict]:
+  """Each piece's time against the whole `jdist.topk` update."""
+  rows = section_rows(jobs, "selection")
+  whole = _index([r for r in rows if r["piece"] == "topk_update"], "job", "model", "ratio")
+  return [dict(row, vs_topk_update=row["time_s"] / whole[(row["job"], row["model"],
+                                                           row["ratio"])]["time_s"])
+          for row in rows]
+
+
+def scaling(jobs: list[dict]) -> list[dict]:
+  """Samples/s and weak-scaling efficiency against one replica (1x1)."""
+  rows = section_rows(jobs, "scaling")
+  single = next((r for r in rows if r["replicas"] == 1), None)
+  out = []
+  for row in rows:
+    rate = row["replicas"] * row["per_replica_batch"] / row["time_s"]
+    base = single["per_replica_batch"] / single["time_s"] if single else None
+    compute = row.get("compute_time_s")
+    out.append(dict(row, samples_per_s=rate,
+                    efficiency=rate / (row["replicas"] * base) if base else None,
+                    comm_share=1 - compute / row["time_s"] if compute else None))
+  return out
+
+
+def backends(jobs: list[dict]) -> dict[str, Any]:
+  """Backend "jax" (XLA/gloo collectives) beside the MPI path, and how init went."""
+  jax_jobs = [j for j in jobs if j.get("backend") == "jax" or j["job"].endswith("-jax")]
+  job = jax_jobs[0] if jax_jobs else {}
+  return {"job": job.get("job"), "init_error": job.get("init_error"),
+          "error": job.get("error"),
+          "workaround": ("jax.distributed.initialize(cluster_detection_method='mpi4py')"
+                         if job.get("init_error") else None)}
+
+
+def _target(name: str, measured: float | None, bound: float, where: str) -> dict:
+  return {"target": name, "bound": bound, "measured": measured, "where": where,
+          "met": None if measured is None else measured <= bound}
+
+
+def targets(summary: dict[str, Any]) -> list[dict]:
+  """Every target of the issue with the measured ratio (lower is better)."""
+  out = []
+  for row in summary["overhead"]:
+    out.append(_target("step overhead jdist/pmap (ratio of medians)", row["ratio"],
+                       OVERHEAD_BOUND, f"1x{row['devices']} {row['model']}"))
+  for row in summary["compression"]:
+    if row["mode"] == "fp16":
+      out.append(_target("fp16 bytes/float32 bytes", row.get("bytes_ratio"), FP16_BYTES_BOUND,
+                         f"{row['job']} {row['model']}"))
+    if row["mode"].startswith("topk1%") and row["params"] >= TOPK_MIN_PARAMS:
+      name = "top-K 1% comm time/dense comm time" + (
+          f" ({row['mode']})" if row["mode"] != "topk1%" else "")
+      out.append(_target(name, row.get("comm_ratio"), TOPK_COMM_BOUND,
+                         f"{row['job']} {row['model']}"))
+  by_variant = _index(summary["allreduce"], "job", "bytes", "variant")
+  for (job, nbytes, variant), row in sorted(by_variant.items()):
+    f32 = by_variant.get((job, nbytes, "jdist_mean"))
+    if variant == "jdist_fp16" and nbytes >= FP16_MIN_BYTES and f32:
+      out.append(_target("fp16 all-reduce time/float32", row["time_s"] / f32["time_s"],
+                         FP16_TIME_BOUND, f"{job} {nbytes >> 20} MB"))
+  for row in summary["half"]:
+    if row["piece"] == "proposed_fp16" and row["bytes"] >= FP16_MIN_BYTES:
+      out.append(_target("fp16 all-reduce time/float32 (direct prototype)", row["vs_f32"],
+                         FP16_TIME_BOUND, f"{row['job']} {row['bytes'] >> 20} MB"))
+  return out
+
+
+def failures(jobs: list[dict]) -> list[dict]:
+  """Jobs that failed and sections that raised or did not finish."""
+  out = []
+  for job in jobs:
+    if "error" in job:
+      out.append({"job": job["job"], "section": None, "error": job["error"]})
+    for name, section in job.get("sections", {}).items():
+      if "error" in section or not section.get("complete", False):
+        last = section["rows"][-1] if section.get("rows") else None
+        out.append({"job": job["job"], "section": name, "rows": len(section.get("rows", [])),
+                    "error": section.get("error", "did not finish"), "last_row": last})
+  return out
+
+
+def summarize(jobs: list[dict]) -> dict[str, Any]:
+  summary = {"allreduce": allreduce(jobs), "half": half(jobs), "overhead": overhead(jobs),
+             "compression": compression(jobs), "selection": selection(jobs),
+             "scaling": scaling(jobs), "backends": backends(jobs), "failures": failures(jobs)}
+  summary["targets"] = targets(summary)
+  return summary

@@ -1,0 +1,88 @@
+"""PNG figures of the summary (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+
+
+def _save(fig, out_dir: str, name: str) -> str:
+  fig.tight_layout()
+  fig.savefig(os.path.join(out_dir, f"{name}.png"), dpi=110)
+  plt.close(fig)
+  return name
+
+
+def allreduce_bandwidth(summary: dict, out_dir: str) -> str | None:
+  """Bandwidth against size, one panel per job (topology and backend)."""
+  rows = summary["allreduce"]
+  jobs = list(dict.fromkeys(r["job"] for r in rows))
+  if not rows:
+    return None
+  fig, axes = plt.subplots(1, len(jobs), figsize=(5 * len(jobs), 4.5), sharey=True,
+                           squeeze=False)
+  for ax, job in zip(axes[0], jobs):
+    mine = [r for r in rows if r["job"] == job]
+    for variant in dict.fromkeys(r["variant"] for r in mine):
+      points = sorted((r for r in mine if r["variant"] == variant), key=lambda r: r["bytes"])
+      bandwidth = [r["busbw_GBps"] if r["busbw_GBps"] is not None else r["algbw_GBps"]
+                   for r in points]
+      ax.plot([r["bytes"] for r in points], bandwidth,
+              "--" if variant in ("memcpy", "mpi") else "-", marker="o", markersize=3,
+              label=f"{variant} ({points[0]['route']})")
+    ax.set(xscale="log", yscale="log", xlabel="bytes per replica (float32)",
+           title=f"{job} ({mine[0]['backend']} backend)")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+  axes[0][0].set_ylabel("bus bandwidth, GB/s (memcpy: bytes/s)")
+  return _save(fig, out_dir, "allreduce_bandwidth")
+
+
+def compression(summary: dict, out_dir: str) -> str | None:
+  rows = [r for r in summary["compression"] if r["mode"] != "compute"]
+  models = list(dict.fromkeys(r["model"] for r in rows))
+  if not rows:
+    return None
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+  width = 0.8 / len(models)
+  for i, model in enumerate(models):
+    mine = [r for r in rows if r["model"] == model]
+    positions = [j + i * width for j in range(len(mine))]
+    axes[0].bar(positions, [r["wire_bytes"] / 2**20 for r in mine], width, label=model)
+    axes[1].bar(positions, [r["comm_s"] * 1e3 for r in mine], width, label=model)
+    for ax in axes:
+      ax.set_xticks([j + 0.4 - width / 2 for j in range(len(mine))],
+                    [r["mode"] for r in mine], rotation=30)
+  axes[0].set(ylabel="MB sent per step and process", yscale="log", title="Bytes on the wire")
+  axes[1].set(ylabel="ms (step - compute-only step)", yscale="log",
+              title="Communication time (compression work included)")
+  for ax in axes:
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+  return _save(fig, out_dir, "compression")
+
+
+def scaling(summary: dict, out_dir: str) -> str | None:
+  rows = summary["scaling"]
+  if not rows:
+    return None
+  fig, ax = plt.subplots(figsize=(6, 4))
+  ax.bar([r["job"] for r in rows], [r["samples_per_s"] for r in rows])
+  for i, r in enumerate(rows):
+    if r["efficiency"] is not None:
+      ax.annotate(f"{r['efficiency']:.2f}", (i, r["samples_per_s"]), ha="center",
+                  va="bottom", fontsize=8)
+  ax.set(xlabel="processes x devices", ylabel="samples/s",
+         title=f"Weak scaling, {rows[0]['model']} (labels: efficiency vs 1x1)")
+  ax.grid(True, axis="y", alpha=0.3)
+  return _save(fig, out_dir, "scaling")
+
+
+def draw_all(summary: dict, out_dir: str) -> list[str]:
+  """Writes every figure that has data; returns their names."""
+  names = [draw(summary, out_dir) for draw in (allreduce_bandwidth, compression, scaling)]
+  return [name for name in names if name]

@@ -1,0 +1,110 @@
+"""Timing helpers shared by every benchmark: warm-up, interleaving, medians.
+
+Every measurement here follows the same rules:
+
+* the timed call's result is waited for (`jax.block_until_ready`), so the
+  clock covers the computation, not only its dispatch;
+* each variant runs `warmup` times first (compilation, allocation, caches);
+* variants that are compared run interleaved, round-robin, in the same
+  process, so a noisy neighbour slows all of them alike;
+* the reported time is the median of the repeats.
+
+Collective steps must be called the same number of times in the same order
+on every rank, so repeat counts are computed from sizes (`repeats_for`),
+never from timings that may differ between ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable, Mapping
+
+import jax
+
+
+@dataclasses.dataclass
+class Series:
+  """The timings of one variant."""
+  samples: list[float]
+
+  @property
+  def median(self) -> float:
+    return statistics.median(self.samples)
+
+  def as_dict(self, prefix: str = "") -> dict[str, Any]:
+    """Median and spread, keys ending in `_s` (seconds) as the driver expects."""
+    ordered = sorted(self.samples)
+    return {f"{prefix}time_s": self.median, f"{prefix}min_s": ordered[0],
+            f"{prefix}p90_s": ordered[int(0.9 * (len(ordered) - 1))],
+            f"{prefix}repeats": len(ordered)}
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+  """Seconds one call of `fn` takes, its result included, and the result."""
+  start = time.perf_counter()
+  out = jax.block_until_ready(fn())
+  return time.perf_counter() - start, out
+
+
+def interleaved(variants: Mapping[str, Callable[[], Any]], *, repeats: int, warmup: int = 2,
+                sync: Callable[[], None] | None = None) -> dict[str, Series]:
+  """Times several variants round-robin and returns each one's samples.
+
+  Args:
+    variants: name -> a function of no arguments that runs one call; it may
+      carry state between calls (e.g. a training step feeding its output back).
+    repeats: timed rounds; each round calls every variant once.
+    warmup: untimed rounds first.
+    sync: called before the first timed round (e.g. an MPI barrier, so ranks
+      start together).
+
+  Returns:
+    name -> `Series` of `repeats` timings.
+  """
+  for _ in range(warmup):
+    for fn in variants.values():
+      timed(fn)
+  if sync is not None:
+    sync()
+  samples: dict[str, list[float]] = {name: [] for name in variants}
+  for _ in range(repeats):
+    for name, fn in variants.items():
+      samples[name].append(timed(fn)[0])
+  return {name: Series(values) for name, values in samples.items()}
+
+
+def paired_ratio(numerator: Series, denominator: Series) -> float:
+  """Median of per-round ratios: each pair ran back to back, so drift cancels."""
+  return statistics.median(a / b for a, b in zip(numerator.samples, denominator.samples))
+
+
+def repeats_for(nbytes: int, *, quick: bool, budget_bytes: int = 1 << 28,
+                least: int = 7, most: int = 60) -> int:
+  """Repeats for a transfer of `nbytes`: many for small buffers, a few for big ones.
+
+  Depends on the size only, so every rank of a job agrees on it.
+  """
+  if quick:
+    return 3
+  return max(least, min(most, budget_bytes // max(1, nbytes)))
+
+
+class Stepper:
+  """A training step that feeds its own state back: `(state, batch) -> state`.
+
+  `Stepper(step, state, batch)()` runs one step and keeps the new state, so
+  `interleaved` can time steps of several variants that each evolve their
+  own parameters and optimizer state.
+  """
+
+  def __init__(self, step: Callable, state: tuple, batch: tuple):
+    self.step = step
+    self.state = state
+    self.batch = batch
+
+  def __call__(self):
+    out = self.step(*self.state, *self.batch)
+    self.state = tuple(out[:len(self.state)])
+    return out

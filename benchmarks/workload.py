@@ -1,0 +1,180 @@
+"""Models, data and training steps the benchmarks time.
+
+Models are named so every job builds the same one: SINGA's MNIST CNN
+(`jdist.models.CNN`, with a local copy as fallback when that module is not
+there) and MLPs on 28x28x1 inputs whose widths set the parameter count
+(~1M and ~10M, plus tiny ones for the smoke run).
+
+Three steps on the same model and data:
+  * `jdist_step`: `jdist.data_parallel` + the transformation given (usually
+    `jdist.dist_opt(optax.sgd(...))`), the way a user writes it;
+  * `pmap_step`: the hand-written `jax.pmap(axis_name="i")` + `lax.pmean`
+    step that jdist's overhead is measured against (one process only);
+  * `compute_step`: the same step with no reduction at all, for the compute
+    part of a step's time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import jdist
+from benchmarks import timing
+
+try:  # Written alongside the benchmarks; the fallback keeps them usable without it.
+  from jdist import models as jdist_models
+except ImportError:  # pragma: no cover
+  jdist_models = None
+
+IMAGE_SHAPE = (28, 28, 1)
+NUM_CLASSES = 10
+
+
+class _SingaCNN(nn.Module):
+  """SINGA's MNIST CNN (431,080 parameters on 28x28x1), if jdist.models is absent."""
+
+  @nn.compact
+  def __call__(self, x):
+    for features in (20, 50):
+      x = nn.max_pool(nn.relu(nn.Conv(features, (5, 5), padding="VALID")(x)), (2, 2), (2, 2))
+    x = nn.relu(nn.Dense(500)(x.reshape((x.shape[0], -1))))
+    return nn.Dense(NUM_CLASSES)(x)
+
+
+class _MLP(nn.Module):
+  widths: Sequence[int]
+
+  @nn.compact
+  def __call__(self, x):
+    x = x.reshape((x.shape[0], -1))
+    for width in self.widths:
+      x = nn.relu(nn.Dense(width)(x))
+    return nn.Dense(NUM_CLASSES)(x)
+
+
+def cnn() -> nn.Module:
+  """SINGA's CNN: jdist.models.CNN when available."""
+  if jdist_models is not None and hasattr(jdist_models, "CNN"):
+    return jdist_models.CNN(num_classes=NUM_CLASSES)
+  return _SingaCNN()
+
+
+# name -> hidden widths of an MLP on 784 inputs, or None for the CNN.
+MODELS: dict[str, tuple[int, ...] | None] = {
+    "cnn": None,
+    "mlp1m": (1024, 256),      # 1.07M parameters
+    "mlp10m": (4096, 1664),    # 10.1M parameters
+    "mlp-tiny": (64,),         # smoke runs
+    "mlp-small": (256, 128),   # smoke runs, 0.24M parameters
+}
+
+
+def build(name: str) -> nn.Module:
+  """The flax module registered under `name` in `MODELS`."""
+  if name not in MODELS:
+    raise ValueError(f"Unknown benchmark model {name!r}; choose from {sorted(MODELS)}.")
+  widths = MODELS[name]
+  return cnn() if widths is None else _MLP(widths)
+
+
+def init_params(model: nn.Module, seed: int = 0) -> Any:
+  dummy = jnp.zeros((1,) + IMAGE_SHAPE, jnp.float32)
+  return jax.jit(model.init)(jax.random.key(seed), dummy)["params"]
+
+
+def param_count(params: Any) -> int:
+  return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(params))
+
+
+def local_batch(devices: int, per_replica: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+  """Random images and labels shaped [devices, per_replica, ...] (host arrays)."""
+  rng = np.random.default_rng(seed)
+  x = rng.random((devices, per_replica) + IMAGE_SHAPE, dtype=np.float32)
+  y = rng.integers(0, NUM_CLASSES, size=(devices, per_replica)).astype(np.int32)
+  return x, y
+
+
+def loss_and_grads(model: nn.Module, params, x, y):
+  def loss_fn(p):
+    logits = model.apply({"params": p}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  loss, grads = jax.value_and_grad(loss_fn)(params)
+  return loss, grads
+
+
+def jdist_step(model: nn.Module, tx: optax.GradientTransformation, *,
+               check_inputs: bool = True):
+  """A user's jdist train step: `(params, opt_state, x, y) -> (params, opt_state, loss)`."""
+
+  @jdist.data_parallel(check_inputs=check_inputs)
+  def step(params, opt_state, x, y):
+    loss, grads = loss_and_grads(model, params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, jdist.pmean(loss)
+
+  return step
+
+
+def pmap_step(model: nn.Module, tx: optax.GradientTransformation):
+  """The hand-written pmap step: gradients averaged with `lax.pmean`, then `tx`."""
+
+  def step(params, opt_state, x, y):
+    loss, grads = loss_and_grads(model, params, x, y)
+    grads = jax.lax.pmean(grads, axis_name="i")
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, axis_name="i")
+
+  return jax.pmap(step, axis_name="i")
+
+
+def compute_step(model: nn.Module, tx: optax.GradientTransformation):
+  """The same step with no reduction: each replica applies its own gradients."""
+
+  @jdist.data_parallel
+  def step(params, opt_state, x, y):
+    loss, grads = loss_and_grads(model, params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return step
+
+
+@dataclasses.dataclass
+class Setup:
+  """A model with replicated parameters and this process's batch."""
+  name: str
+  model: nn.Module
+  params: Any  # replicated: leading local-device axis
+  batch: tuple[Any, Any]  # on device, [local_devices, per_replica, ...]
+  param_count: int
+
+  def opt_state(self, tx: optax.GradientTransformation, *, init=None) -> Any:
+    """`tx`'s replicated initial state (built with `init`, default data_parallel)."""
+    return (init or jdist.data_parallel)(tx.init)(self.params)
+
+  def stepper(self, step, tx: optax.GradientTransformation, *, init=None) -> timing.Stepper:
+    """`step` training from these parameters and `tx`'s initial state on this batch."""
+    return timing.Stepper(step, (self.params, self.opt_state(tx, init=init)), self.batch)
+
+
+def setup(name: str, per_replica: int, seed: int = 0) -> Setup:
+  """Builds model `name`, the same parameters on every rank, and a batch per rank."""
+  topo = jdist.init()  # the job's topology (init is idempotent)
+  model = build(name)
+  params = init_params(model, seed)
+  x, y = local_batch(topo.local_device_count, per_replica, seed + 1 + topo.process_index)
+  return Setup(name, model, jdist.replicate(params), (shard(x), shard(y)), param_count(params))
+
+
+def shard(array: np.ndarray) -> jax.Array:
+  """A host array [local_devices, ...] split over the local devices along axis 0."""
+  mesh = Mesh(np.array(jax.local_devices()), ("devices",))
+  return jax.device_put(array, NamedSharding(mesh, PartitionSpec("devices")))

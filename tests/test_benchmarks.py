@@ -1,0 +1,77 @@
+"""The benchmark suite's smoke run: `python -m benchmarks --quick`.
+
+It starts its own jobs (plain processes and `mpirun -np 2`), so it runs from
+plain pytest only; under `mpirun pytest` it passes without launching anything.
+"""
+
+import json
+import os
+
+import pytest
+
+from tests import launch
+
+SECTIONS = ("allreduce", "half", "overhead", "compression", "selection", "scaling")
+# Every job of the smoke run and the sections it must fill.
+JOBS = {"1x1": {"scaling"}, "1x2": {"overhead", "scaling"},
+        "2x1": {"allreduce", "half", "compression", "selection", "scaling"},
+        "2x2": {"allreduce"}, "2x1-jax": {"allreduce"}}
+
+
+def _positive_durations(rows):
+  durations = [v for row in rows for k, v in row.items() if k.endswith("_s")]
+  return durations and all(isinstance(v, float) and v > 0 for v in durations)
+
+
+@pytest.fixture(scope="module")
+def quick_results(tmp_path_factory, topo):
+  if topo.process_count > 1:
+    return None  # never launch jobs from inside an MPI job
+  out = tmp_path_factory.mktemp("benchmarks")
+  result = launch.python(["-m", "benchmarks", "--quick", "--out", str(out)], timeout=600)
+  assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+  with open(out / "results.json", encoding="utf-8") as f:
+    return json.load(f), out
+
+
+@pytest.mark.timeout(660)
+def test_quick_run_fills_every_section_of_every_job(quick_results):
+  if quick_results is None:
+    return  # launched from plain pytest only
+  results, _ = quick_results
+  assert results["summary"]["failures"] == []
+  jobs = {job["job"]: job for job in results["jobs"]}
+  assert set(jobs) == set(JOBS)
+  for name, sections in JOBS.items():
+    for section in sections:
+      got = jobs[name]["sections"][section]
+      assert got["complete"] and _positive_durations(got["rows"]), (name, section, got)
+
+
+@pytest.mark.timeout(660)
+def test_quick_run_derives_ratios_and_writes_the_report(quick_results):
+  if quick_results is None:
+    return
+  results, out = quick_results
+  summary = results["summary"]
+  for section in SECTIONS:
+    assert summary[section], section
+  routes = {(r["job"], r["route"]) for r in summary["allreduce"]}
+  assert {("2x1", "mpi4jax"), ("2x1", "callback"), ("2x2", "callback"),
+          ("2x1-jax", "local")} <= routes
+  assert all(r["algbw_GBps"] > 0 and (r["variant"] == "mpi" or r["vs_mpi"] > 0)
+             for r in summary["allreduce"])
+  assert all(r["ratio"] > 0 for r in summary["overhead"])
+  fp16 = [r for r in summary["compression"] if r["mode"] == "fp16"]
+  assert fp16 and all(r["bytes_ratio"] == pytest.approx(0.5, rel=0.01) for r in fp16)
+  assert all(r["samples_per_s"] > 0 for r in summary["scaling"])
+  assert any(t["target"].startswith("step overhead") for t in summary["targets"])
+  env = results["environment"]
+  assert {"jax", "jaxlib", "mpi4py", "mpi4jax", "Open MPI"} <= set(env["versions"])
+  assert env["cores"] >= 1 and env["cpu"]
+  report = (out / "results.md").read_text()
+  for figure in results["figures"]:
+    assert (out / f"{figure}.png").stat().st_size > 0
+    assert f"({figure}.png)" in report
+  assert {"allreduce_bandwidth", "compression", "scaling"} <= set(results["figures"])
+  assert "## Targets" in report and "Open MPI" in report
