@@ -172,7 +172,8 @@ def main(argv=None) -> int:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--epochs", type=int, default=4)
   parser.add_argument("--dataset", default="auto", choices=("auto", "fashion_mnist", "digits"))
-  parser.add_argument("--modes", default=",".join(MODES), help=f"from {', '.join(MODES)}")
+  parser.add_argument("--modes", default=",".join(MODES),
+                      help="from " + ", ".join(MODES).replace("%", "%%"))
   parser.add_argument("--batch", type=int, default=32, help="examples per replica per step")
   parser.add_argument("--limit", type=int, help="use only the first N training examples")
   parser.add_argument("--out", default=os.path.join(jobs.REPO, "docs", "benchmarks"))
