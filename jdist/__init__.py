@@ -10,6 +10,7 @@ from jdist import models
 from jdist.checkpoint import CheckpointManager
 from jdist.consistency import ReplicaMismatch
 from jdist.consistency import check_replicas
+from jdist.config import TrainConfig
 from jdist.collectives import DATA_AXIS
 from jdist.collectives import all_gather
 from jdist.collectives import barrier
@@ -50,6 +51,7 @@ __all__ = (
     "MetricAccumulator",
     "ShardedLoader",
     "SkipNonFiniteState",
+    "TrainConfig",
     "DATA_AXIS",
     "PartialSyncState",
     "ReplicaMismatch",

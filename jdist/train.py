@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import json
 import os
 import sys
 import time
@@ -40,6 +39,7 @@ from jdist import collectives
 from jdist import datasets
 from jdist import errors
 from jdist import models
+from jdist import runlog
 from jdist.collectives import host
 from jdist.config import TrainConfig
 from jdist.config import build_optimizer
@@ -48,6 +48,10 @@ from jdist.config import resume_conflicts
 from jdist.config import validate
 
 _IN_FLIGHT = 2  # train steps dispatched ahead of the host before it waits
+
+
+def reached(max_steps: int | None, step: int) -> bool:
+  return max_steps is not None and step >= max_steps
 
 
 class TrainError(errors.JdistError):
@@ -132,73 +136,16 @@ def _tx_key(config: TrainConfig) -> tuple:
   return tuple((name, getattr(config, name)) for name in names)
 
 
-def _human_bytes(count: float) -> str:
-  for unit in ("B", "KB", "MB", "GB"):
-    if abs(count) < 1000 or unit == "GB":
-      return f"{count:.0f} {unit}" if unit == "B" else f"{count:.2f} {unit}"
-    count /= 1000
-
-
-def _mode(config: TrainConfig) -> str:
-  parts = [f"half {config.half}"] if config.half else []
-  parts += [f"sparsify {config.sparsify}"] if config.sparsify else []
-  parts += [f"partial {config.partial}"] if config.partial else []
-  parts += ["skip non-finite"] if config.skip_nonfinite else []
-  return ", ".join(parts) or "plain all-reduce"
-
-
-class _Output:
-  """Rank 0's voice: stdout lines, the progress bar and the JSON-lines log."""
-
-  def __init__(self, config: TrainConfig, primary: bool):
-    self.config, self.primary, self._log = config, primary, None
-
-  def open_log(self, append: bool) -> None:
-    if self.primary and self.config.log_file:
-      directory = os.path.dirname(os.path.abspath(self.config.log_file))
-      os.makedirs(directory, exist_ok=True)
-      self._log = open(self.config.log_file, "a" if append else "w", encoding="utf-8")
-
-  def say(self, text: str) -> None:
-    if self.primary:
-      print(text, flush=True)
-
-  def record(self, record: dict) -> None:
-    if self._log is not None:
-      self._log.write(json.dumps(record) + "\n")
-      self._log.flush()
-
-  def bar(self, epoch: int, total: int, initial: int):
-    if not (self.primary and self.config.progress):
-      return contextlib.nullcontext(None)
-    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-    return tqdm(total=total, initial=initial, desc=f"epoch {epoch + 1}/{self.config.epochs}",
-                unit="step", leave=False, dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
-
-  def close(self) -> None:
-    if self._log is not None:
-      self._log.close()
-
-
 def _fresh_position() -> dict:
   """Where a run stands, as stored in checkpoint metadata (see `_Run.save`)."""
   return {"epoch": 0, "batch_in_epoch": 0, "step": 0, "history": [], "epoch_sums": None,
           "epoch_wire": 0.0, "epoch_train_time": 0.0}
 
 
-def _epoch_line(record: dict, epochs: int) -> str:
-  test = (f" | test loss {record['test_loss']:.4f} acc {record['test_accuracy']:.2%}"
-          if "test_accuracy" in record else "")
-  return (f"epoch {record['epoch']}/{epochs}: train loss {record['train_loss']:.4f} acc "
-          f"{record['train_accuracy']:.2%}{test} | {record['epoch_time_s']:.1f} s, "
-          f"{record['samples_per_s']:.0f} samples/s, "
-          f"{_human_bytes(record['wire_bytes_per_step'])}/step across processes")
-
-
 class _Run:
   """One training run's state and its steps; every method is collective."""
 
-  def __init__(self, config: TrainConfig, topo, program, state: dict, loaders, out: _Output):
+  def __init__(self, config: TrainConfig, topo, program, state: dict, loaders, out: runlog.RunOutput):
     self.config, self.topo, self.program, self.state, self.out = config, topo, program, state, out
     self.train_loader, self.test_loader = loaders
     self.steps_per_epoch = len(self.train_loader)
@@ -319,7 +266,7 @@ class _Run:
             and batch_index < self.steps_per_epoch):
           self.save(epoch, batch_index, so_far())
           saved_at = self.step
-        if config.max_steps is not None and self.step >= config.max_steps:
+        if reached(config.max_steps, self.step):
           break
       if bar is not None:
         bar.update(batch_index - bar.n)
@@ -344,8 +291,7 @@ class _Run:
     if config.skip_nonfinite:
       record["skipped_steps"] = int(np.asarray(jax.device_get(state["opt_state"].skipped))[0])
     eval_start = time.perf_counter()
-    last = epoch + 1 == config.epochs or (config.max_steps is not None
-                                          and self.step >= config.max_steps)
+    last = epoch + 1 == config.epochs or reached(config.max_steps, self.step)
     if config.eval_every and ((epoch + 1) % config.eval_every == 0 or last):
       result = self.evaluate()
       record.update(test_loss=result["loss"], test_accuracy=result["accuracy"],
@@ -390,7 +336,7 @@ def train(config: TrainConfig, *, return_state: bool = False) -> dict[str, Any]:
   started = time.perf_counter()
   topo = jdist.init(timeout=config.timeout,
                     backend=None if config.backend == "auto" else config.backend)
-  out = _Output(config, topo.is_primary)
+  out = runlog.RunOutput(config, topo.is_primary)
   data = _agree(lambda: _load_data(config), f"dataset {config.dataset!r}")
   input_shape = tuple(data.train_x.shape[1:])
   program = _agree(
@@ -411,19 +357,19 @@ def train(config: TrainConfig, *, return_state: bool = False) -> dict[str, Any]:
           f"{data.name} ({len(data.train_x)} train / {len(data.test_x)} test); {topo}; "
           f"batch {config.batch_size} per replica = {config.batch_size * topo.replica_count} "
           f"per step, {run.steps_per_epoch} steps/epoch; {config.optimizer} lr {config.lr:g}; "
-          f"{_mode(config)}")
+          f"{runlog.describe_mode(config)}")
   resumed_from = run.open_checkpoints() if config.checkpoint_dir else None
   _agree(lambda: out.open_log(append=resumed_from is not None), f"log file {config.log_file!r}")
 
   stopped_early = False
   for epoch in range(run.position["epoch"], config.epochs):
-    record = run.run_epoch(epoch)
+    record = None if reached(config.max_steps, run.step) else run.run_epoch(epoch)
     if record is None:
       stopped_early = True
       break
     out.record(record)
-    out.say(_epoch_line(record, config.epochs))
-    if config.max_steps is not None and run.step >= config.max_steps:
+    out.say(runlog.epoch_line(record, config.epochs))
+    if reached(config.max_steps, run.step):
       stopped_early = epoch + 1 < config.epochs
       break
 

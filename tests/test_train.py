@@ -66,6 +66,15 @@ def test_cnn_learns_digits_with_exact_metrics(topo):
   assert last["samples_per_s"] > 0 and last["epoch_time_s"] >= last["train_time_s"]
 
 
+def test_batchnorm_statistics_stay_identical_on_every_replica(topo):
+  # check_replicas_every=1 raises if any replica's params or batch_stats differ.
+  summary = train(_config(topo, model="resnet8", epochs=1, train_limit=128, eval_every=0,
+                          check_replicas_every=1), return_state=True)
+  assert summary["steps"] == 2
+  stats = summary["state"]["model_state"]["batch_stats"]
+  assert jax.tree.leaves(stats) and all(np.all(np.isfinite(x)) for x in jax.tree.leaves(stats))
+
+
 def test_json_log_has_one_record_per_epoch_and_a_summary(topo, shared_dir):
   log_file = os.path.join(shared_dir, "logs", "run.jsonl")
   summary = train(_config(topo, epochs=2, log_file=log_file, sparsify="topk:0.1",
@@ -93,7 +102,8 @@ def test_json_log_has_one_record_per_epoch_and_a_summary(topo, shared_dir):
 @pytest.mark.parametrize("mode", [{}, {"sparsify": "topk:0.05", "half": "bf16"},
                                   {"partial": 3}], ids=["plain", "topk-bf16", "partial"])
 def test_resume_mid_epoch_is_bit_for_bit(topo, shared_dir, mode):
-  base = _config(topo, epochs=2, train_limit=256, checkpoint_every=3, **mode)
+  base = _config(topo, epochs=2, train_limit=256, checkpoint_every=3, check_replicas_every=2,
+                 **mode)
   steps_per_epoch = 256 // GLOBAL_BATCH
   whole = train(_config(topo, **{**base.to_dict(),
                                  "checkpoint_dir": os.path.join(shared_dir, "whole")}),
@@ -113,6 +123,10 @@ def test_resume_mid_epoch_is_bit_for_bit(topo, shared_dir, mode):
   np.testing.assert_allclose(resumed["epochs"][1]["train_loss"], whole["epochs"][1]["train_loss"],
                              rtol=1e-12)
   assert resumed["epochs"][1]["test_accuracy"] == whole["epochs"][1]["test_accuracy"]
+  # Already past --max-steps: nothing more to do.
+  again = train(_config(topo, **{**base.to_dict(), "checkpoint_dir": directory, "resume": True,
+                                 "epochs": 3, "max_steps": 1}))
+  assert again["steps"] == whole["steps"] and again["stopped_early"]
 
 
 def test_resume_after_an_epoch_continues_and_appends_the_log(topo, shared_dir):

@@ -136,7 +136,13 @@ def _host_sum16(bits: np.ndarray, is_bf16: np.ndarray, device: np.ndarray) -> np
 
 def _callback(host_fn, result: jax.ShapeDtypeStruct, *args):
   device = lax.axis_index(DATA_AXIS)
-  return jax.pure_callback(host_fn, result, *args, device, vmap_method="sequential")
+
+  def on_host(*arrays):
+    # pure_callback passes jax.Arrays; any JAX op on them (even a reshape)
+    # would start a computation from inside this step and can deadlock.
+    return host_fn(*(np.asarray(a) for a in arrays))
+
+  return jax.pure_callback(on_host, result, *args, device, vmap_method="sequential")
 
 
 def sum_all(buffer: jax.Array) -> jax.Array:
