@@ -67,9 +67,10 @@ def build_train_parser(prog: str = "jdist train") -> argparse.ArgumentParser:
   group = parser.add_argument_group("communication (jdist.dist_opt modes)")
   group.add_argument("--half", choices=config_lib.HALF_CHOICES,
                      help="gradients cross replicas as 16-bit floats")
-  group.add_argument("--sparsify", metavar="topk:RATIO|threshold:VALUE",
-                     help="send only the top RATIO of gradient entries, or those above "
-                     "VALUE, with error feedback")
+  group.add_argument("--sparsify", metavar="topk:RATIO|topk_block:RATIO|threshold:VALUE",
+                     help="send only the top RATIO of gradient entries (topk_block: the "
+                     "largest of each block, one pass), or those above VALUE, with error "
+                     "feedback")
   group.add_argument("--partial", type=int, metavar="CHUNKS",
                      help="SINGA's partial update: local steps, one of CHUNKS parameter "
                      "chunks averaged per step (not with --half/--sparsify)")
