@@ -107,7 +107,6 @@ def _host_allreduce(shard: np.ndarray, device: np.ndarray) -> np.ndarray:
   out = np.empty_like(shard)
   world.device_comm(int(device)).Allreduce(np.ascontiguousarray(shard), out,
                                            op=world.MPI.SUM)
-  world.traffic.add(shard.nbytes)
   return out
 
 
@@ -115,7 +114,6 @@ def _host_allgather(piece: np.ndarray, device: np.ndarray) -> np.ndarray:
   world = world_lib.get()
   out = np.empty((world.size,) + piece.shape, piece.dtype)
   world.device_comm(int(device)).Allgather(np.ascontiguousarray(piece), out)
-  world.traffic.add(piece.nbytes)
   return out
 
 
@@ -130,7 +128,6 @@ def _host_sum16(bits: np.ndarray, is_bf16: np.ndarray, device: np.ndarray) -> np
   mine = received.view(dtype).astype(np.float32).sum(axis=0).astype(dtype).view(np.uint16)
   out = np.empty_like(chunks)
   comm.Allgather(mine, out)
-  world.traffic.add(bits.nbytes)
   return out.reshape(bits.shape)
 
 

@@ -56,24 +56,6 @@ def import_mpi4jax():
   return mpi4jax
 
 
-class Traffic:
-  """Counts what this process handed to MPI from inside compiled steps."""
-
-  def __init__(self):
-    self._lock = threading.Lock()
-    self.calls = 0
-    self.bytes = 0
-
-  def add(self, nbytes: int) -> None:
-    with self._lock:
-      self.calls += 1
-      self.bytes += int(nbytes)
-
-  def snapshot(self) -> tuple[int, int]:
-    with self._lock:
-      return self.calls, self.bytes
-
-
 class MpiWorld:
   """MPI state of this process; created once by `start()`."""
 
@@ -88,10 +70,8 @@ class MpiWorld:
     node.Free()
     self.timeout = timeout
     self.thread_multiple = mpi.Query_thread() == mpi.THREAD_MULTIPLE
-    self.traffic = Traffic()
     self._device_comms: list[Any] = []
     self.watchdog = watchdog_lib.Watchdog(self.comm.Dup(), mpi, timeout=timeout)
-    self._checked_signatures: set[str] = set()
 
   def attach(self, topology) -> None:
     """Creates the per-device communicators and starts the watchdog."""
@@ -140,17 +120,6 @@ class MpiWorld:
     self._wait(self.comm.Iallreduce(np.ascontiguousarray(array), out,
                                     op=self.MPI.SUM), label)
     return out
-
-  def gather_bytes(self, payload: bytes, root: int, label: str) -> list[bytes] | None:
-    everyone = self.allgather_bytes(payload, label)  # small metadata only
-    return everyone if self.rank == root else None
-
-  def check_once(self, key: str) -> bool:
-    """True the first time `key` is seen (structure checks run once each)."""
-    if key in self._checked_signatures:
-      return False
-    self._checked_signatures.add(key)
-    return True
 
   def abort(self, code: int = 1) -> None:
     self.comm.Abort(code)
