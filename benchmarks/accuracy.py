@@ -44,6 +44,7 @@ MODES = {
     "plain": {},
     "fp16": {"half": True},
     "topk1%": {"sparsify": "topk:0.01", "error_feedback": True},
+    "topk1%+mc": {"sparsify": "topk:0.01", "momentum_correction": 0.9},
     "partial4": {"partial": 4},
 }
 LEARNING_RATE = 0.005  # SINGA's MNIST example: SGD(lr=0.005, momentum=0.9)
@@ -103,7 +104,10 @@ def train_mode(ctx, mode: str, data, model, params, evaluate, epochs: int, batch
   """Yields one row per epoch of training in `mode`."""
 
   topo = ctx.topo
-  tx = jdist.dist_opt(optax.sgd(LEARNING_RATE, momentum=MOMENTUM), **MODES[mode])
+  # With momentum correction the momentum moves into the compressor (DGC).
+  corrected = "momentum_correction" in MODES[mode]
+  inner = optax.sgd(LEARNING_RATE, momentum=None if corrected else MOMENTUM)
+  tx = jdist.dist_opt(inner, **MODES[mode])
   step = workload.jdist_step(model, tx)
   replicated = jdist.replicate(params)
   opt_state = jdist.data_parallel(tx.init)(replicated)

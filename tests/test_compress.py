@@ -94,6 +94,45 @@ def test_error_feedback_loses_nothing(topo, make_tx):
   assert (np.asarray(state.sent) > 0).all()
 
 
+def _dgc_reference(replica_steps, ratio, momentum):
+  """Deep Gradient Compression in numpy, one replica at a time: the average
+  of what every replica sends, per step."""
+  replicas, size = replica_steps[0].shape
+  count = int(np.ceil(ratio * size))
+  velocity = np.zeros((replicas, size))
+  residual = np.zeros((replicas, size))
+  averages = []
+  for grads in replica_steps:
+    sent = np.zeros((replicas, size))
+    for r in range(replicas):
+      velocity[r] = momentum * velocity[r] + grads[r]
+      residual[r] += velocity[r]
+      chosen = np.argsort(-np.abs(residual[r]))[:count]
+      sent[r, chosen] = residual[r, chosen]
+      residual[r, chosen] = 0.0
+      velocity[r, chosen] = 0.0
+    averages.append(sent.mean(0))
+  return averages
+
+
+def test_topk_momentum_correction_matches_dgc_reference(topo):
+  rng = np.random.default_rng(3)
+  steps = [rng.normal(size=(topo.replica_count, 50)).astype(np.float32) for _ in range(5)]
+  expected = _dgc_reference(steps, 0.1, 0.9)
+  tx = optax.chain(jdist.topk(0.1, momentum=0.9), jdist.allreduce())
+
+  @jdist.data_parallel
+  def step(g, state):
+    return tx.update(g, state)
+
+  mine = list(topo.replica_indices)
+  state = jdist.data_parallel(tx.init)({"w": steps[0][mine]})
+  for grads, want in zip(steps, expected):
+    out, state = step({"w": grads[mine]}, state)
+    np.testing.assert_allclose(np.asarray(out["w"]), np.broadcast_to(want, out["w"].shape),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_block_topk_takes_each_blocks_largest_entry():
   x = jnp.array([0.1, -3.0, 0.2, 0.5, 0.4, -0.1, 2.0, 0.0, 1.0, -1.5])
   indices = compress._block_maxima(x, 4)  # blocks of 3: [0:3] [3:6] [6:9] [9:10]
@@ -178,6 +217,10 @@ def test_compressor_arguments_are_checked():
     jdist.threshold(0.1, capacity=0)
   with pytest.raises(ValueError, match="capacity=2.0"):
     jdist.threshold(0.1, capacity=2.0)
+  with pytest.raises(ValueError, match="momentum=1.0"):
+    jdist.topk(0.1, momentum=1.0)
+  with pytest.raises(ValueError, match="needs error_feedback=True"):
+    jdist.threshold(0.1, error_feedback=False, momentum=0.9)
 
 
 def test_payload_order_is_checked(topo):

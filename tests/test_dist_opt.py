@@ -82,6 +82,8 @@ def test_dist_opt_rejects_bad_arguments():
     jdist.dist_opt(optax.sgd(0.1), sparsify="topq:0.1")
   with pytest.raises(ValueError, match="error_feedback=False only applies"):
     jdist.dist_opt(optax.sgd(0.1), error_feedback=False)
+  with pytest.raises(ValueError, match="momentum_correction=0.9 only applies"):
+    jdist.dist_opt(optax.sgd(0.1), momentum_correction=0.9)
   with pytest.raises(ValueError, match="bucket_bytes"):
     jdist.allreduce(bucket_bytes=0)
   with pytest.raises(ValueError, match="mean="):

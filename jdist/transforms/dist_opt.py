@@ -9,6 +9,7 @@ It builds the `optax.chain` for each of SINGA DistOpt's update modes:
 | backward_and_spars_update      | sparsify="topk:0.01"          | topk, [cast], allreduce, inner          |
 |   (block-approximate top-K)    | sparsify="topk_block:0.01"    | topk(method="block"), ...               |
 |   (threshold)                  | sparsify="threshold:1e-3"     | threshold, [cast], allreduce, inner     |
+|   (DGC momentum correction)    | ..., momentum_correction=0.9  | topk(momentum=0.9), ...; inner w/o mom. |
 | backward_and_partial_update    | partial=4                     | inner, partial_sync(4)                  |
 """
 
@@ -57,7 +58,7 @@ def _half_dtype(half: Any):
 def dist_opt(inner: optax.GradientTransformation, *, half: Any = False,
              sparsify: Any = None, partial: int | None = None, mean: bool = True,
              error_feedback: bool = True, threshold_capacity: float | int = 0.05,
-             bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> optax.GradientTransformation:
+             momentum_correction: float = 0.0, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> optax.GradientTransformation:
   """Wraps `inner` so its gradients are averaged over every replica.
 
   Args:
@@ -71,6 +72,10 @@ def dist_opt(inner: optax.GradientTransformation, *, half: Any = False,
     mean: average (True) or sum (False) the gradients.
     error_feedback: keep unsent entries for later steps (sparsify only).
     threshold_capacity: most entries sent per step in threshold mode.
+    momentum_correction: sparsify only: the momentum, applied locally before
+      the selection (Deep Gradient Compression), so `inner` must have none
+      (e.g. `optax.sgd(lr)` with `momentum_correction=0.9` in place of
+      `optax.sgd(lr, momentum=0.9)`). Recommended for top-K at 1% and below.
     bucket_bytes: tensor-fusion bucket size.
 
   Returns:
@@ -95,14 +100,19 @@ def dist_opt(inner: optax.GradientTransformation, *, half: Any = False,
     return optax.chain(inner, partial_sync(partial))
   if not error_feedback and sparse is None:
     raise ValueError("error_feedback=False only applies with sparsify=...")
+  if momentum_correction and sparse is None:
+    raise ValueError(f"momentum_correction={momentum_correction!r} only applies with "
+                     f"sparsify=...; use the inner optimizer's momentum instead.")
   steps = []
   if sparse is not None:
     kind, number = sparse
     if kind in ("topk", "topk_block"):
       method = "block" if kind == "topk_block" else "exact"
-      steps.append(compress.topk(number, error_feedback, method=method))
+      steps.append(compress.topk(number, error_feedback, method=method,
+                                 momentum=momentum_correction))
     else:
-      steps.append(compress.threshold(number, error_feedback, capacity=threshold_capacity))
+      steps.append(compress.threshold(number, error_feedback, capacity=threshold_capacity,
+                                      momentum=momentum_correction))
   if dtype is not None:
     steps.append(compress.cast(dtype))
   steps.append(allreduce(mean, bucket_bytes=bucket_bytes))
