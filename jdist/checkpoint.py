@@ -38,9 +38,6 @@ if writing a checkpoint can take longer.
 
 from __future__ import annotations
 
-import datetime
-import hashlib
-import json
 import logging
 import operator
 import os
@@ -51,124 +48,20 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jdist import checkpoint_layout as layout
 from jdist import errors
 from jdist import topology as topology_lib
 from jdist.collectives import host
 from jdist.collectives import ops
-from jdist.collectives.transport import DATA_AXIS
+# Re-exported: the record's format and `fingerprint` are part of this module's API.
+from jdist.checkpoint_layout import (  # pylint: disable=unused-import
+    FORMAT, FORMAT_VERSION, fingerprint)
 
 log = logging.getLogger(__name__)
 
-FORMAT = "jdist-checkpoint"
-FORMAT_VERSION = 1
 _ARRAYS = "state"      # orbax item: the stored arrays
 _RECORD = "jdist"      # orbax item: the JSON record
-_GATHER_BYTES = 64 << 20  # per-process payload of one gather to rank 0
-
-
-def _leaf_name(index: int) -> str:
-  return f"leaf_{index:05d}"
-
-
-def _is_key(dtype) -> bool:
-  return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _signature(tree: Any, devices: int, what: str) -> tuple[list, list]:
-  """(leaves, [[path, per-replica shape, dtype], ...]) of a replicated tree."""
-  with_paths, _ = jax.tree_util.tree_flatten_with_path(tree)
-  signature = []
-  for path, leaf in with_paths:
-    shape = tuple(leaf.shape) if hasattr(leaf, "shape") else np.shape(leaf)
-    if not shape or shape[0] != devices:
-      got = "a scalar" if not shape else f"leading size {shape[0]}"
-      raise errors.ShapeError(
-          f"{what}: leaf {jax.tree_util.keystr(path)} has {got}, but a replicated "
-          f"state has a leading axis of {devices} (one copy per local device). Pass "
-          f"the state your data_parallel step uses (jdist.replicate(...) of it).")
-    signature.append([jax.tree_util.keystr(path), list(shape[1:]), str(leaf.dtype)])
-  return [leaf for _, leaf in with_paths], signature
-
-
-def fingerprint(signature: list) -> str:
-  """A digest of a state's structure, shapes and dtypes."""
-  return hashlib.sha256(json.dumps(signature).encode()).hexdigest()
-
-
-def _json_default(value):
-  if isinstance(value, (np.generic, np.ndarray, jax.Array)):
-    return np.asarray(value).tolist()
-  raise TypeError(f"{type(value).__name__} is not JSON serializable")
-
-
-def _encode_metadata(metadata: Any) -> tuple[dict | None, str | None]:
-  if metadata is None:
-    return {}, None
-  if not isinstance(metadata, dict):
-    return None, f"metadata must be a dict, got {type(metadata).__name__}"
-  try:
-    return json.loads(json.dumps(metadata, default=_json_default)), None
-  except (TypeError, ValueError) as err:
-    return None, (f"metadata must be JSON-serializable (numbers, strings, lists, "
-                  f"dicts; numpy scalars are converted): {err}")
-
-
-def _local_summary(array: np.ndarray, digest: bool) -> str | None:
-  """None if this process's local replicas differ, else a digest of its copy.
-
-  Replicas compare as bytes (NaN equals NaN). The digest, compared across
-  processes, is skipped in a single process.
-  """
-  if not array.size:
-    return "empty"
-  flat = np.ascontiguousarray(array).reshape(array.shape[0], -1).view(np.uint8)
-  if any(not np.array_equal(flat[d], flat[0]) for d in range(1, flat.shape[0])):
-    return None
-  return hashlib.blake2b(flat[0].tobytes(), digest_size=16).hexdigest() if digest else "equal"
-
-
-def _gather_to_rank0(host_leaves: list, ids: list[int], topo) -> dict[int, np.ndarray]:
-  """Every process's [local_devices, ...] copy of leaves `ids`, as [replicas, ...] on rank 0.
-
-  Leaves travel as flat segments, at most `_GATHER_BYTES` per process and
-  exchange, so no message grows with the model. (`allgather_object` hands
-  every process every payload; a gather to rank 0 alone would halve the
-  traffic, but this runs once per checkpoint.)
-  """
-  if topo.process_count == 1:
-    return {i: host_leaves[i] for i in ids}
-  segments = []  # (leaf id, start, stop) in elements of the flattened leaf
-  for i in ids:
-    count = max(1, _GATHER_BYTES // host_leaves[i].itemsize)
-    segments += [(i, start, min(start + count, host_leaves[i].size))
-                 for start in range(0, host_leaves[i].size, count)]
-  pieces = {i: [[] for _ in range(topo.process_count)] for i in ids}
-  bucket, size = [], 0
-  for index, (i, start, stop) in enumerate(segments):
-    bucket.append((i, start, stop))
-    size += (stop - start) * host_leaves[i].itemsize
-    if size < _GATHER_BYTES and index + 1 < len(segments):
-      continue
-    payload = [host_leaves[i].reshape(-1)[start:stop] for i, start, stop in bucket]
-    everyone = host.allgather_object(payload, "jdist checkpoint: gather to rank 0")
-    for process, arrays in enumerate(everyone):
-      for (i, _, _), array in zip(bucket, arrays):
-        pieces[i][process].append(array)
-    bucket, size = [], 0
-  if not topo.is_primary:
-    return {}
-  return {i: np.concatenate([np.concatenate(p).reshape(host_leaves[i].shape)
-                             for p in pieces[i]]) for i in ids}
-
-
-def _put_local(stacked: np.ndarray, devices: list, key_impl: str | None) -> jax.Array:
-  """[devices, ...] host array → one slice per local device, as jdist.replicate lays it out."""
-  sharding = NamedSharding(Mesh(np.array(devices), (DATA_AXIS,)), PartitionSpec(DATA_AXIS))
-  pieces = [jax.device_put(stacked[d:d + 1], device) for d, device in enumerate(devices)]
-  array = jax.make_array_from_single_device_arrays(stacked.shape, sharding, pieces)
-  return array if key_impl is None else jax.random.wrap_key_data(array, impl=key_impl)
 
 
 class CheckpointManager:
@@ -280,12 +173,7 @@ class CheckpointManager:
     except Exception as err:  # pylint: disable=broad-except
       raise errors.CheckpointError(
           f"{path} is not a readable jdist checkpoint ({type(err).__name__}: {err}).") from err
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
-      raise errors.CheckpointError(f"{path} was not written by jdist.CheckpointManager.")
-    if record.get("version", 0) > FORMAT_VERSION:
-      raise errors.CheckpointError(
-          f"{path} has checkpoint format version {record['version']}; this jdist reads up "
-          f"to {FORMAT_VERSION}. Upgrade jdist.")
+    layout.check_format(path, record)
     return record
 
   def read_metadata(self, step: int | None = None) -> dict:
@@ -338,22 +226,23 @@ class CheckpointManager:
     if step < 0:
       raise ValueError(f"step={step} must be >= 0.")
     topo = self.topology
-    leaves, signature = _signature(state, topo.local_device_count, "CheckpointManager.save")
+    leaves, signature = layout.state_signature(state, topo.local_device_count,
+                                               "CheckpointManager.save")
     if not leaves:
       raise ValueError("CheckpointManager.save: the state has no arrays to save.")
-    key_impls = [str(jax.random.key_impl(leaf)) if _is_key(leaf.dtype) else None
+    key_impls = [str(jax.random.key_impl(leaf)) if layout.is_key(leaf.dtype) else None
                  for leaf in leaves]
     host_leaves = [np.asarray(x) for x in jax.device_get(
-        [jax.random.key_data(leaf) if _is_key(leaf.dtype) else leaf for leaf in leaves])]
+        [jax.random.key_data(leaf) if layout.is_key(leaf.dtype) else leaf for leaf in leaves])]
     ops.check_structure(jax.tree.unflatten(jax.tree.structure(state), host_leaves),
                         "jdist.CheckpointManager.save")
-    user, problem = _encode_metadata(metadata)
+    user, problem = layout.encode_metadata(metadata)
     if problem is None and topo.is_primary:
       try:
         self._check_new_step(step)
       except errors.CheckpointError as err:
         problem = str(err)
-    summaries = [_local_summary(x, digest=topo.multi_process) for x in host_leaves]
+    summaries = [layout.local_summary(x, digest=topo.multi_process) for x in host_leaves]
     everyone = host.allgather_object((summaries, problem), "jdist checkpoint: save check")
     for rank, (_, rank_problem) in enumerate(everyone):
       if rank_problem is not None:
@@ -362,25 +251,15 @@ class CheckpointManager:
     # Stored once if equal on every replica of every process, else per replica.
     per_replica = [None in column or len(set(column)) > 1
                    for column in zip(*(rank_summaries for rank_summaries, _ in everyone))]
-    gathered = _gather_to_rank0(host_leaves, [i for i, p in enumerate(per_replica) if p], topo)
+    gathered = layout.gather_to_rank0(
+        host_leaves, [i for i, p in enumerate(per_replica) if p], topo)
 
     failure = None
     if topo.is_primary:
-      record = {
-          "format": FORMAT, "version": FORMAT_VERSION, "step": step,
-          "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-          "replica_count": topo.replica_count, "process_count": topo.process_count,
-          "local_device_count": topo.local_device_count,
-          "fingerprint": fingerprint(signature),
-          "leaves": [{"path": path, "shape": shape, "dtype": dtype,
-                      "per_replica": per_replica[i], "key_impl": key_impls[i],
-                      "stored_shape": list(host_leaves[i].shape[1:]),
-                      "stored_dtype": str(host_leaves[i].dtype)}
-                     for i, (path, shape, dtype) in enumerate(signature)],
-          "user": user,
-      }
+      record = layout.build_record(step, topo, signature, per_replica, key_impls,
+                                   host_leaves, user)
       # orbax cannot store zero-size arrays; the record alone describes them.
-      arrays = {_leaf_name(i): gathered[i] if per_replica[i] else x[:1]
+      arrays = {layout.leaf_name(i): gathered[i] if per_replica[i] else x[:1]
                 for i, x in enumerate(host_leaves) if x.size}
       try:
         self._write(step, arrays, record)
@@ -428,18 +307,18 @@ class CheckpointManager:
         written by another number of replicas.
     """
     topo = self.topology
-    _, signature = _signature(state_template, topo.local_device_count,
-                              "CheckpointManager.restore")
+    _, signature = layout.state_signature(state_template, topo.local_device_count,
+                                          "CheckpointManager.restore")
     wanted = step
     step = self._from_rank0(lambda: self._resolve_step(wanted), "jdist checkpoint: find step")
     path = self.directory / str(step)
     state, problem = None, None
     try:
       record = self._read_record(step)
-      _check_fingerprint(path, record, signature)
-      _check_world(path, record, topo)
+      layout.check_fingerprint(path, record, signature)
+      layout.check_world(path, record, topo)
       devices = jax.local_devices()[:topo.local_device_count]
-      state = [_put_local(stacked, devices, leaf["key_impl"])
+      state = [layout.put_local(stacked, devices, leaf["key_impl"])
                for stacked, leaf in zip(self._read_local(path, record), record["leaves"])]
     except errors.CheckpointError as err:
       problem = str(err)
@@ -466,7 +345,7 @@ class CheckpointManager:
     """This process's replicas of every leaf, as [local_devices, ...] host arrays."""
     topo = self.topology
     saved_replicas = record["replica_count"]
-    names = {_leaf_name(i): leaf for i, leaf in enumerate(record["leaves"])
+    names = {layout.leaf_name(i): leaf for i, leaf in enumerate(record["leaves"])
              if int(np.prod(leaf["stored_shape"], dtype=np.int64)) > 0}
     arrays = {}
     if names:
@@ -479,53 +358,14 @@ class CheckpointManager:
     local = []
     for i, leaf in enumerate(record["leaves"]):
       shape = tuple(leaf["stored_shape"])
-      stored = arrays.get(_leaf_name(i))
+      stored = arrays.get(layout.leaf_name(i))
       if stored is None:  # zero-size leaf: nothing was written
         stored = np.zeros((1,) + shape, jnp.dtype(leaf["stored_dtype"]))
       if stored.shape[1:] != shape:
         raise errors.CheckpointError(f"{path}: {leaf['path']} is stored with shape "
                                      f"{stored.shape}, its record says {shape}; corrupt.")
-      if leaf["per_replica"]:  # _check_world made sure the replica counts agree
+      if leaf["per_replica"]:  # layout.check_world made sure the replica counts agree
         local.append(stored[list(topo.replica_indices)])
       else:
         local.append(np.broadcast_to(stored[:1], (topo.local_device_count,) + shape))
     return local
-
-
-def _check_fingerprint(path, record: dict, signature: list) -> None:
-  """Raises CheckpointError naming the first leaf where the template differs."""
-  if record["fingerprint"] == fingerprint(signature):
-    return
-  stored = [[leaf["path"], leaf["shape"], leaf["dtype"]] for leaf in record["leaves"]]
-  first = next(i for i in range(max(len(stored), len(signature)))
-               if i >= len(stored) or i >= len(signature) or stored[i] != signature[i])
-
-  def show(leaves):
-    if first >= len(leaves):
-      return "no leaf"
-    leaf_path, shape, dtype = leaves[first]
-    return f"{leaf_path} shape={tuple(shape)} dtype={dtype}"
-
-  user = record.get("user")
-  model = user.get("model") if isinstance(user, dict) else None
-  raise errors.CheckpointError(
-      f"{path} holds a different state (model {model!r}): first difference at leaf "
-      f"#{first}: the checkpoint has {show(stored)}, the template has {show(signature)}. "
-      f"Restore with a template built from the same model and optimizer as the checkpoint.")
-
-
-def _check_world(path, record: dict, topo) -> None:
-  """Raises CheckpointError if per-replica state meets another replica count."""
-  saved = record["replica_count"]
-  per_replica = [leaf["path"] for leaf in record["leaves"] if leaf["per_replica"]]
-  if saved == topo.replica_count or not per_replica:
-    return
-  raise errors.CheckpointError(
-      f"{path} was written by {saved} replicas ({record['process_count']} processes x "
-      f"{record['local_device_count']} devices) and {len(per_replica)} of its leaves "
-      f"differ per replica (first: {per_replica[0]}): error-feedback residuals "
-      f"(jdist.topk / jdist.threshold) or local parameters (jdist.partial_sync) cannot be "
-      f"split over this run's {topo.replica_count} replicas. Resume with {saved} "
-      f"replicas; or, in a run with {saved} replicas, restore it, average the parameters "
-      f"with jdist.sync_params and save them with a fresh plain optimizer state "
-      f"(jdist.dist_opt without sparsify/partial), which any number of replicas restores.")
