@@ -11,7 +11,13 @@ Variants, interleaved at each size in one job:
   * `jdist_fp16`: `jdist.cast(float16)` + `jdist.allreduce()`: 16 bits on
     the wire, float32 in and out;
   * `jdist_callback`: `jdist.psum` with the callback route forced
-    (`JDIST_ROUTE=callback`) on one device per process.
+    (`JDIST_ROUTE=callback`) on one device per process;
+  * `*_x8` (`mpi_x8`, `mpi4jax_x8`, `jdist_psum_x8`): eight all-reduces, one
+    after the other, per call (a Python loop for MPI, one jitted step for the
+    others). Their time is per all-reduce: what one all-reduce costs inside a
+    step, with the fixed cost of launching a jitted call (about 0.5 ms here,
+    paid once per training step and measured by the step-overhead section)
+    spread over the eight.
 
 Rows hold the buffer size per replica (`bytes`), the replica count and the
 median time; bandwidths are computed by the driver (`analysis`).
@@ -36,6 +42,16 @@ SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KB .. 64 MB
 # Smoke run: a small size and one above 256 KB, where the 2x2 callback route
 # once deadlocked (XLA's CPU pool starved by MPI-blocked host callbacks).
 QUICK_SIZES = (4096, 1 << 20)
+CHAIN = 8  # all-reduces per call in the *_x8 variants
+
+
+def chained(reduce: Callable, times: int = CHAIN) -> Callable:
+  """`reduce` applied `times` times in a row, each on the previous result."""
+  def run(x):
+    for _ in range(times):
+      x = reduce(x)
+    return x
+  return run
 
 
 @contextlib.contextmanager
@@ -70,6 +86,7 @@ def _jdist_variants(topo: jdist.Topology) -> dict[str, tuple[Callable, str | Non
       "jdist_psum": (jdist.psum, None),
       "jdist_mean": (jdist_mean(), None),
       "jdist_fp16": (jdist_mean(jnp.float16), None),
+      "jdist_psum_x8": (chained(jdist.psum), None),
   }
   if topo.backend == "mpi" and topo.local_device_count == 1:
     variants["jdist_callback"] = (jdist.psum, "callback")
@@ -86,11 +103,14 @@ def _host_variants(topo: jdist.Topology, count: int) -> dict[str, Callable[[], A
   from mpi4py import MPI  # pylint: disable=import-outside-toplevel
   comm = baseline_comm()
   variants["mpi"] = lambda: comm.Allreduce(src, dst, op=MPI.SUM)
+  variants["mpi_x8"] = lambda: [comm.Allreduce(src, dst, op=MPI.SUM) for _ in range(CHAIN)]
   if topo.backend == "mpi" and topo.local_device_count == 1:
     import mpi4jax  # pylint: disable=import-outside-toplevel
     on_device = jnp.asarray(src)
-    reduce = jax.jit(lambda x: mpi4jax.allreduce(x, op=MPI.SUM, comm=comm))
+    one = lambda x: mpi4jax.allreduce(x, op=MPI.SUM, comm=comm)
+    reduce, reduce_x8 = jax.jit(one), jax.jit(chained(one))
     variants["mpi4jax"] = lambda: reduce(on_device)
+    variants["mpi4jax_x8"] = lambda: reduce_x8(on_device)
   return variants
 
 
@@ -123,9 +143,11 @@ def measure_size(ctx, nbytes: int) -> list[dict]:
                               warmup=ctx.warmup(2), sync=ctx.sync)
   rows = []
   for name, times in series.items():
+    per_call = CHAIN if name.endswith("_x8") else 1
     rows.append({"variant": name, "route": routes.get(name, "host"), "bytes": nbytes,
                  "replicas": topo.replica_count, "processes": topo.process_count,
-                 "backend": topo.backend, **times.as_dict()})
+                 "backend": topo.backend, "per_call": per_call,
+                 **times.per(per_call).as_dict()})
   return rows
 
 

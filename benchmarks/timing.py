@@ -33,6 +33,10 @@ class Series:
   def median(self) -> float:
     return statistics.median(self.samples)
 
+  def per(self, count: int) -> "Series":
+    """The timings divided by `count` (a call that did `count` operations)."""
+    return Series([sample / count for sample in self.samples])
+
   def as_dict(self, prefix: str = "") -> dict[str, Any]:
     """Median and spread, keys ending in `_s` (seconds) as the driver expects."""
     ordered = sorted(self.samples)
