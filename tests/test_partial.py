@@ -8,6 +8,7 @@ import pytest
 
 import jdist
 from jdist.collectives import fusion
+from jdist.transforms import partial as partial_lib
 from tests import reference
 
 PER_REPLICA = 4
@@ -84,3 +85,42 @@ def test_partial_sync_needs_params_and_valid_chunks(topo):
 
   with pytest.raises(ValueError, match="needs them"):
     step(jdist.replicate({"w": jnp.ones(3)}))
+
+
+def test_chunk_plan_cuts_the_flat_vector_across_leaves():
+  plan = partial_lib.chunk_plan([3, 5, 2], 3)  # 10 elements, chunks of 4
+  assert plan == [[(0, 0, 3), (1, 0, 1)], [(1, 1, 5)], [(2, 0, 2)]]
+  assert partial_lib.chunk_plan([2], 4) == [[(0, 0, 1)], [(0, 1, 2)]]
+  assert partial_lib.chunk_plan([], 4) == []
+
+
+def test_partial_sync_matches_flat_reference(topo):
+  # Leaves of 7, 1 and 12 elements in 3 chunks of 7: chunks cross leaves.
+  rng = np.random.default_rng(5)
+  shapes = {"a": (7,), "b": (1,), "c": (3, 4)}
+  steps = 4
+  every_params = {k: rng.normal(size=(topo.replica_count,) + s).astype(np.float32)
+                  for k, s in shapes.items()}
+  every_updates = [{k: rng.normal(size=(topo.replica_count,) + s).astype(np.float32)
+                    for k, s in shapes.items()} for _ in range(steps)]
+  tx = jdist.partial_sync(3)
+  mine = list(topo.replica_indices)
+
+  @jdist.data_parallel
+  def step(u, state, p):
+    return tx.update(u, state, p)
+
+  params = {k: v[mine] for k, v in every_params.items()}
+  state = jdist.data_parallel(tx.init)(params)
+
+  def flat(tree):  # [replicas, 20] in leaf order a, b, c
+    return np.concatenate([tree[k].reshape(tree[k].shape[0], -1) for k in "abc"], axis=1)
+
+  for number in range(steps):
+    out, state = step({k: v[mine] for k, v in every_updates[number].items()}, state, params)
+    local = flat(every_params) + flat(every_updates[number])
+    expected = flat(every_updates[number])
+    inside = slice((number % 3) * 7, min((number % 3 + 1) * 7, 20))
+    expected[:, inside] = local[:, inside].mean(0) - flat(every_params)[:, inside]
+    np.testing.assert_allclose(flat({k: np.asarray(v) for k, v in out.items()}),
+                               expected[mine], rtol=1e-5, atol=1e-6)

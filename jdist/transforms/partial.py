@@ -6,6 +6,10 @@ averaged over the replicas, the chunk rotating every step. Each step sends
 1/num_chunks of a full exchange, and every parameter is averaged at least
 once every `num_chunks` steps. The parameters are cut as one flat vector into
 `num_chunks` equal runs of elements (bytes, for one dtype), in leaf order.
+
+Each chunk's exchange is its own branch of a `lax.switch` on the step, with
+the chunk's leaf pieces known statically, so a step reads and writes only
+that chunk's share of the model, not a flattened copy of all of it.
 """
 
 from __future__ import annotations
@@ -21,7 +25,28 @@ from jax import lax
 
 from jdist import collectives
 from jdist import parallel
-from jdist.collectives import fusion
+
+
+def chunk_plan(sizes: list[int], num_chunks: int) -> list[list[tuple[int, int, int]]]:
+  """Cuts leaves of `sizes` elements, in order, into `num_chunks` equal runs.
+
+  Returns:
+    Per chunk, its (leaf, start, stop) pieces: elements start:stop of the
+    flattened leaf. Chunks hold ceil(total / num_chunks) elements (the last
+    one the rest); with fewer elements than chunks, empty chunks are dropped.
+  """
+  total = sum(sizes)
+  width = max(1, math.ceil(total / num_chunks))
+  plan = []
+  for begin in range(0, total, width):
+    end, pieces, offset = min(begin + width, total), [], 0
+    for leaf, size in enumerate(sizes):
+      lo, hi = max(begin, offset), min(end, offset + size)
+      if lo < hi:
+        pieces.append((leaf, lo - offset, hi - offset))
+      offset += size
+    plan.append(pieces)
+  return plan
 
 
 class PartialSyncState(NamedTuple):
@@ -59,22 +84,40 @@ def partial_sync(num_chunks: int) -> optax.GradientTransformation:
     if params is None:
       raise ValueError("jdist.partial_sync averages parameters, so tx.update needs "
                        "them: call tx.update(grads, opt_state, params).")
-    spec = fusion.flat_spec(updates)
-    size = spec.size
-    chunk = math.ceil(size / num_chunks)
-    flat_params = fusion.ravel(params, jnp.float32)
-    flat_updates = fusion.ravel(updates, jnp.float32)
-    local = jnp.pad(flat_params + flat_updates, (0, chunk * num_chunks - size))
-    start = (state.step % num_chunks) * chunk
-    with collectives.measure() as ledger:
-      averaged = collectives.pmean(lax.dynamic_slice(local, (start,), (chunk,)))
-    synced = lax.dynamic_update_slice(local, averaged, (start,))[:size]
-    position = jnp.arange(size)
-    in_chunk = (position >= start) & (position < start + chunk)
-    # Outside the chunk keep the local update bit for bit.
-    new_updates = jnp.where(in_chunk, synced - flat_params, flat_updates)
-    return (fusion.unravel(new_updates, spec),
-            PartialSyncState(state.step + 1, jnp.asarray(ledger.bytes, jnp.float32)))
+    update_leaves, treedef = jax.tree.flatten(updates)
+    param_leaves = treedef.flatten_up_to(params)
+    plan = chunk_plan([math.prod(leaf.shape) for leaf in update_leaves], num_chunks)
+    if not plan:  # no parameters
+      return updates, PartialSyncState(state.step + 1, jnp.zeros([], jnp.float32))
+    sent: list[int] = []
+
+    def sync_chunk(pieces, update_leaves, param_leaves):
+      # Only this chunk's pieces are gathered, exchanged and written back.
+      flat_params = [p.reshape(-1).astype(jnp.float32) for p in param_leaves]
+      local = [flat_params[leaf][lo:hi] + update_leaves[leaf].reshape(-1)[lo:hi]
+               .astype(jnp.float32) for leaf, lo, hi in pieces]
+      with collectives.measure() as ledger:
+        averaged = collectives.pmean(jnp.concatenate(local) if len(local) > 1 else local[0])
+      sent.append(ledger.bytes)
+      out = list(update_leaves)
+      offset = 0
+      for leaf, lo, hi in pieces:
+        moved = averaged[offset:offset + hi - lo] - flat_params[leaf][lo:hi]
+        offset += hi - lo
+        flat = out[leaf].reshape(-1)
+        # Outside the chunk the local update stays bit for bit.
+        flat = lax.dynamic_update_slice(flat, moved.astype(flat.dtype), (lo,))
+        out[leaf] = flat.reshape(update_leaves[leaf].shape)
+      return out
+
+    branches = [functools.partial(sync_chunk, pieces) for pieces in plan]
+    if len(branches) == 1:
+      new_leaves = branches[0](update_leaves, param_leaves)
+    else:
+      new_leaves = lax.switch(state.step % len(branches), branches, update_leaves,
+                              param_leaves)
+    wire = jnp.asarray(sent, jnp.float32)[state.step % len(sent)]
+    return (jax.tree.unflatten(treedef, new_leaves), PartialSyncState(state.step + 1, wire))
 
   return optax.GradientTransformation(init_fn, update_fn)
 
