@@ -2,7 +2,9 @@
 
     python -m benchmarks            # the full suite (~10 min on 2 cores)
     python -m benchmarks --quick    # the smoke run CI uses (tiny sizes)
-    python -m benchmarks.accuracy   # accuracy vs compression (~40 min)
+    python -m benchmarks.accuracy   # accuracy vs compression (~27 min)
+    mpirun -np 2 python -m benchmarks.allocator   # page faults of fresh XLA buffers
+    python benchmarks/stall_repeat.py             # the watchdog, 10 repetitions
 
 Modules: `timing` (warm-up, interleaving, medians), `workload` (models,
 data, train steps), one module per measured section (`allreduce`,
