@@ -146,6 +146,46 @@ def test_tracing_counts_as_compiling_but_not_a_host_wait_made_while_tracing():
   assert dog.status()["compiling"] is False  # running compiled code is not compiling
 
 
+class _DepartedPeer(_Comm):
+  """Rank 1 has exited after `steps` steps and `host` host exchanges."""
+
+  def __init__(self, steps, host):
+    self.pending = [{"rank": 1, "steps": steps, "host": host}]
+
+  def Iprobe(self, source, tag, status):  # noqa: N802
+    del source, status
+    return tag == watchdog._DEPART_TAG and bool(self.pending)  # pylint: disable=protected-access
+
+  def recv(self, source, tag):
+    del source, tag
+    return self.pending.pop()
+
+
+class _Mpi:
+  ANY_SOURCE = -1
+
+  class Status:
+    def Get_source(self):  # noqa: N802
+      return 1
+
+
+def test_a_wait_a_departed_rank_never_reached_is_reported(monkeypatch):
+  monkeypatch.setattr(watchdog, "DEPARTURE_GRACE_S", 0.0)
+  dog = watchdog.Watchdog(_DepartedPeer(steps=3, host=0), mpi=_Mpi, timeout=60.0)
+  assert dog._departure_stall() is None  # pylint: disable=protected-access
+  with dog.waiting("jdist.barrier"):  # host exchange 1; rank 1 made none
+    report = dog._departure_stall()  # pylint: disable=protected-access
+  assert ("rank 0 waits in jdist.barrier (its host exchange 1), but rank 1 exited after 0 "
+          "host exchanges, so it can never arrive") in report
+  # Steps: rank 1 finished 3, so step 3 will complete; step 4 never can.
+  for number, reported in ((3, False), (4, True)):
+    dog._step_wait = dog._new_wait(  # pylint: disable=protected-access
+        f"step {number} of train_step", time.monotonic(), number, host=False)
+    report = dog._departure_stall()  # pylint: disable=protected-access
+    assert (report is not None) == reported
+  assert "rank 1 exited after 3 steps" in report and "left its loop early" in report
+
+
 def test_compile_grace_has_a_bound():
   assert watchdog.Watchdog(_Comm(), mpi=None, timeout=10.0).compile_grace == 600.0
   assert watchdog.Watchdog(_Comm(), mpi=None, timeout=300.0).compile_grace == 3000.0
@@ -164,6 +204,7 @@ _JOBS = {
     "compile": dict(faults=["compile:1"], timeout=2.0, extra=["--compile", "6"]),
     "kill": dict(faults=["kill:5"], timeout=60.0),
     "raise": dict(faults=["raise:5"], timeout=60.0),
+    "exit": dict(faults=["exit:5"], timeout=60.0),
     "barrier": dict(faults=["barrier:5"], timeout=5.0),
     # Many steps back to back: XLA:CPU deadlocked (a collective's rendezvous
     # times out after 40 s and aborts) once more than 32 steps were in flight
@@ -275,6 +316,21 @@ def test_fault_uncaught_exception_on_one_rank_ends_the_job_at_once(fault_jobs):
   assert result.since("raising") < 15, _explain(result)
   assert "RuntimeError: injected failure on rank 1" in result.stderr
   assert "rank 1 stopped on an uncaught RuntimeError" in result.stderr
+
+
+@_uses_job("exit")
+def test_fault_rank_leaving_early_ends_the_job_before_the_deadline(fault_jobs):
+  if _under_mpirun():
+    assert not fault_jobs
+    return
+  # sys.exit is no uncaught exception: the rank exits cleanly after its steps
+  # and announces how far it got; rank 0, waiting in step 5, aborts then.
+  result = _job(fault_jobs, "exit")
+  assert result.returncode != 0, _explain(result)
+  deadline = _JOBS["exit"]["timeout"]
+  assert result.since("exiting") < watchdog.DEPARTURE_GRACE_S + 15 < deadline, _explain(result)
+  assert "rank 0 waits in step 5 of train_step" in result.stderr, _explain(result)
+  assert "rank 1 exited after" in result.stderr, _explain(result)
 
 
 @_uses_job("barrier")

@@ -25,37 +25,33 @@ not count at all: a peer whose main thread is inside JAX's tracer or compiler
 An uncaught exception on one rank would otherwise leave that process waiting
 in `MPI_Finalize` and the others in their next exchange until the deadline:
 `start()` chains a `sys.excepthook` that prints the traceback and aborts the
-job at once.
+job at once. A rank that ends without an exception (`sys.exit`, a loop left
+early on one rank) announces at exit how many steps and host exchanges it
+ran; a peer that has waited `DEPARTURE_GRACE_S` in a later one aborts the job
+then, instead of at the deadline.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import queue
 import sys
-import sysconfig
 import threading
 import time
 from typing import Any
 
+from jdist.collectives.stall_report import describe_departure
+from jdist.collectives.stall_report import describe_stall  # re-exported
+from jdist.collectives.stall_report import in_jax_compiler
+from jdist.collectives.stall_report import is_missing
+from jdist.collectives.stall_report import user_location
+
 _QUERY_TAG = 7401
 _REPLY_TAG = 7402
+_DEPART_TAG = 7403
+DEPARTURE_GRACE_S = 5.0  # a wait this old, that a departed rank never reached, is a stall
 _POLL_S = 0.1
-
-# Frames that mean "this thread is tracing or compiling with JAX": the
-# compiler entry points (jax/_src/compiler.py), lowering to MLIR and tracing
-# to a jaxpr. Dispatching or waiting for a step is none of these.
-_COMPILE_FILES = ("compiler.py", "mlir.py", "partial_eval.py")
-_COMPILE_FUNCTIONS = ("_trace_for_jit", "lower_sharding_computation", "_cached_lowering_to_hlo",
-                      "trace_to_jaxpr", "trace_to_jaxpr_dynamic", "lower_jaxpr_to_module",
-                      "_cached_compilation", "compile_or_get_cached")
-_LIBRARY_DIRS = tuple({os.path.normpath(p) + os.sep for p in
-                       (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
-                        sysconfig.get_paths()["platlib"])})
-_JDIST_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
 
 @dataclasses.dataclass
 class _Wait:
@@ -64,39 +60,8 @@ class _Wait:
   since: float
   deadline: float
   grace_s: float = 0.0  # deadline extensions granted to compiling peers
-
-
-def _in_jax_compiler(frame) -> bool:
-  while frame is not None:
-    code = frame.f_code
-    path = code.co_filename
-    if f"{os.sep}jax{os.sep}" in path and (
-        os.path.basename(path) in _COMPILE_FILES or code.co_name in _COMPILE_FUNCTIONS):
-      return True
-    frame = frame.f_back
-  return False
-
-
-def _user_location(frame) -> str | None:
-  """'file:line in function' of the innermost frame in the user's own code."""
-  innermost = None
-  while frame is not None:
-    path = os.path.normpath(frame.f_code.co_filename)
-    here = f"{_short_path(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
-    innermost = innermost or here
-    if not (path.startswith(_LIBRARY_DIRS) or path.startswith(_JDIST_DIR)
-            or path.startswith("<")):
-      return here
-    frame = frame.f_back
-  return innermost
-
-
-def _short_path(path: str) -> str:
-  try:
-    relative = os.path.relpath(path)
-  except ValueError:
-    return path
-  return path if relative.startswith("..") else relative
+  number: int = 0  # this rank's count of steps (or host exchanges) up to this one
+  host: bool = False  # a host-side exchange (else a compiled step)
 
 
 class Watchdog:
@@ -130,6 +95,8 @@ class Watchdog:
     self._steps: queue.Queue = queue.Queue()
     self._pending_sends: list[Any] = []
     self._queries = 0
+    self._host_count = 0
+    self._departed: dict[int, dict[str, int]] = {}  # rank -> its counts when it left
     self._started = False
     self._stopping = threading.Event()
     self._threads: list[threading.Thread] = []
@@ -159,6 +126,7 @@ class Watchdog:
       return
     self._steps.put(None)  # the monitor drains the queue, then ends
     self._threads[1].join()
+    self._announce_departure()
     self._stopping.set()
     self._threads[0].join(timeout=10 * _POLL_S + 10)
 
@@ -167,14 +135,15 @@ class Watchdog:
     """Steps dispatched so far (the step a waiting rank is in is `step`)."""
     return self._dispatched
 
-  def _new_wait(self, label: str, since: float) -> _Wait:
-    return _Wait(label, since, since + self.timeout)
+  def _new_wait(self, label: str, since: float, number: int, host: bool) -> _Wait:
+    return _Wait(label, since, since + self.timeout, number=number, host=host)
 
   @contextlib.contextmanager
   def waiting(self, label: str):
     """Marks a host-side wait for other ranks, under the deadline."""
-    wait = self._new_wait(label, time.monotonic())
     with self._lock:
+      self._host_count += 1
+      wait = self._new_wait(label, time.monotonic(), self._host_count, host=True)
       self._host_waits.append(wait)
     try:
       yield
@@ -212,7 +181,8 @@ class Watchdog:
       number, label, marker, dispatched_at = item
       with self._lock:
         # A queued step only starts waiting once the one before it is done.
-        self._step_wait = self._new_wait(label, max(dispatched_at, self._last_done))
+        self._step_wait = self._new_wait(label, max(dispatched_at, self._last_done), number,
+                                         host=False)
       try:
         marker.block_until_ready()
       except Exception:  # pylint: disable=broad-except
@@ -244,8 +214,8 @@ class Watchdog:
           "idle_s": now - self._last_activity,
           # Blocked in a host exchange (even one made while tracing) is waiting.
           "compiling": (not self._host_waits and frame is not None
-                        and _in_jax_compiler(frame)),
-          "where": _user_location(frame) if frame is not None else None,
+                        and in_jax_compiler(frame)),
+          "where": user_location(frame) if frame is not None else None,
       }
 
   def _answer_queries(self) -> None:
@@ -283,9 +253,41 @@ class Watchdog:
           sys.stderr.write(f"jdist watchdog: rank {self.rank}: {type(err).__name__}: {err}\n")
       time.sleep(_POLL_S)
 
+  def _announce_departure(self) -> None:
+    """Tells every peer how far this rank got, as it exits (see module doc)."""
+    counts = {"rank": self.rank, "steps": self._dispatched, "host": self._host_count}
+    sends = [self.comm.isend(counts, dest=peer, tag=_DEPART_TAG)
+             for peer in range(self.size) if peer != self.rank]
+    deadline = time.monotonic() + 2.0  # small messages; never hold up the exit
+    while sends and time.monotonic() < deadline:
+      sends = [r for r in sends if not r.Test()]
+      time.sleep(0.01)
+    self._pending_sends += sends
+
+  def _departure_stall(self) -> str | None:
+    """The report, if this rank waits where a departed rank never went."""
+    mpi_status = self._mpi.Status()
+    while self.comm.Iprobe(source=self._mpi.ANY_SOURCE, tag=_DEPART_TAG, status=mpi_status):
+      counts = self.comm.recv(source=mpi_status.Get_source(), tag=_DEPART_TAG)
+      self._departed[counts["rank"]] = counts
+    with self._lock:
+      wait = self._current_wait()
+      if not self._departed or wait is None:
+        return None
+      if time.monotonic() - wait.since < DEPARTURE_GRACE_S:
+        return None
+      gone = {rank: counts for rank, counts in self._departed.items()
+              if wait.number > counts["host" if wait.host else "steps"]}
+      return describe_departure(self.rank, wait.label, wait.number, wait.host, gone) \
+          if gone else None
+
   def _serve_once(self) -> bool:
     """Answers queries and checks the deadline; True once the job was aborted."""
     self._answer_queries()
+    report = self._departure_stall()
+    if report is not None:
+      self.on_timeout(report)
+      return True
     while True:
       wait = self._overrun()
       if wait is None:
@@ -294,7 +296,7 @@ class Watchdog:
       if not self._still_waiting(wait):
         continue  # the peers arrived while we asked: no stall after all
       compiling = [r for r in sorted(replies) if replies[r].get("compiling")]
-      stalled = [p for p in range(self.size) if p != self.rank and _is_missing(replies.get(p))]
+      stalled = [p for p in range(self.size) if p != self.rank and is_missing(replies.get(p))]
       if compiling and not stalled and wait.grace_s < self.compile_grace:
         # Compiling is work, not a stall: give the compiling peers another deadline.
         extension = min(self.timeout, self.compile_grace - wait.grace_s)
@@ -343,67 +345,3 @@ class Watchdog:
       self.comm.Abort(1)
 
     sys.excepthook = abort_on_uncaught
-
-
-def _is_missing(reply: dict[str, Any] | None) -> bool:
-  """A peer that is neither in an exchange nor compiling (or did not answer)."""
-  return reply is None or (reply.get("waiting_in") is None and not reply.get("compiling"))
-
-
-def describe_stall(rank: int, size: int, label: str, waited: float, timeout: float,
-                   replies: dict[int, dict[str, Any]]) -> str:
-  """The watchdog's report: who is missing, and where everyone is.
-
-  Args:
-    rank: the reporting rank.
-    size: number of ranks.
-    label: the exchange the reporting rank waits in (e.g. "step 5 of train_step").
-    waited: seconds it has waited.
-    timeout: the deadline in seconds.
-    replies: each answering peer's `Watchdog.status()`; peers absent from it
-      did not answer.
-
-  Returns:
-    A multi-line message naming the missing ranks first.
-  """
-  lines = [f"jdist watchdog: rank {rank} waited {waited:.1f} s in {label} for the "
-           f"other ranks (limit {timeout:g} s; raise it with jdist.init(timeout=...) "
-           f"or the JDIST_TIMEOUT environment variable)."]
-  missing, waiting_in = [], set()
-  for peer in range(size):
-    if peer == rank:
-      continue
-    reply = replies.get(peer)
-    if reply is None:
-      missing.append(peer)
-      lines.append(f"  rank {peer}: MISSING - did not answer (hung holding the Python "
-                   f"interpreter, or exiting)")
-      continue
-    where = f" at {reply['where']}" if reply.get("where") else ""
-    last = reply.get("last_completed") or f"{reply.get('completed', 0)} steps"
-    if reply.get("compiling"):
-      lines.append(f"  rank {peer}: still tracing/compiling with JAX{where}")
-    elif reply.get("waiting_in") is None:
-      missing.append(peer)
-      lines.append(f"  rank {peer}: MISSING - not in any exchange for "
-                   f"{reply.get('idle_s', 0.0):.1f} s{where}; last finished: {last}")
-    else:
-      waiting_in.add(reply["waiting_in"])
-      lines.append(f"  rank {peer}: waiting in {reply['waiting_in']} for "
-                   f"{reply.get('waiting_s', 0.0):.1f} s{where}")
-  if missing:
-    names = ", ".join(str(m) for m in missing)
-    lines.append(f"Rank(s) {names} did not reach {label}. Aborting the job so no rank "
-                 f"hangs forever.")
-  elif waiting_in == {label}:
-    lines.append(f"Every rank is waiting in {label}: the exchange itself is stuck (a "
-                 f"deadlock inside the step, or a step slower than the limit). Aborting "
-                 f"the job.")
-  elif waiting_in:
-    lines.append("Every rank is waiting, in different exchanges: the ranks' control "
-                 "flow diverged (they call collectives in a different order). Aborting "
-                 "the job.")
-  else:
-    lines.append("The other ranks are still compiling after the grace period. Aborting "
-                 "the job.")
-  return "\n".join(lines)

@@ -9,6 +9,8 @@ rank `--rank` misbehave just before dispatching step STEP (1-based):
   late:S        sleeps `--late` seconds (within the deadline: must pass)
   kill:S        SIGKILLs itself (the launcher must end the job)
   raise:S       raises an exception (the job must end at once)
+  exit:S        calls sys.exit(3): leaves the loop early without an exception
+                (the others' watchdog must end the job soon after)
   barrier:S     every rank calls jdist.barrier(); the faulty rank sleeps
                 `--sleep` seconds first (a host-side stall: must abort)
   checkpoint:S  rank 0 "writes a checkpoint" for `--checkpoint` seconds while the
@@ -35,7 +37,7 @@ import optax
 import jdist
 from tests import reference
 
-KINDS = ("stall", "late", "kill", "raise", "barrier", "checkpoint", "compile")
+KINDS = ("stall", "late", "kill", "raise", "exit", "barrier", "checkpoint", "compile")
 
 
 def parse_fault(text):
@@ -93,6 +95,9 @@ def inject(kind, step, me, faulty, args, replicated):
   elif kind == "raise" and faulty:
     mark(me, f"raising before step {step}")
     raise RuntimeError(f"injected failure on rank {me} before step {step}")
+  elif kind == "exit" and faulty:
+    mark(me, f"exiting before step {step}")
+    sys.exit(3)
   elif kind == "barrier":
     if faulty:
       mark(me, f"sleeping {args.sleep:g} s before a barrier")

@@ -1,0 +1,143 @@
+"""What the watchdog reports: where a rank is, and who stalled a wait.
+
+Pure helpers of `jdist.collectives.watchdog`: reading a thread's frames
+(tracing/compiling with JAX, the user's own line) and turning the peers'
+answers into the message printed before the job is aborted.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from typing import Any
+
+# Frames that mean "this thread is tracing or compiling with JAX": the
+# compiler entry points (jax/_src/compiler.py), lowering to MLIR and tracing
+# to a jaxpr. Dispatching or waiting for a step is none of these.
+_COMPILE_FILES = ("compiler.py", "mlir.py", "partial_eval.py")
+_COMPILE_FUNCTIONS = ("_trace_for_jit", "lower_sharding_computation", "_cached_lowering_to_hlo",
+                      "trace_to_jaxpr", "trace_to_jaxpr_dynamic", "lower_jaxpr_to_module",
+                      "_cached_compilation", "compile_or_get_cached")
+_LIBRARY_DIRS = tuple({os.path.normpath(p) + os.sep for p in
+                       (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
+                        sysconfig.get_paths()["platlib"])})
+_JDIST_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def in_jax_compiler(frame) -> bool:
+  """Whether a frame (or one it was called from) is JAX tracing or compiling."""
+  while frame is not None:
+    code = frame.f_code
+    path = code.co_filename
+    if f"{os.sep}jax{os.sep}" in path and (
+        os.path.basename(path) in _COMPILE_FILES or code.co_name in _COMPILE_FUNCTIONS):
+      return True
+    frame = frame.f_back
+  return False
+
+
+def user_location(frame) -> str | None:
+  """'file:line in function' of the innermost frame in the user's own code."""
+  innermost = None
+  while frame is not None:
+    path = os.path.normpath(frame.f_code.co_filename)
+    here = f"{_short_path(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
+    innermost = innermost or here
+    if not (path.startswith(_LIBRARY_DIRS) or path.startswith(_JDIST_DIR)
+            or path.startswith("<")):
+      return here
+    frame = frame.f_back
+  return innermost
+
+
+def _short_path(path: str) -> str:
+  try:
+    relative = os.path.relpath(path)
+  except ValueError:
+    return path
+  return path if relative.startswith("..") else relative
+
+
+def is_missing(reply: dict[str, Any] | None) -> bool:
+  """A peer that is neither in an exchange nor compiling (or did not answer)."""
+  return reply is None or (reply.get("waiting_in") is None and not reply.get("compiling"))
+
+
+def describe_stall(rank: int, size: int, label: str, waited: float, timeout: float,
+                   replies: dict[int, dict[str, Any]]) -> str:
+  """The watchdog's report: who is missing, and where everyone is.
+
+  Args:
+    rank: the reporting rank.
+    size: number of ranks.
+    label: the exchange the reporting rank waits in (e.g. "step 5 of train_step").
+    waited: seconds it has waited.
+    timeout: the deadline in seconds.
+    replies: each answering peer's `Watchdog.status()`; peers absent from it
+      did not answer.
+
+  Returns:
+    A multi-line message naming the missing ranks first.
+  """
+  lines = [f"jdist watchdog: rank {rank} waited {waited:.1f} s in {label} for the "
+           f"other ranks (limit {timeout:g} s; raise it with jdist.init(timeout=...) "
+           f"or the JDIST_TIMEOUT environment variable)."]
+  missing, waiting_in = [], set()
+  for peer in range(size):
+    if peer == rank:
+      continue
+    reply = replies.get(peer)
+    if reply is None:
+      missing.append(peer)
+      lines.append(f"  rank {peer}: MISSING - did not answer (hung holding the Python "
+                   f"interpreter, or exiting)")
+      continue
+    where = f" at {reply['where']}" if reply.get("where") else ""
+    last = reply.get("last_completed") or f"{reply.get('completed', 0)} steps"
+    if reply.get("compiling"):
+      lines.append(f"  rank {peer}: still tracing/compiling with JAX{where}")
+    elif reply.get("waiting_in") is None:
+      missing.append(peer)
+      lines.append(f"  rank {peer}: MISSING - not in any exchange for "
+                   f"{reply.get('idle_s', 0.0):.1f} s{where}; last finished: {last}")
+    else:
+      waiting_in.add(reply["waiting_in"])
+      lines.append(f"  rank {peer}: waiting in {reply['waiting_in']} for "
+                   f"{reply.get('waiting_s', 0.0):.1f} s{where}")
+  if missing:
+    names = ", ".join(str(m) for m in missing)
+    lines.append(f"Rank(s) {names} did not reach {label}. Aborting the job so no rank "
+                 f"hangs forever.")
+  elif waiting_in == {label}:
+    lines.append(f"Every rank is waiting in {label}: the exchange itself is stuck (a "
+                 f"deadlock inside the step, or a step slower than the limit). Aborting "
+                 f"the job.")
+  elif waiting_in:
+    lines.append("Every rank is waiting, in different exchanges: the ranks' control "
+                 "flow diverged (they call collectives in a different order). Aborting "
+                 "the job.")
+  else:
+    lines.append("The other ranks are still compiling after the grace period. Aborting "
+                 "the job.")
+  return "\n".join(lines)
+
+
+def describe_departure(rank: int, label: str, number: int, host: bool,
+                       gone: dict[int, dict[str, int]]) -> str:
+  """The report when ranks left the job before the exchange this rank waits in.
+
+  Args:
+    rank: the reporting rank.
+    label: the exchange it waits in.
+    number: its count of steps (or host exchanges, with `host`) up to it.
+    host: whether the wait is a host-side exchange.
+    gone: departed ranks that never reached it, with their counts at exit
+      ("steps", "host").
+  """
+  kind = "host exchanges" if host else "steps"
+  left = "; ".join(f"rank {peer} exited after {counts['host' if host else 'steps']} {kind}"
+                   for peer, counts in sorted(gone.items()))
+  return (f"jdist watchdog: rank {rank} waits in {label} (its {kind[:-1]} {number}), but "
+          f"{left}, so it can never arrive. The ranks ran different numbers of {kind}: "
+          f"one left its loop early (sys.exit, return or break on one rank only). "
+          f"Aborting the job so no rank hangs until the deadline.")
