@@ -27,7 +27,10 @@ class _Parser(argparse.ArgumentParser):
   """An ArgumentParser whose errors are one line: `prog: error: message`."""
 
   def error(self, message: str):
-    self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+    # Under mpirun every rank parses the same flags: one copy of the message.
+    from jdist import topology  # pylint: disable=g-import-not-at-top
+    text = f"{self.prog}: error: {message} (see {self.prog} --help)\n"
+    self.exit(EXIT_USAGE, text if topology.launcher_rank() == 0 else None)
 
 
 def build_train_parser(prog: str = "jdist train") -> argparse.ArgumentParser:

@@ -24,6 +24,7 @@ from jdist import errors
 # Environment variables set by MPI launchers for every rank they start.
 _LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS")
 _LAUNCHER_LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "PMI_LOCAL_RANK")
+_LAUNCHER_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
 
 TIMEOUT_ENV = "JDIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
@@ -101,12 +102,25 @@ def launched_by_mpi() -> bool:
   return False
 
 
-def _launcher_local_rank() -> int | None:
-  for name in _LAUNCHER_LOCAL_RANK_VARS:
+def _first_int(names: tuple[str, ...]) -> int | None:
+  for name in names:
     value = os.environ.get(name)
     if value is not None and value.isdigit():
       return int(value)
   return None
+
+
+def _launcher_local_rank() -> int | None:
+  return _first_int(_LAUNCHER_LOCAL_RANK_VARS)
+
+
+def launcher_rank() -> int:
+  """This process's rank as the MPI launcher set it (0 when not launched by one).
+
+  Read from the launcher's environment, so it is known before MPI starts (to
+  print a usage error once, not once per rank).
+  """
+  return _first_int(_LAUNCHER_RANK_VARS) or 0
 
 
 def _resolve_timeout(timeout: float | None) -> float:

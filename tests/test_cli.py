@@ -60,7 +60,22 @@ def _random_argv(rng: random.Random) -> list:
   return argv
 
 
-def test_fuzzed_arguments_end_in_a_clean_exit_or_a_valid_config(capsys):
+@pytest.fixture
+def rank0(monkeypatch):
+  """Parses as the launcher's rank 0 (under mpirun, only rank 0 prints usage errors)."""
+  monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+
+
+def test_usage_errors_are_printed_by_rank_0_only(monkeypatch, capsys):
+  for rank, printed in (("0", True), ("1", False)):
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", rank)
+    with pytest.raises(SystemExit) as stop:
+      cli.parse_train_args(["--epochs", "0"])
+    assert stop.value.code == cli.EXIT_USAGE  # every rank still exits 2
+    assert ("jdist train: error: " in capsys.readouterr().err) == printed
+
+
+def test_fuzzed_arguments_end_in_a_clean_exit_or_a_valid_config(capsys, rank0):
   rng = random.Random(20240611)
   exits = 0
   for _ in range(400):
@@ -106,7 +121,7 @@ def test_fuzzed_arguments_end_in_a_clean_exit_or_a_valid_config(capsys):
     (["--bogus"], r"unrecognized arguments: --bogus"),
     (["--batch", "8"], r"unrecognized arguments"),  # no abbreviations
 ])
-def test_bad_values_name_the_flag_and_exit_2(capsys, argv, message):
+def test_bad_values_name_the_flag_and_exit_2(capsys, rank0, argv, message):
   with pytest.raises(SystemExit) as stop:
     cli.parse_train_args(argv)
   assert stop.value.code == cli.EXIT_USAGE
@@ -139,7 +154,7 @@ def test_every_flag_reaches_the_config():
   assert (defaults.model, defaults.dataset) == ("cnn", "digits")
 
 
-def test_top_level_command_dispatch(capsys):
+def test_top_level_command_dispatch(capsys, rank0):
   for argv, code in (([], 2), (["nope"], 2), (["--version"], 0), (["train", "--help"], 0)):
     with pytest.raises(SystemExit) as stop:
       cli.main(argv)
