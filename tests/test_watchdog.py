@@ -205,6 +205,9 @@ _JOBS = {
     "kill": dict(faults=["kill:5"], timeout=60.0),
     "raise": dict(faults=["raise:5"], timeout=60.0),
     "exit": dict(faults=["exit:5"], timeout=60.0),
+    "preinit": dict(faults=["preinit:0"], timeout=60.0, env={"JDIST_INIT_TIMEOUT": "5"}),
+    "prempi": dict(faults=["prempi:0"], timeout=60.0, env={"JDIST_INIT_TIMEOUT": "3"},
+                   extra=["--sleep", "8"]),
     "barrier": dict(faults=["barrier:5"], timeout=5.0),
     # Many steps back to back: XLA:CPU deadlocked (a collective's rendezvous
     # times out after 40 s and aborts) once more than 32 steps were in flight
@@ -331,6 +334,32 @@ def test_fault_rank_leaving_early_ends_the_job_before_the_deadline(fault_jobs):
   assert result.since("exiting") < watchdog.DEPARTURE_GRACE_S + 15 < deadline, _explain(result)
   assert "rank 0 waits in step 5 of train_step" in result.stderr, _explain(result)
   assert "rank 1 exited after" in result.stderr, _explain(result)
+
+
+@_uses_job("preinit")
+def test_fault_rank_stalled_before_init_is_named(fault_jobs):
+  if _under_mpirun():
+    assert not fault_jobs
+    return
+  result = _job(fault_jobs, "preinit")
+  assert result.returncode != 0, _explain(result)
+  assert result.since("sleeping") < 5 + 15, _explain(result)
+  assert "waited 5 s in jdist.init() for rank(s) 1, which never called it" in result.stderr, \
+      _explain(result)
+
+
+@_uses_job("prempi")
+def test_fault_rank_late_to_start_mpi_is_explained_and_waited_for(fault_jobs):
+  if _under_mpirun():
+    assert not fault_jobs
+    return
+  # Rank 0 sits in MPI_Init until rank 1 starts MPI, 8 s late: past the 3 s
+  # limit it says why, and the job still runs once rank 1 arrives.
+  result = _job(fault_jobs, "prempi")
+  assert result.returncode == 0, _explain(result)
+  assert "rank 0 has waited 3 s in jdist.init() for MPI to start" in result.stderr, \
+      _explain(result)
+  assert "jdist-job: done" in result.stdout
 
 
 @_uses_job("barrier")

@@ -15,12 +15,25 @@ Communicators:
 
 Host-side exchanges use non-blocking MPI and poll with short sleeps, so a rank
 waiting for a slow peer does not spin a CPU core the peer may need.
+
+A rank that never calls `jdist.init` (stalled or failed before it) would
+leave the others blocked in `MPI_Init`, which Open MPI completes only once
+every process has called it, or, where MPI was started earlier, in jdist's
+first collective. `start()` puts a deadline on both (`JDIST_INIT_TIMEOUT`,
+default the larger of the exchange timeout and 300 s, as ranks may start
+minutes apart on a loaded machine). Past it, a rank still in `MPI_Init`
+says why it waits (Open MPI's launcher does not end a job whose ranks are in
+`MPI_Init`, even when one dies, so it keeps waiting); once MPI is up, the
+peers meet with point-to-point messages, and missing ones are named and the
+job is aborted.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import pickle
+import sys
 import threading
 import time
 from typing import Any
@@ -47,6 +60,69 @@ def _import_mpi():
   return MPI
 
 
+INIT_TIMEOUT_ENV = "JDIST_INIT_TIMEOUT"
+MIN_INIT_TIMEOUT_S = 300.0
+_HELLO_TAG = 27236  # jdist's meeting on COMM_WORLD before its first collective
+
+
+def init_timeout(timeout: float) -> float:
+  """Seconds every rank has to reach `jdist.init` (see the module doc)."""
+  value = os.environ.get(INIT_TIMEOUT_ENV)
+  if value is None:
+    return max(timeout, MIN_INIT_TIMEOUT_S)
+  try:
+    seconds = float(value)
+  except ValueError:
+    seconds = -1.0
+  if not seconds > 0:
+    raise ValueError(f"{INIT_TIMEOUT_ENV}={value!r} must be a positive number of seconds.")
+  return seconds
+
+
+def _import_mpi_within(limit: float):
+  """`_import_mpi()` (which initializes MPI), saying why if it takes over `limit` s."""
+  done = threading.Event()
+
+  def warn():
+    if not done.wait(limit):
+      # Open MPI's launcher does not end a job whose ranks are inside
+      # MPI_Init, even when one of them dies, so this can only explain.
+      from jdist import topology  # pylint: disable=g-import-not-at-top
+      sys.stderr.write(
+          f"jdist: rank {topology.launcher_rank()} has waited {limit:g} s in jdist.init() "
+          f"for MPI to start, which needs every process of the job: some rank has not "
+          f"started MPI yet (it is slow, stalled or failed before jdist.init()). Still "
+          f"waiting; stop the job if that rank is stuck.\n")
+      sys.stderr.flush()
+
+  threading.Thread(target=warn, name="jdist-init-deadline", daemon=True).start()
+  try:
+    return _import_mpi()
+  finally:
+    done.set()
+
+
+def meet(comm, limit: float) -> list[int]:
+  """Exchanges a message with every peer; returns the peers missing after `limit` s."""
+  rank, size = comm.Get_rank(), comm.Get_size()
+  peers = [peer for peer in range(size) if peer != rank]
+  inbox = {peer: np.zeros(1, np.int32) for peer in peers}
+  receives = {peer: comm.Irecv(inbox[peer], source=peer, tag=_HELLO_TAG) for peer in peers}
+  mine = np.array([rank], np.int32)
+  sends = [comm.Isend(mine, dest=peer, tag=_HELLO_TAG) for peer in peers]
+  deadline = time.monotonic() + limit
+  pause = 1e-4
+  while receives and time.monotonic() < deadline:
+    receives = {peer: r for peer, r in receives.items() if not r.Test()}
+    time.sleep(pause)
+    pause = min(pause * 2, 0.05)
+  if receives:
+    return sorted(receives)
+  for request in sends:
+    request.Wait()  # received by now: every peer posted its receive before sending
+  return []
+
+
 def import_mpi4jax():
   """mpi4jax, or a MissingMPIError that says how to install it."""
   try:
@@ -61,6 +137,16 @@ class MpiWorld:
 
   def __init__(self, mpi, timeout: float):
     self.MPI = mpi
+    limit = init_timeout(timeout)
+    missing = meet(mpi.COMM_WORLD, limit)
+    if missing:
+      sys.stderr.write(
+          f"jdist: rank {mpi.COMM_WORLD.Get_rank()} waited {limit:g} s in jdist.init() for "
+          f"rank(s) {', '.join(map(str, missing))}, which never called it: they stalled or "
+          f"failed before it. Aborting the job (raise the limit with the "
+          f"{INIT_TIMEOUT_ENV} environment variable).\n")
+      sys.stderr.flush()
+      mpi.COMM_WORLD.Abort(1)
     self.comm = mpi.COMM_WORLD.Dup()
     self.rank = self.comm.Get_rank()
     self.size = self.comm.Get_size()
@@ -134,7 +220,7 @@ def start(timeout: float) -> MpiWorld:
   global _world
   with _lock:
     if _world is None:
-      _world = MpiWorld(_import_mpi(), timeout)
+      _world = MpiWorld(_import_mpi_within(init_timeout(timeout)), timeout)
     return _world
 
 

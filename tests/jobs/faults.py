@@ -40,7 +40,7 @@ class JobResult:
 
 
 def run(faults, *, processes: int = 2, devices: int = 1, timeout: float = 10.0, extra=(),
-        hard_limit: float | None = None) -> JobResult:
+        hard_limit: float | None = None, env: dict | None = None) -> JobResult:
   """Runs the job with `faults` (e.g. ["stall:5"]): under mpirun, or plain
   `python` when `processes` is 1.
 
@@ -55,7 +55,7 @@ def run(faults, *, processes: int = 2, devices: int = 1, timeout: float = 10.0, 
   argv = args if processes == 1 else launch.mpirun_argv(args, np=processes)
   limit = hard_limit if hard_limit is not None else STARTUP_S + 3 * timeout
   started = time.time()
-  done = launch.run_own_session(argv, launch.clean_env(devices), limit)
+  done = launch.run_own_session(argv, launch.clean_env(devices, **(env or {})), limit)
   return JobResult(done.returncode, done.stdout, done.stderr, time.time(), time.time() - started)
 
 

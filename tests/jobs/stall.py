@@ -11,6 +11,12 @@ rank `--rank` misbehave just before dispatching step STEP (1-based):
   raise:S       raises an exception (the job must end at once)
   exit:S        calls sys.exit(3): leaves the loop early without an exception
                 (the others' watchdog must end the job soon after)
+  preinit:0     starts MPI (imports mpi4py), then sleeps `--sleep` seconds
+                before calling jdist.init (the others must give up at
+                JDIST_INIT_TIMEOUT, naming it)
+  prempi:0      sleeps `--sleep` seconds before starting MPI at all (the
+                others must say why they wait, at JDIST_INIT_TIMEOUT)
+                (the others' watchdog must end the job soon after)
   barrier:S     every rank calls jdist.barrier(); the faulty rank sleeps
                 `--sleep` seconds first (a host-side stall: must abort)
   checkpoint:S  rank 0 "writes a checkpoint" for `--checkpoint` seconds while the
@@ -37,7 +43,8 @@ import optax
 import jdist
 from tests import reference
 
-KINDS = ("stall", "late", "kill", "raise", "exit", "barrier", "checkpoint", "compile")
+KINDS = ("stall", "late", "kill", "raise", "exit", "barrier", "checkpoint", "compile",
+         "preinit", "prempi")
 
 
 def parse_fault(text):
@@ -117,6 +124,12 @@ def inject(kind, step, me, faulty, args, replicated):
 def main(argv=None):
   args = parse_args(argv)
   faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on demand, for debugging
+  early = {kind for kind, _ in args.fault} & {"preinit", "prempi"}
+  if early and jdist.topology.launcher_rank() == args.rank:
+    if "preinit" in early:
+      from mpi4py import MPI  # pylint: disable=unused-import,import-outside-toplevel
+    mark(args.rank, f"sleeping {args.sleep:g} s before jdist.init")
+    time.sleep(args.sleep)
   topo = jdist.init(timeout=args.timeout)
   me = topo.process_index
   faulty = me == args.rank
