@@ -33,11 +33,13 @@ import contextvars
 import dataclasses
 import functools
 import os
+import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src import core as jax_core  # the current trace, to order exchanges
 
 from jdist import topology as topology_lib
 from jdist.collectives import payloads
@@ -131,6 +133,49 @@ def _host_sum16(bits: np.ndarray, is_bf16: np.ndarray, device: np.ndarray) -> np
   return out.reshape(bits.shape)
 
 
+# The exchanges of one step must run in one order on every device of every
+# process. XLA's CPU executor runs independent operations in whatever order
+# they become ready, and on the callback route a device blocked in MPI holds
+# up its local collectives: device 0 of process A waiting in exchange X's
+# local all-gather for device 1, itself in exchange Y's MPI call waiting for
+# process B, where the roles are swapped, is a deadlock (seen in 2x2 with a
+# flag all-reduce beside a top-K all-gather). So each exchange's input
+# depends on the previous exchange's output in the same trace (entries of
+# finished traces are dropped).
+_last_exchange: dict[int, tuple[weakref.ref, jax.Array]] = {}
+
+
+def _runtime_zero(token: jax.Array) -> jax.Array:
+  """0.0, computed from `token` at run time (XLA cannot fold it away), NaN-safe."""
+  value = token.reshape(-1)[0].astype(jnp.float32)
+  return jnp.where(jnp.isnan(value), 0.0, jnp.minimum(jnp.abs(value), 0.0))
+
+
+def _after_previous_exchange(buffer: jax.Array) -> jax.Array:
+  """`buffer`, computable only once the previous exchange of this trace is done.
+
+  The dependency is real arithmetic (entry 0 plus a run-time zero): with an
+  `optimization_barrier` instead, which aliases its operands and runs no
+  operation of its own, the 2x2 deadlock below still happened.
+  """
+  for key, (ref, _) in list(_last_exchange.items()):
+    alive = ref()
+    if alive is None or not alive.is_valid():
+      del _last_exchange[key]
+  trace = jax_core.trace_ctx.trace
+  entry = _last_exchange.get(id(trace))
+  if entry is None or entry[0]() is not trace or buffer.size == 0:
+    return buffer
+  return buffer.at[0].add(_runtime_zero(entry[1]).astype(buffer.dtype))
+
+
+def _exchange_done(out: jax.Array) -> jax.Array:
+  if out.size:
+    trace = jax_core.trace_ctx.trace
+    _last_exchange[id(trace)] = (weakref.ref(trace), out)
+  return out
+
+
 def _callback(host_fn, result: jax.ShapeDtypeStruct, *args):
   device = lax.axis_index(DATA_AXIS)
 
@@ -159,13 +204,13 @@ def sum_all(buffer: jax.Array) -> jax.Array:
     return mpi4jax.allreduce(buffer, op=world.MPI.SUM, comm=world.comm)
   devices = topo.local_device_count
   size = buffer.shape[0]
-  shard = _pad_to(buffer, devices)
+  shard = _pad_to(_after_previous_exchange(buffer), devices)
   if devices > 1:
     shard = lax.psum_scatter(shard, DATA_AXIS, tiled=True)
   shard = _callback(_host_allreduce, jax.ShapeDtypeStruct(shard.shape, shard.dtype), shard)
   if devices > 1:
     shard = lax.all_gather(shard, DATA_AXIS, tiled=True)
-  return shard[:size]
+  return _exchange_done(shard[:size])
 
 
 def _add_rows(rows: jax.Array) -> jax.Array:
@@ -212,7 +257,7 @@ def sum_all_16bit(buffer: jax.Array) -> jax.Array:
     gathered = mpi4jax.allgather(_bits(mine), comm=world.comm)
     return _from_bits(gathered, dtype).reshape(-1)[:size]
   devices = topo.local_device_count
-  padded = _pad_to(buffer, devices * processes)
+  padded = _pad_to(_after_previous_exchange(buffer), devices * processes)
   shard = _local_sum16(padded, devices).astype(dtype) if devices > 1 else padded
   is_bf16 = np.int32(dtype == jnp.bfloat16)
   shard_bits = _callback(_host_sum16, jax.ShapeDtypeStruct(shard.shape, jnp.uint16),
@@ -220,7 +265,7 @@ def sum_all_16bit(buffer: jax.Array) -> jax.Array:
   shard = _from_bits(shard_bits, dtype)
   if devices > 1:
     shard = lax.all_gather(shard, DATA_AXIS, tiled=True)
-  return shard[:size]
+  return _exchange_done(shard[:size])
 
 
 def gather_all(buffer: jax.Array) -> jax.Array:
@@ -237,8 +282,10 @@ def gather_all(buffer: jax.Array) -> jax.Array:
     mpi4jax = world_lib.import_mpi4jax()
     return mpi4jax.allgather(buffer, comm=world.comm)
   per_process = _callback(
-      _host_allgather, jax.ShapeDtypeStruct((processes,) + buffer.shape, buffer.dtype), buffer)
+      _host_allgather, jax.ShapeDtypeStruct((processes,) + buffer.shape, buffer.dtype),
+      _after_previous_exchange(buffer))
   if devices == 1:
-    return per_process
+    return _exchange_done(per_process)
   stacked = lax.all_gather(per_process, DATA_AXIS)  # [D, P, n]
-  return jnp.swapaxes(stacked, 0, 1).reshape((processes * devices,) + buffer.shape)
+  return _exchange_done(
+      jnp.swapaxes(stacked, 0, 1).reshape((processes * devices,) + buffer.shape))

@@ -7,9 +7,11 @@ averaged over the replicas, the chunk rotating every step. Each step sends
 once every `num_chunks` steps. The parameters are cut as one flat vector into
 `num_chunks` equal runs of elements (bytes, for one dtype), in leaf order.
 
-Each chunk's exchange is its own branch of a `lax.switch` on the step, with
-the chunk's leaf pieces known statically, so a step reads and writes only
-that chunk's share of the model, not a flattened copy of all of it.
+The current chunk's pieces are read and written back by a `lax.switch` on
+the step, each branch with its chunk's leaf pieces known statically, so a
+step touches only that chunk's share of the model, not a flattened copy of
+all of it; the exchange itself (one buffer of the largest chunk's size) sits
+between the two switches.
 """
 
 from __future__ import annotations
@@ -89,35 +91,41 @@ def partial_sync(num_chunks: int) -> optax.GradientTransformation:
     plan = chunk_plan([math.prod(leaf.shape) for leaf in update_leaves], num_chunks)
     if not plan:  # no parameters
       return updates, PartialSyncState(state.step + 1, jnp.zeros([], jnp.float32))
-    sent: list[int] = []
+    width = max(sum(hi - lo for _, lo, hi in pieces) for pieces in plan)
 
-    def sync_chunk(pieces, update_leaves, param_leaves):
-      # Only this chunk's pieces are gathered, exchanged and written back.
-      flat_params = [p.reshape(-1).astype(jnp.float32) for p in param_leaves]
-      local = [flat_params[leaf][lo:hi] + update_leaves[leaf].reshape(-1)[lo:hi]
-               .astype(jnp.float32) for leaf, lo, hi in pieces]
-      with collectives.measure() as ledger:
-        averaged = collectives.pmean(jnp.concatenate(local) if len(local) > 1 else local[0])
-      sent.append(ledger.bytes)
+    def take(pieces, update_leaves, param_leaves):
+      """The chunk's locally updated values, padded to `width`."""
+      local = [param_leaves[leaf].reshape(-1)[lo:hi].astype(jnp.float32)
+               + update_leaves[leaf].reshape(-1)[lo:hi].astype(jnp.float32)
+               for leaf, lo, hi in pieces]
+      flat = jnp.concatenate(local) if len(local) > 1 else local[0]
+      return jnp.pad(flat, (0, width - flat.shape[0]))
+
+    def put(pieces, averaged, update_leaves, param_leaves):
+      """The updates that move the chunk's parameters to `averaged`."""
       out = list(update_leaves)
       offset = 0
       for leaf, lo, hi in pieces:
-        moved = averaged[offset:offset + hi - lo] - flat_params[leaf][lo:hi]
+        flat_param = param_leaves[leaf].reshape(-1)[lo:hi].astype(jnp.float32)
+        moved = averaged[offset:offset + hi - lo] - flat_param
         offset += hi - lo
-        flat = out[leaf].reshape(-1)
         # Outside the chunk the local update stays bit for bit.
-        flat = lax.dynamic_update_slice(flat, moved.astype(flat.dtype), (lo,))
+        flat = lax.dynamic_update_slice(out[leaf].reshape(-1), moved.astype(out[leaf].dtype),
+                                        (lo,))
         out[leaf] = flat.reshape(update_leaves[leaf].shape)
       return out
 
-    branches = [functools.partial(sync_chunk, pieces) for pieces in plan]
-    if len(branches) == 1:
-      new_leaves = branches[0](update_leaves, param_leaves)
-    else:
-      new_leaves = lax.switch(state.step % len(branches), branches, update_leaves,
-                              param_leaves)
-    wire = jnp.asarray(sent, jnp.float32)[state.step % len(sent)]
-    return (jax.tree.unflatten(treedef, new_leaves), PartialSyncState(state.step + 1, wire))
+    # The exchange stays outside lax.switch (collectives in control flow
+    # would escape the exchange ordering of jdist.collectives).
+    chunk = state.step % len(plan)
+    local = lax.switch(chunk, [functools.partial(take, p) for p in plan], update_leaves,
+                       param_leaves)
+    with collectives.measure() as ledger:
+      averaged = collectives.pmean(local)
+    new_leaves = lax.switch(chunk, [functools.partial(put, p) for p in plan], averaged,
+                            update_leaves, param_leaves)
+    return (jax.tree.unflatten(treedef, new_leaves),
+            PartialSyncState(state.step + 1, jnp.asarray(ledger.bytes, jnp.float32)))
 
   return optax.GradientTransformation(init_fn, update_fn)
 
