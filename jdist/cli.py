@@ -74,6 +74,9 @@ def build_train_parser(prog: str = "jdist train") -> argparse.ArgumentParser:
                      help="send only the top RATIO of gradient entries (topk_block: the "
                      "largest of each block, one pass), or those above VALUE, with error "
                      "feedback")
+  group.add_argument("--momentum-correction", action="store_true",
+                     help="with --sparsify and sgd: apply the momentum locally before the "
+                     "selection (Deep Gradient Compression)")
   group.add_argument("--partial", type=int, metavar="CHUNKS",
                      help="SINGA's partial update: local steps, one of CHUNKS parameter "
                      "chunks averaged per step (not with --half/--sparsify)")

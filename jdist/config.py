@@ -21,8 +21,9 @@ BACKENDS = ("auto", "mpi", "jax", "none")
 CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 # Settings that shape the trained state or the data order: a resumed run must
 # use the checkpoint's values, or it would not continue the same run.
-RESUME_MUST_MATCH = ("model", "dataset", "optimizer", "half", "sparsify", "partial",
-                     "skip_nonfinite", "batch_size", "train_limit", "seed")
+RESUME_MUST_MATCH = ("model", "dataset", "optimizer", "half", "sparsify",
+                     "momentum_correction", "partial", "skip_nonfinite", "batch_size",
+                     "train_limit", "seed")
 # Settings that may change on resume but make it differ from an uninterrupted run.
 RESUME_MAY_DIFFER = ("lr", "momentum", "weight_decay")
 
@@ -52,6 +53,9 @@ class TrainConfig:
     half: None, "fp16" or "bf16": gradients cross replicas in 16 bits.
     sparsify: None, "topk:RATIO" (RATIO in (0, 1]) or "threshold:VALUE"
       (VALUE > 0): send only selected gradient entries, with error feedback.
+    momentum_correction: with sparsify and sgd: apply the momentum locally
+      before the selection (Deep Gradient Compression) instead of in the
+      optimizer after the exchange.
     partial: None or a number of chunks >= 1: SINGA's partial update (local
       steps, one rotating chunk of parameters averaged per step).
     skip_nonfinite: every replica skips steps whose gradients hold NaN/Inf.
@@ -87,6 +91,7 @@ class TrainConfig:
   weight_decay: float = 0.0
   half: str | None = None
   sparsify: str | None = None
+  momentum_correction: bool = False
   partial: int | None = None
   skip_nonfinite: bool = False
   seed: int = 0
@@ -216,6 +221,11 @@ def validate(config: TrainConfig) -> TrainConfig:
   if config.backend not in BACKENDS:
     raise ConfigError(f"backend (--backend)={config.backend!r} is unknown; choose one of "
                       f"{', '.join(BACKENDS)}.")
+  if config.momentum_correction and (config.sparsify is None or config.optimizer != "sgd"
+                                     or not config.momentum):
+    raise ConfigError(
+        "--momentum-correction moves SGD's momentum before the gradient selection: it needs "
+        "--sparsify, --optimizer sgd and a --momentum above 0.")
   if config.partial is not None and (config.half is not None or config.sparsify is not None):
     raise ConfigError(
         "--partial averages parameters in full precision and cannot be combined with "
@@ -238,7 +248,8 @@ def resume_conflicts(saved: dict[str, Any], config: TrainConfig) -> tuple[list[s
   def differ(names):
     out = []
     for name in names:
-      old, new = saved.get(name), getattr(config, name)
+      # A setting newer than the checkpoint had its default then.
+      old, new = saved.get(name, getattr(TrainConfig(), name)), getattr(config, name)
       if name == "dataset" and old is not None:
         old, new = normalize_dataset(old), normalize_dataset(new)
       if old != new:
@@ -252,8 +263,10 @@ def build_optimizer(config: TrainConfig):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   import jdist  # pylint: disable=g-import-not-at-top
+  correction = config.momentum if config.momentum_correction else 0.0
   if config.optimizer == "sgd":
-    inner = optax.sgd(config.lr, momentum=config.momentum or None)
+    # With momentum correction the momentum lives in the compressor instead.
+    inner = optax.sgd(config.lr, momentum=None if correction else (config.momentum or None))
     if config.weight_decay:
       inner = optax.chain(optax.add_decayed_weights(config.weight_decay), inner)
   elif config.optimizer == "adam":
@@ -261,7 +274,8 @@ def build_optimizer(config: TrainConfig):
   else:
     inner = optax.adamw(config.lr, b1=config.momentum, weight_decay=config.weight_decay)
   half = {None: False, "fp16": jnp.float16, "bf16": jnp.bfloat16}[config.half]
-  tx = jdist.dist_opt(inner, half=half, sparsify=config.sparsify, partial=config.partial)
+  tx = jdist.dist_opt(inner, half=half, sparsify=config.sparsify, partial=config.partial,
+                      momentum_correction=correction)
   if config.skip_nonfinite:
     from jdist.transforms.finite import skip_nonfinite  # pylint: disable=g-import-not-at-top
     tx = skip_nonfinite(tx)

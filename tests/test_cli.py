@@ -10,10 +10,14 @@ import random
 import re
 import sys
 
+import jax
+import numpy as np
+import optax
 import pytest
 
 import jdist
 from jdist import cli
+from jdist import config as config_lib
 from jdist.config import TrainConfig
 from tests import launch
 
@@ -36,7 +40,8 @@ _NUMERIC_FLAGS = ["--epochs", "--batch-size", "--eval-batch-size", "--lr", "--mo
                   "--weight-decay", "--seed", "--max-steps", "--partial", "--check-replicas-every",
                   "--checkpoint-every", "--eval-every", "--timeout", "--cpu-devices",
                   "--train-limit", "--test-limit"]
-_SWITCHES = ["--resume", "--skip-nonfinite", "--no-progress", "--no-download", "--debug"]
+_SWITCHES = ["--resume", "--skip-nonfinite", "--no-progress", "--no-download", "--debug",
+             "--momentum-correction"]
 _PATH_FLAGS = ["--checkpoint-dir", "--log-file", "--data-dir"]
 _JUNK = ["--bogus", "-x", "train", "--epochs=", "--lr=0=1", "--batch", "--half", "---epochs",
          "--sparsify", "positional"]
@@ -97,6 +102,9 @@ def test_fuzzed_arguments_end_in_a_clean_exit_or_a_valid_config(capsys, rank0):
 @pytest.mark.parametrize("argv, message", [
     (["--epochs", "-1"], r"epochs \(--epochs\)=-1 must be an integer >= 1"),
     (["--epochs", "0"], r"--epochs"),
+    (["--momentum-correction"], r"--momentum-correction moves SGD's momentum .* --sparsify"),
+    (["--momentum-correction", "--sparsify", "topk:0.01", "--optimizer", "adam"],
+     r"needs --sparsify, --optimizer sgd"),
     (["--epochs", "two"], r"argument --epochs: invalid int value: 'two'"),
     (["--batch-size", "0"], r"batch_size \(--batch-size\)=0"),
     (["--lr", "0"], r"lr \(--lr\)=0.0 must be a number in \(0, inf\)"),
@@ -149,9 +157,27 @@ def test_every_flag_reaches_the_config():
       skip_nonfinite=True, seed=4, train_limit=100, test_limit=50, checkpoint_dir="/ck",
       checkpoint_every=10, resume=True, max_steps=99, log_file="run.jsonl", eval_every=2,
       check_replicas_every=5, timeout=60.0, backend="mpi", progress=False, cpu_devices=2)
+  corrected, _ = cli.parse_train_args(["--sparsify", "topk:0.01", "--momentum-correction"])
+  assert corrected.momentum_correction and corrected.sparsify == "topk:0.01"
   defaults, debug = cli.parse_train_args([])
   assert defaults == TrainConfig() and not debug
   assert (defaults.model, defaults.dataset) == ("cnn", "digits")
+
+
+def test_momentum_correction_moves_the_momentum_into_the_compressor():
+  params = {"w": np.zeros((4, 5), np.float32)}
+  config, _ = cli.parse_train_args(["--sparsify", "topk:0.1", "--momentum-correction",
+                                    "--momentum", "0.8"])
+  states = jax.tree.leaves(config_lib.build_optimizer(config).init(params),
+                           is_leaf=lambda x: isinstance(x, jdist.SparsifyState))
+  sparsify = [s for s in states if isinstance(s, jdist.SparsifyState)]
+  assert len(sparsify) == 1 and sparsify[0].velocity.shape == (20,)
+  # Only the compressor keeps a velocity: sgd's own momentum trace is gone.
+  assert not any(isinstance(s, optax.TraceState) for s in states)
+  plain, _ = cli.parse_train_args(["--sparsify", "topk:0.1", "--momentum", "0.8"])
+  states = jax.tree.leaves(config_lib.build_optimizer(plain).init(params),
+                           is_leaf=lambda x: isinstance(x, (jdist.SparsifyState, optax.TraceState)))
+  assert any(isinstance(s, optax.TraceState) for s in states)
 
 
 def test_top_level_command_dispatch(capsys, rank0):

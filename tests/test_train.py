@@ -78,7 +78,8 @@ def test_batchnorm_statistics_stay_identical_on_every_replica(topo):
 def test_json_log_has_one_record_per_epoch_and_a_summary(topo, shared_dir):
   log_file = os.path.join(shared_dir, "logs", "run.jsonl")
   summary = train(_config(topo, epochs=2, log_file=log_file, sparsify="topk:0.1",
-                          skip_nonfinite=True, check_replicas_every=1))
+                          momentum_correction=True, skip_nonfinite=True,
+                          check_replicas_every=1))
   host.barrier()  # rank 0 writes the log; everyone reads it after
   with open(log_file, encoding="utf-8") as stream:
     records = [json.loads(line) for line in stream]
