@@ -156,7 +156,7 @@ def _after_previous_exchange(buffer: jax.Array) -> jax.Array:
 
   The dependency is real arithmetic (entry 0 plus a run-time zero): with an
   `optimization_barrier` instead, which aliases its operands and runs no
-  operation of its own, the 2x2 deadlock below still happened.
+  operation of its own, the 2x2 deadlock described above still happened.
   """
   for key, (ref, _) in list(_last_exchange.items()):
     alive = ref()
