@@ -28,6 +28,8 @@ _LAUNCHER_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_P
 
 TIMEOUT_ENV = "JDIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
+INIT_TIMEOUT_ENV = "JDIST_INIT_TIMEOUT"
+MIN_INIT_TIMEOUT_S = 300.0  # ranks may start minutes apart on a loaded machine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,18 +125,35 @@ def launcher_rank() -> int:
   return _first_int(_LAUNCHER_RANK_VARS) or 0
 
 
+def _env_seconds(name: str) -> float | None:
+  """The positive number of seconds in environment variable `name`, if set."""
+  raw = os.environ.get(name)
+  if raw is None:
+    return None
+  try:
+    seconds = float(raw)
+  except ValueError:
+    raise ValueError(f"{name}={raw!r} is not a number of seconds.") from None
+  if not seconds > 0:
+    raise ValueError(f"{name}={raw!r} must be a positive number of seconds.")
+  return seconds
+
+
 def _resolve_timeout(timeout: float | None) -> float:
   if timeout is None:
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
+    timeout = _env_seconds(TIMEOUT_ENV)
+    if timeout is None:
       return DEFAULT_TIMEOUT_S
-    try:
-      timeout = float(raw)
-    except ValueError:
-      raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds.") from None
   if not timeout > 0:
     raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
   return float(timeout)
+
+
+def resolve_init_timeout(timeout: float) -> float:
+  """Seconds every rank has to reach `jdist.init`: `JDIST_INIT_TIMEOUT`, else
+  the larger of the exchange `timeout` and `MIN_INIT_TIMEOUT_S`."""
+  seconds = _env_seconds(INIT_TIMEOUT_ENV)
+  return max(timeout, MIN_INIT_TIMEOUT_S) if seconds is None else seconds
 
 
 MIN_HOST_THREADS = 16
@@ -250,7 +269,8 @@ def init(*, timeout: float | None = None, backend: str | None = None,
       _reserve_host_threads()
       # The collective layer owns MPI; it raises MissingMPIError if absent.
       from jdist.collectives import world
-      mpi_world = world.start(resolved_timeout)
+      mpi_world = world.start(resolved_timeout, resolve_init_timeout(resolved_timeout),
+                              launcher_rank())
       local_rank = _launcher_local_rank()
       if local_rank is None:
         local_rank = mpi_world.local_rank

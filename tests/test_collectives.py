@@ -128,18 +128,6 @@ def test_pack_unpack_and_ravel_round_trip():
                                               [l.shape for l in leaves])[0], tree["a"])
 
 
-def test_init_timeout_comes_from_the_environment_with_a_floor(monkeypatch):
-  from jdist.collectives import world  # pylint: disable=import-outside-toplevel
-  monkeypatch.delenv(world.INIT_TIMEOUT_ENV, raising=False)
-  assert world.init_timeout(10.0) == world.MIN_INIT_TIMEOUT_S  # ranks may start far apart
-  assert world.init_timeout(900.0) == 900.0
-  monkeypatch.setenv(world.INIT_TIMEOUT_ENV, "5")
-  assert world.init_timeout(900.0) == 5.0
-  monkeypatch.setenv(world.INIT_TIMEOUT_ENV, "soon")
-  with pytest.raises(ValueError, match="JDIST_INIT_TIMEOUT='soon'"):
-    world.init_timeout(10.0)
-
-
 def test_host_exchanges_of_a_step_are_chained_in_trace_order():
   # Independent exchanges must run in one order on every device of every
   # process (else a device blocked in MPI and another in a local collective

@@ -39,6 +39,21 @@ def test_timeout_validation(monkeypatch):
     topology_lib._resolve_timeout(-1)
 
 
+def test_init_timeout_comes_from_the_environment_with_a_floor(monkeypatch):
+  monkeypatch.delenv(topology_lib.INIT_TIMEOUT_ENV, raising=False)
+  # Ranks may start far apart: the exchange timeout alone is too short.
+  assert topology_lib.resolve_init_timeout(10.0) == topology_lib.MIN_INIT_TIMEOUT_S
+  assert topology_lib.resolve_init_timeout(900.0) == 900.0
+  monkeypatch.setenv(topology_lib.INIT_TIMEOUT_ENV, "5")
+  assert topology_lib.resolve_init_timeout(900.0) == 5.0
+  monkeypatch.setenv(topology_lib.INIT_TIMEOUT_ENV, "soon")
+  with pytest.raises(ValueError, match="JDIST_INIT_TIMEOUT='soon'"):
+    topology_lib.resolve_init_timeout(10.0)
+  monkeypatch.setenv(topology_lib.INIT_TIMEOUT_ENV, "0")
+  with pytest.raises(ValueError, match="JDIST_INIT_TIMEOUT='0' must be a positive"):
+    topology_lib.resolve_init_timeout(10.0)
+
+
 _WITHOUT_MPI4PY = (
     "import sys; sys.modules['mpi4py'] = None\n"
     "import jdist\n"

@@ -19,9 +19,8 @@ waiting for a slow peer does not spin a CPU core the peer may need.
 A rank that never calls `jdist.init` (stalled or failed before it) would
 leave the others blocked in `MPI_Init`, which Open MPI completes only once
 every process has called it, or, where MPI was started earlier, in jdist's
-first collective. `start()` puts a deadline on both (`JDIST_INIT_TIMEOUT`,
-default the larger of the exchange timeout and 300 s, as ranks may start
-minutes apart on a loaded machine). Past it, a rank still in `MPI_Init`
+first collective. `start()` puts a deadline on both (`init_timeout`, see
+`jdist.init`). Past it, a rank still in `MPI_Init`
 says why it waits (Open MPI's launcher does not end a job whose ranks are in
 `MPI_Init`, even when one dies, so it keeps waiting); once MPI is up, the
 peers meet with point-to-point messages, and missing ones are named and the
@@ -31,7 +30,6 @@ job is aborted.
 from __future__ import annotations
 
 import atexit
-import os
 import pickle
 import sys
 import threading
@@ -60,26 +58,10 @@ def _import_mpi():
   return MPI
 
 
-INIT_TIMEOUT_ENV = "JDIST_INIT_TIMEOUT"
-MIN_INIT_TIMEOUT_S = 300.0
 _HELLO_TAG = 27236  # jdist's meeting on COMM_WORLD before its first collective
 
 
-def init_timeout(timeout: float) -> float:
-  """Seconds every rank has to reach `jdist.init` (see the module doc)."""
-  value = os.environ.get(INIT_TIMEOUT_ENV)
-  if value is None:
-    return max(timeout, MIN_INIT_TIMEOUT_S)
-  try:
-    seconds = float(value)
-  except ValueError:
-    seconds = -1.0
-  if not seconds > 0:
-    raise ValueError(f"{INIT_TIMEOUT_ENV}={value!r} must be a positive number of seconds.")
-  return seconds
-
-
-def _import_mpi_within(limit: float):
+def _import_mpi_within(limit: float, launcher_rank: int):
   """`_import_mpi()` (which initializes MPI), saying why if it takes over `limit` s."""
   done = threading.Event()
 
@@ -87,12 +69,12 @@ def _import_mpi_within(limit: float):
     if not done.wait(limit):
       # Open MPI's launcher does not end a job whose ranks are inside
       # MPI_Init, even when one of them dies, so this can only explain.
-      from jdist import topology  # pylint: disable=g-import-not-at-top
       sys.stderr.write(
-          f"jdist: rank {topology.launcher_rank()} has waited {limit:g} s in jdist.init() "
+          f"jdist: rank {launcher_rank} has waited {limit:g} s in jdist.init() "
           f"for MPI to start, which needs every process of the job: some rank has not "
           f"started MPI yet (it is slow, stalled or failed before jdist.init()). Still "
-          f"waiting; stop the job if that rank is stuck.\n")
+          f"waiting; stop the job if that rank is stuck (the limit is the "
+          f"JDIST_INIT_TIMEOUT environment variable).\n")
       sys.stderr.flush()
 
   threading.Thread(target=warn, name="jdist-init-deadline", daemon=True).start()
@@ -135,16 +117,15 @@ def import_mpi4jax():
 class MpiWorld:
   """MPI state of this process; created once by `start()`."""
 
-  def __init__(self, mpi, timeout: float):
+  def __init__(self, mpi, timeout: float, init_timeout: float):
     self.MPI = mpi
-    limit = init_timeout(timeout)
-    missing = meet(mpi.COMM_WORLD, limit)
+    missing = meet(mpi.COMM_WORLD, init_timeout)
     if missing:
       sys.stderr.write(
-          f"jdist: rank {mpi.COMM_WORLD.Get_rank()} waited {limit:g} s in jdist.init() for "
-          f"rank(s) {', '.join(map(str, missing))}, which never called it: they stalled or "
+          f"jdist: rank {mpi.COMM_WORLD.Get_rank()} waited {init_timeout:g} s in jdist.init() "
+          f"for rank(s) {', '.join(map(str, missing))}, which never called it: they stalled or "
           f"failed before it. Aborting the job (raise the limit with the "
-          f"{INIT_TIMEOUT_ENV} environment variable).\n")
+          f"JDIST_INIT_TIMEOUT environment variable).\n")
       sys.stderr.flush()
       mpi.COMM_WORLD.Abort(1)
     self.comm = mpi.COMM_WORLD.Dup()
@@ -215,12 +196,19 @@ _world: MpiWorld | None = None
 _lock = threading.Lock()
 
 
-def start(timeout: float) -> MpiWorld:
-  """Initializes MPI once and returns the world."""
+def start(timeout: float, init_timeout: float, launcher_rank: int = 0) -> MpiWorld:
+  """Initializes MPI once and returns the world.
+
+  Args:
+    timeout: seconds an exchange may wait (the watchdog's deadline).
+    init_timeout: seconds every rank has to start MPI and reach this call.
+    launcher_rank: this process's rank as the launcher set it, for messages
+      printed before MPI knows it.
+  """
   global _world
   with _lock:
     if _world is None:
-      _world = MpiWorld(_import_mpi_within(init_timeout(timeout)), timeout)
+      _world = MpiWorld(_import_mpi_within(init_timeout, launcher_rank), timeout, init_timeout)
     return _world
 
 
