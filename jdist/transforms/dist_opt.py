@@ -58,7 +58,8 @@ def _half_dtype(half: Any):
 def dist_opt(inner: optax.GradientTransformation, *, half: Any = False,
              sparsify: Any = None, partial: int | None = None, mean: bool = True,
              error_feedback: bool = True, threshold_capacity: float | int = 0.05,
-             momentum_correction: float = 0.0, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> optax.GradientTransformation:
+             momentum_correction: float = 0.0,
+             bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> optax.GradientTransformation:
   """Wraps `inner` so its gradients are averaged over every replica.
 
   Args:
