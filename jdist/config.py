@@ -13,19 +13,20 @@ import math
 import os
 from typing import Any
 
-from jdist.transforms.dist_opt import SPARSIFY_KINDS
+from jdist import optimizer_spec
+from jdist.optimizer_spec import HALF_CHOICES
+from jdist.optimizer_spec import OPTIMIZERS
+from jdist.optimizer_spec import OptimizerSpec
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
-HALF_CHOICES = ("fp16", "bf16")
 BACKENDS = ("auto", "mpi", "jax", "none")
 CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 # Settings that shape the trained state or the data order: a resumed run must
-# use the checkpoint's values, or it would not continue the same run.
-RESUME_MUST_MATCH = ("model", "dataset", "optimizer", "half", "sparsify",
-                     "momentum_correction", "partial", "skip_nonfinite", "batch_size",
-                     "train_limit", "seed")
+# use the checkpoint's values, or it would not continue the same run. The
+# optimizer's come from its spec (`jdist.optimizer_spec`).
+RESUME_MUST_MATCH = (("model", "dataset", "batch_size", "train_limit", "seed")
+                     + optimizer_spec.MUST_MATCH_ON_RESUME)
 # Settings that may change on resume but make it differ from an uninterrupted run.
-RESUME_MAY_DIFFER = ("lr", "momentum", "weight_decay")
+RESUME_MAY_DIFFER = optimizer_spec.MAY_DIFFER_ON_RESUME
 
 
 class ConfigError(ValueError):
@@ -85,15 +86,15 @@ class TrainConfig:
   epochs: int = 3
   batch_size: int = 32
   eval_batch_size: int = 0
-  optimizer: str = "sgd"
-  lr: float = 0.05
-  momentum: float = 0.9
-  weight_decay: float = 0.0
-  half: str | None = None
-  sparsify: str | None = None
-  momentum_correction: bool = False
-  partial: int | None = None
-  skip_nonfinite: bool = False
+  optimizer: str = OptimizerSpec.optimizer
+  lr: float = OptimizerSpec.lr
+  momentum: float = OptimizerSpec.momentum
+  weight_decay: float = OptimizerSpec.weight_decay
+  half: str | None = OptimizerSpec.half
+  sparsify: str | None = OptimizerSpec.sparsify
+  momentum_correction: bool = OptimizerSpec.momentum_correction
+  partial: int | None = OptimizerSpec.partial
+  skip_nonfinite: bool = OptimizerSpec.skip_nonfinite
   seed: int = 0
   train_limit: int | None = None
   test_limit: int | None = None
@@ -111,6 +112,11 @@ class TrainConfig:
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
+
+  @property
+  def optimizer_spec(self) -> OptimizerSpec:
+    """What builds this run's optimizer; also its compilation cache key."""
+    return OptimizerSpec.from_settings(self)
 
   @property
   def eval_batch(self) -> int:
@@ -140,33 +146,6 @@ def _number(config: TrainConfig, name: str, low: float, high: float, *,
     interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
     raise ConfigError(f"{_flag(name)}={value!r} must be a number in {interval}; {hint}.")
 
-
-
-def parse_sparsify(text: str) -> tuple[str, float]:
-  """Splits "topk:0.01" / "topk_block:0.01" / "threshold:1e-3" into (kind, number).
-
-  Raises:
-    ConfigError: an unknown kind, a missing or malformed number, a top-k
-      ratio outside (0, 1] or a threshold that is not positive.
-  """
-  kind, colon, number_text = str(text).partition(":")
-  kind = kind.strip().lower()
-  if kind not in SPARSIFY_KINDS or not colon:
-    raise ConfigError(f"sparsify (--sparsify)={text!r} is not understood: use "
-                      f"'topk:RATIO' (e.g. topk:0.01), 'topk_block:RATIO' (approximate, "
-                      f"one pass) or 'threshold:VALUE' (e.g. threshold:1e-3).")
-  try:
-    number = float(number_text)
-  except ValueError:
-    raise ConfigError(f"sparsify (--sparsify)={text!r}: {number_text!r} is not a number; "
-                      f"use e.g. {kind}:{'0.01' if kind == 'topk' else '1e-3'}.") from None
-  if kind != "threshold" and not (math.isfinite(number) and 0 < number <= 1):
-    raise ConfigError(f"sparsify (--sparsify)={text!r}: the top-k ratio {number_text} must "
-                      f"be in (0, 1], the fraction of entries sent (e.g. topk:0.01 for 1%).")
-  if kind == "threshold" and not (math.isfinite(number) and number > 0):
-    raise ConfigError(f"sparsify (--sparsify)={text!r}: the threshold {number_text} must be "
-                      f"a positive magnitude (e.g. threshold:1e-3).")
-  return kind, number
 
 
 def normalize_dataset(name: str) -> str:
@@ -217,7 +196,11 @@ def validate(config: TrainConfig) -> TrainConfig:
     raise ConfigError(f"half (--half)={config.half!r} is unknown; choose one of "
                       f"{', '.join(HALF_CHOICES)} (or leave it out for 32-bit gradients).")
   if config.sparsify is not None:
-    parse_sparsify(config.sparsify)
+    from jdist.transforms.dist_opt import parse_sparsify  # pylint: disable=g-import-not-at-top
+    try:
+      parse_sparsify(config.sparsify)
+    except ValueError as err:
+      raise ConfigError(f"--{str(err)}") from None
   if config.backend not in BACKENDS:
     raise ConfigError(f"backend (--backend)={config.backend!r} is unknown; choose one of "
                       f"{', '.join(BACKENDS)}.")
@@ -259,27 +242,8 @@ def resume_conflicts(saved: dict[str, Any], config: TrainConfig) -> tuple[list[s
 
 
 def build_optimizer(config: TrainConfig):
-  """The data-parallel optax chain the config asks for."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  import jdist  # pylint: disable=g-import-not-at-top
-  correction = config.momentum if config.momentum_correction else 0.0
-  if config.optimizer == "sgd":
-    # With momentum correction the momentum lives in the compressor instead.
-    inner = optax.sgd(config.lr, momentum=None if correction else (config.momentum or None))
-    if config.weight_decay:
-      inner = optax.chain(optax.add_decayed_weights(config.weight_decay), inner)
-  elif config.optimizer == "adam":
-    inner = optax.adam(config.lr, b1=config.momentum)
-  else:
-    inner = optax.adamw(config.lr, b1=config.momentum, weight_decay=config.weight_decay)
-  half = {None: False, "fp16": jnp.float16, "bf16": jnp.bfloat16}[config.half]
-  tx = jdist.dist_opt(inner, half=half, sparsify=config.sparsify, partial=config.partial,
-                      momentum_correction=correction)
-  if config.skip_nonfinite:
-    from jdist.transforms.finite import skip_nonfinite  # pylint: disable=g-import-not-at-top
-    tx = skip_nonfinite(tx)
-  return tx
+  """The data-parallel optax chain the config asks for (see `OptimizerSpec.build`)."""
+  return config.optimizer_spec.build()
 
 
 def force_cpu_devices(count: int) -> None:

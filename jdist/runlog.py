@@ -25,15 +25,6 @@ def human_bytes(count: float) -> str:
     count /= 1000
 
 
-def describe_mode(config: TrainConfig) -> str:
-  """The communication mode in words, e.g. "half bf16, sparsify topk:0.01"."""
-  parts = [f"half {config.half}"] if config.half else []
-  parts += [f"sparsify {config.sparsify}"] if config.sparsify else []
-  parts += [f"partial {config.partial}"] if config.partial else []
-  parts += ["skip non-finite"] if config.skip_nonfinite else []
-  return ", ".join(parts) or "plain all-reduce"
-
-
 class RunOutput:
   """Rank 0's voice: stdout lines, the progress bar and the JSON-lines log."""
 

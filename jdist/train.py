@@ -42,9 +42,9 @@ from jdist import models
 from jdist import runlog
 from jdist.collectives import host
 from jdist.config import TrainConfig
-from jdist.config import build_optimizer
 from jdist.config import force_cpu_devices
 from jdist.config import resume_conflicts
+from jdist.optimizer_spec import OptimizerSpec
 from jdist.config import validate
 
 _IN_FLIGHT = 2  # train steps dispatched ahead of the host before it waits
@@ -82,15 +82,17 @@ def _load_data(config: TrainConfig):
 
 
 @functools.lru_cache(maxsize=8)
-def _program(model_name: str, num_classes: int, input_shape: tuple, tx_key: tuple, topo):
+def _program(model_name: str, num_classes: int, input_shape: tuple,
+             spec: OptimizerSpec, topo):
   """The run's model, optimizer and compiled functions.
 
   Cached, so that repeated runs in one process (tests, notebooks, sweeps)
-  reuse the compilations instead of compiling every function again.
+  reuse the compilations instead of compiling every function again. The
+  optimizer's spec is its whole key: whatever it holds builds the optimizer.
   """
   del topo  # part of the key only: the steps are pmapped over its devices
   model = models.create_model(model_name, num_classes=num_classes, input_shape=input_shape)
-  tx = build_optimizer(TrainConfig(**dict(tx_key)))
+  tx = spec.build()
 
   @jax.jit
   def init(seed, process_index):
@@ -128,12 +130,6 @@ def _program(model_name: str, num_classes: int, input_shape: tuple, tx_key: tupl
   return types.SimpleNamespace(
       model=model, tx=tx, init=init, opt_init=jdist.data_parallel(tx.init),
       train_step=jdist.data_parallel(train_step), eval_step=jdist.data_parallel(eval_step))
-
-
-def _tx_key(config: TrainConfig) -> tuple:
-  names = ("optimizer", "lr", "momentum", "weight_decay", "half", "sparsify", "partial",
-           "skip_nonfinite")
-  return tuple((name, getattr(config, name)) for name in names)
 
 
 def _fresh_position() -> dict:
@@ -340,7 +336,8 @@ def train(config: TrainConfig, *, return_state: bool = False) -> dict[str, Any]:
   data = _agree(lambda: _load_data(config), f"dataset {config.dataset!r}")
   input_shape = tuple(data.train_x.shape[1:])
   program = _agree(
-      lambda: _program(config.model, data.num_classes, input_shape, _tx_key(config), topo),
+      lambda: _program(config.model, data.num_classes, input_shape, config.optimizer_spec,
+                       topo),
       f"model {config.model!r}")
   # Rank 0's parameters everywhere: an identical start.
   params, model_state = jdist.broadcast_params(program.init(config.seed, topo.process_index))
@@ -357,7 +354,7 @@ def train(config: TrainConfig, *, return_state: bool = False) -> dict[str, Any]:
           f"{data.name} ({len(data.train_x)} train / {len(data.test_x)} test); {topo}; "
           f"batch {config.batch_size} per replica = {config.batch_size * topo.replica_count} "
           f"per step, {run.steps_per_epoch} steps/epoch; {config.optimizer} lr {config.lr:g}; "
-          f"{runlog.describe_mode(config)}")
+          f"{config.optimizer_spec.describe()}")
   resumed_from = run.open_checkpoints() if config.checkpoint_dir else None
   _agree(lambda: out.open_log(append=resumed_from is not None), f"log file {config.log_file!r}")
 

@@ -1,0 +1,111 @@
+"""What builds a training run's optimizer: one frozen spec, the single source of truth.
+
+`OptimizerSpec` holds every setting that changes the optax transformation
+`jdist train` runs, and nothing else. Everything that depends on "which
+optimizer is this" derives from it instead of listing settings again:
+
+- `spec.build()` is the optimizer (`jdist.dist_opt` around an optax one);
+- the spec itself is hashable, so it is the trainer's compilation cache key;
+- `MUST_MATCH_ON_RESUME` / `MAY_DIFFER_ON_RESUME` come from each field's
+  `resume` metadata (does the setting shape the optimizer state?);
+- `spec.describe()` is the communication mode as the trainer prints it.
+
+A new optimizer setting is one new field here (with its `resume` metadata)
+and its use in `build`; `TrainConfig` and the command line carry a field of
+the same name, and `tests/test_optimizer_spec.py` fails for any optimizer
+flag of `jdist train` that does not change the optimizer that runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+HALF_CHOICES = ("fp16", "bf16")
+
+# A setting that shapes the optimizer state (its structure, or state that
+# would mean something else) must match a checkpoint to resume from it.
+_STATE = {"resume": "must_match"}
+# A hyperparameter may change on resume; the run then differs from an
+# uninterrupted one, which the trainer says.
+_HYPER = {"resume": "may_differ"}
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+  """Every setting that decides which optimizer a training run builds.
+
+  Attributes:
+    optimizer: "sgd" (with momentum), "adam" or "adamw".
+    lr: learning rate.
+    momentum: SGD momentum, or Adam's b1.
+    weight_decay: decoupled weight decay (adamw's, or added to sgd).
+    half: None, "fp16" or "bf16": gradients cross replicas in 16 bits.
+    sparsify: None, "topk:RATIO", "topk_block:RATIO" or "threshold:VALUE".
+    momentum_correction: with sparsify and sgd, the momentum is applied
+      before the selection (Deep Gradient Compression).
+    partial: None or a number of chunks (SINGA's partial update).
+    skip_nonfinite: every replica skips steps whose gradients hold NaN/Inf.
+  """
+
+  optimizer: str = dataclasses.field(default="sgd", metadata=_STATE)
+  lr: float = dataclasses.field(default=0.05, metadata=_HYPER)
+  momentum: float = dataclasses.field(default=0.9, metadata=_HYPER)
+  weight_decay: float = dataclasses.field(default=0.0, metadata=_HYPER)
+  half: str | None = dataclasses.field(default=None, metadata=_STATE)
+  sparsify: str | None = dataclasses.field(default=None, metadata=_STATE)
+  momentum_correction: bool = dataclasses.field(default=False, metadata=_STATE)
+  partial: int | None = dataclasses.field(default=None, metadata=_STATE)
+  skip_nonfinite: bool = dataclasses.field(default=False, metadata=_STATE)
+
+  @classmethod
+  def from_settings(cls, settings: Any) -> "OptimizerSpec":
+    """The spec of any object with attributes of the same names (a `TrainConfig`)."""
+    return cls(**{name: getattr(settings, name) for name in FIELDS})
+
+  def build(self):
+    """The data-parallel optax transformation this spec describes.
+
+    Returns:
+      `jdist.dist_opt` around the inner optimizer, wrapped in
+      `jdist.skip_nonfinite` when asked.
+    """
+    # Imported here: the spec is read by `jdist --help`, which needs no JAX.
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    import optax  # pylint: disable=g-import-not-at-top
+    from jdist.transforms.dist_opt import dist_opt  # pylint: disable=g-import-not-at-top
+    from jdist.transforms.finite import skip_nonfinite  # pylint: disable=g-import-not-at-top
+    correction = self.momentum if self.momentum_correction else 0.0
+    if self.optimizer == "sgd":
+      # With momentum correction the momentum lives in the compressor instead.
+      inner = optax.sgd(self.lr, momentum=None if correction else (self.momentum or None))
+      if self.weight_decay:
+        inner = optax.chain(optax.add_decayed_weights(self.weight_decay), inner)
+    elif self.optimizer == "adam":
+      inner = optax.adam(self.lr, b1=self.momentum)
+    elif self.optimizer == "adamw":
+      inner = optax.adamw(self.lr, b1=self.momentum, weight_decay=self.weight_decay)
+    else:
+      raise ValueError(f"optimizer={self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}.")
+    half = {None: False, "fp16": jnp.float16, "bf16": jnp.bfloat16}[self.half]
+    tx = dist_opt(inner, half=half, sparsify=self.sparsify, partial=self.partial,
+                  momentum_correction=correction)
+    return skip_nonfinite(tx) if self.skip_nonfinite else tx
+
+  def describe(self) -> str:
+    """The communication mode in words, e.g. "half bf16, sparsify topk:0.01"."""
+    parts = [f"half {self.half}"] if self.half else []
+    if self.sparsify:
+      parts.append(f"sparsify {self.sparsify}"
+                   + (" with momentum correction" if self.momentum_correction else ""))
+    parts += [f"partial {self.partial}"] if self.partial else []
+    parts += ["skip non-finite"] if self.skip_nonfinite else []
+    return ", ".join(parts) or "plain all-reduce"
+
+
+FIELDS = tuple(field.name for field in dataclasses.fields(OptimizerSpec))
+MUST_MATCH_ON_RESUME = tuple(field.name for field in dataclasses.fields(OptimizerSpec)
+                             if field.metadata["resume"] == "must_match")
+MAY_DIFFER_ON_RESUME = tuple(field.name for field in dataclasses.fields(OptimizerSpec)
+                             if field.metadata["resume"] == "may_differ")
