@@ -19,7 +19,8 @@ from jdist.collectives import host_allreduce
 from jdist.collectives import pmean
 from jdist.collectives import psum
 from jdist.data import ShardedLoader
-from jdist.data import shard_batch as shard
+from jdist.batches import process_slice
+from jdist.batches import shard_batch as shard
 from jdist.metrics import MetricAccumulator
 from jdist.metrics import metric_sums
 from jdist.parallel import data_parallel
@@ -79,6 +80,7 @@ __all__ = (
     "models",
     "partial_sync",
     "pmean",
+    "process_slice",
     "psum",
     "replicate",
     "shard",

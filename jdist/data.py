@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdist import errors
+from jdist.batches import shard_batch  # noqa: F401  (re-exported: jdist.data.shard_batch)
 from jdist.topology import Topology
 
 Batch = dict[str, Any]
@@ -150,38 +151,6 @@ def batches_per_epoch(num_examples: int, *, batch_size: int, replica_count: int,
   if drop_last:
     return num_examples // (batch_size * replica_count)
   return math.ceil(math.ceil(num_examples / replica_count) / batch_size)
-
-
-def shard_batch(batch: Any, local_device_count: int) -> Any:
-  """Splits a host batch of leading size N into `[local_device_count, N // local_device_count, ...]`.
-
-  Args:
-    batch: a pytree of arrays that share the leading size N.
-    local_device_count: number of local devices (`jax.local_device_count()`).
-
-  Returns:
-    The same pytree with every leaf reshaped (a view when possible).
-
-  Raises:
-    jdist.errors.ShapeError: N is not divisible by `local_device_count`, or
-      the leaves disagree on N.
-  """
-  _check_int("local_device_count", local_device_count, 1)
-  sizes = {np.shape(leaf)[:1] for leaf in jax.tree.leaves(batch)}
-  if len(sizes) != 1 or sizes == {()}:
-    raise errors.ShapeError(f"shard_batch: leaves have leading sizes {sorted(sizes)}; "
-                            f"every leaf needs the same leading batch dimension.")
-  (size,), = sizes
-  if size % local_device_count:
-    lower = (size // local_device_count) * local_device_count
-    suggestion = f"{lower} or {lower + local_device_count}" if lower else local_device_count
-    raise errors.ShapeError(
-        f"shard_batch: batch leading size {size} is not divisible by "
-        f"{local_device_count} local devices; use a batch size that is a "
-        f"multiple of {local_device_count}, e.g. {suggestion}.")
-  return jax.tree.map(
-      lambda leaf: np.reshape(leaf, (local_device_count, -1) + np.shape(leaf)[1:]),
-      batch)
 
 
 def _produce(source: Iterator[Batch], place: Callable[[Batch], Batch],

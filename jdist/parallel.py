@@ -4,7 +4,8 @@
 additions: it checks that mapped inputs carry one slice per local device
 (pmap would otherwise silently run on fewer devices, and averages would be
 divided by the wrong replica count), it tells the watchdog when a step is
-dispatched, and it initializes jdist if the user has not.
+dispatched, and it initializes jdist at its first call if the user has not
+(decorating initializes nothing).
 """
 
 from __future__ import annotations
@@ -46,10 +47,12 @@ def check_mapped_inputs(args: Sequence[Any], positions: Sequence[int], devices: 
         raise errors.ShapeError(
             f"{name}: argument {position}{jax.tree_util.keystr(path)} has {got}, but "
             f"data_parallel maps over the {devices} local devices, so every mapped "
-            f"input needs a leading axis of size {devices}. Split a batch with "
-            f"jdist.shard(batch) (its size must be a multiple of {devices}), put "
-            f"parameters on every device with jdist.replicate(params), or mark "
-            f"unmapped arguments with in_axes=None / static_broadcasted_argnums.")
+            f"input needs a leading axis of size {devices}. Split this process's "
+            f"batch with jdist.shard(batch) (its size must be a multiple of {devices}; "
+            f"a global batch that every process holds: "
+            f"jdist.shard(jdist.process_slice(batch))), put parameters on every "
+            f"device with jdist.replicate(params), or mark unmapped arguments with "
+            f"in_axes=None / static_broadcasted_argnums.")
 
 
 # XLA:CPU deadlocks when the host runs too far ahead: each device admits 32
@@ -96,11 +99,8 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
         data_parallel, donate_argnums=donate_argnums,
         static_broadcasted_argnums=static_broadcasted_argnums, in_axes=in_axes,
         out_axes=out_axes, check_inputs=check_inputs)
-  topo = topology_lib.current()
   static = ((static_broadcasted_argnums,) if isinstance(static_broadcasted_argnums, int)
             else tuple(static_broadcasted_argnums))
-  world = world_lib.get()
-  watch = world is not None and world.size > 1
 
   def with_marker(*args):
     # A tiny extra output whose readiness tells the watchdog the step ended;
@@ -114,12 +114,16 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
 
   @functools.wraps(fn)
   def step(*args):
+    # Looked up per call, not at decoration: a module-level @data_parallel
+    # must leave the user's later jdist.init(...) free to set the job up.
+    topo = topology_lib.current()
     if check_inputs:
       check_mapped_inputs(args, _mapped_positions(in_axes, len(args), static),
                           topo.local_device_count, name)
     outputs, marker = pmapped(*args)
     _limit_inflight(marker)
-    if watch:
+    world = world_lib.get()
+    if world is not None and world.size > 1:
       world.watchdog.step_dispatched(marker, name)
     return outputs
 

@@ -1,12 +1,18 @@
 """data_parallel and the placement helpers."""
 
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jdist
 from jdist import errors
+from tests import launch
 
 
 def test_mapped_input_with_wrong_leading_size_is_a_clear_error(topo):
@@ -53,3 +59,58 @@ def test_donated_step_runs_repeatedly(topo):
   for _ in range(5):
     x = step(x)
   np.testing.assert_allclose(jdist.unreplicate(x), np.full(4, 5.0))
+
+
+def test_shape_error_advice_works_as_written(topo):
+  """The ShapeError for an unsharded batch says jdist.shard(batch); that call works."""
+  step = jdist.data_parallel(lambda x: jdist.pmean(x.sum()))
+  batch = np.ones((topo.local_device_count * 2, 3), np.float32)
+  with pytest.raises(errors.ShapeError) as info:
+    step(batch)
+  assert "jdist.shard(batch)" in str(info.value)
+  np.testing.assert_allclose(step(jdist.shard(batch)), np.full(topo.local_device_count, 6.0))
+
+
+def test_step_left_under_jit_names_data_parallel_and_the_advice_works(topo):
+  tx = jdist.dist_opt(optax.sgd(0.1))
+
+  def train_step(params, opt_state, x):
+    grads = jax.grad(lambda p: jnp.mean((x @ p) ** 2))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params, x = jnp.ones((3,)), np.ones((topo.local_device_count * 2, 3), np.float32)
+  with pytest.raises(errors.CollectiveContextError) as info:
+    jax.jit(train_step)(params, tx.init(params), x)
+  message = str(info.value)
+  assert "jdist.dist_opt" in message and "@jdist.data_parallel instead" in message
+  assert "jdist.replicate(" in message and "jdist.shard(batch)" in message
+  # The advice, as written: data_parallel, replicated state, a sharded batch.
+  step = jdist.data_parallel(train_step)
+  new_params, _ = step(jdist.replicate(params), jdist.replicate(tx.init(params)), jdist.shard(x))
+  # Every replica holds the same rows' mean gradient, so one device on the
+  # whole batch is the reference.
+  expected = params - 0.1 * jax.grad(lambda p: jnp.mean((x @ p) ** 2))(params)
+  np.testing.assert_allclose(jdist.unreplicate(new_params), expected, rtol=1e-6)
+
+
+def test_decorating_initializes_nothing_subprocess():
+  """A module-level @jdist.data_parallel leaves the documented jdist.init(timeout=600) free."""
+  script = textwrap.dedent("""
+      import numpy as np
+      import jdist
+      from jdist import topology
+
+      @jdist.data_parallel
+      def step(x):
+        return jdist.pmean(x)
+
+      assert not topology.is_initialized(), "decorating initialized jdist"
+      topo = jdist.init(timeout=600)
+      assert topo.timeout == 600, topo.timeout
+      print("sum", float(step(np.ones((topo.local_device_count, 2), np.float32)).sum()))
+  """)
+  done = subprocess.run([sys.executable, "-c", script], env=launch.clean_env(devices=2),
+                        capture_output=True, text=True, timeout=120, check=False)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert "sum 4.0" in done.stdout

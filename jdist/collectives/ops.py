@@ -39,9 +39,14 @@ def require_data_parallel(what: str) -> None:
     lax.axis_index(DATA_AXIS)
   except NameError:
     raise errors.CollectiveContextError(
-        f"{what} reduces over the replicas of a data-parallel step, so it must run "
-        f"inside a function wrapped by @jdist.data_parallel (axis name "
-        f"{DATA_AXIS!r}). Outside a step, use host-side helpers such as "
+        f"{what} reduces over the replicas of a data-parallel step, so the function "
+        f"that runs it must be wrapped by @jdist.data_parallel (a pmap over the local "
+        f"devices with axis name {DATA_AXIS!r}). It also runs inside jdist.dist_opt and "
+        f"jdist.allreduce: if your train step calls tx.update and is decorated with "
+        f"@jax.jit or @jax.pmap, decorate it with @jdist.data_parallel instead (it "
+        f"compiles the step too), and give it parameters and optimizer state from "
+        f"jdist.replicate(...) and batches from jdist.shard(batch). For host-side values "
+        f"outside a step, use "
         f"jdist.broadcast_params, jdist.sync_params or jdist.host_allreduce.") from None
 
 

@@ -1,0 +1,102 @@
+"""Host batches cut for the replicas: this process's part of a global batch, per device.
+
+A data-parallel step takes, on each process, an array shaped
+`[local_device_count, per_replica_batch, ...]`. Two ways lead there:
+
+- `jdist.ShardedLoader` reads each replica's own examples (its
+  `batch_size` is per replica: the global batch is `batch_size x
+  replica_count`, and each process yields `local_device_count x
+  batch_size` examples per step);
+- an existing pipeline that yields the whole *global* batch on every
+  process: `jdist.shard(jdist.process_slice(global_batch))` keeps this
+  process's rows and splits them over its devices. Feeding the whole global
+  batch to every process instead trains the same model while every process
+  repeats every other's work.
+
+Replicas are numbered process-major (`jdist.Topology`), and replica `r`
+gets rows `[r * B, (r + 1) * B)` of the global batch, so N replicas on
+batches of B compute what one device computes on the N*B batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from jdist import errors
+
+
+def _leading_size(batch: Any, what: str) -> int:
+  sizes = {np.shape(leaf)[:1] for leaf in jax.tree.leaves(batch)}
+  if len(sizes) != 1 or sizes == {()}:
+    raise errors.ShapeError(f"{what}: leaves have leading sizes {sorted(sizes)}; "
+                            f"every leaf needs the same leading batch dimension.")
+  (size,), = sizes
+  return size
+
+
+def _not_divisible(what: str, size: int, parts: int, unit: str) -> errors.ShapeError:
+  lower = (size // parts) * parts
+  suggestion = f"{lower} or {lower + parts}" if lower else parts
+  return errors.ShapeError(
+      f"{what}: batch leading size {size} is not divisible by {parts} {unit}; use a "
+      f"batch size that is a multiple of {parts}, e.g. {suggestion}.")
+
+
+def shard_batch(batch: Any, local_device_count: int | None = None) -> Any:
+  """Splits a host batch of leading size N into `[local_device_count, N // local_device_count, ...]`.
+
+  Args:
+    batch: a pytree of arrays that share the leading size N.
+    local_device_count: number of local devices; default
+      `jax.local_device_count()`.
+
+  Returns:
+    The same pytree with every leaf reshaped (a view when possible).
+
+  Raises:
+    jdist.errors.ShapeError: N is not divisible by `local_device_count`, or
+      the leaves disagree on N.
+    ValueError: `local_device_count` is not a positive integer.
+  """
+  if local_device_count is None:
+    local_device_count = jax.local_device_count()
+  if (isinstance(local_device_count, bool)
+      or not isinstance(local_device_count, (int, np.integer)) or local_device_count < 1):
+    raise ValueError(f"local_device_count={local_device_count!r} must be an integer >= 1.")
+  size = _leading_size(batch, "shard_batch")
+  if size % local_device_count:
+    raise _not_divisible("shard_batch", size, local_device_count, "local devices")
+  return jax.tree.map(
+      lambda leaf: np.reshape(leaf, (local_device_count, -1) + np.shape(leaf)[1:]), batch)
+
+
+def process_slice(global_batch: Any, topology=None) -> Any:
+  """This process's rows of a global batch that every process holds whole.
+
+  Args:
+    global_batch: a pytree of host arrays sharing the leading size G, the
+      global batch (the same on every process).
+    topology: the job's `jdist.Topology`; default `jdist.init()`'s.
+
+  Returns:
+    The rows `[p * G / P, (p + 1) * G / P)` of every leaf for process p of P
+    (a view): pass them to `jdist.shard` for the per-device split.
+
+  Raises:
+    jdist.errors.ShapeError: G is not divisible by the replica count, or the
+      leaves disagree on G.
+  """
+  if topology is None:
+    from jdist import topology as topology_lib  # pylint: disable=g-import-not-at-top
+    topology = topology_lib.current()
+  size = _leading_size(global_batch, "process_slice")
+  if size % topology.replica_count:
+    raise _not_divisible("process_slice", size, topology.replica_count,
+                         f"replicas ({topology.process_count} processes x "
+                         f"{topology.local_device_count} devices)")
+  rows = size // topology.process_count
+  start = topology.process_index * rows
+  return jax.tree.map(lambda leaf: leaf[start:start + rows], global_batch)
