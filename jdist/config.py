@@ -257,8 +257,8 @@ def force_cpu_devices(count: int) -> None:
     ConfigError: JAX's backends already exist with another device count.
   """
   import jax  # pylint: disable=g-import-not-at-top
-  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
-  if getattr(xla_bridge, "_backends", None):
+  from jdist import jax_internals  # pylint: disable=g-import-not-at-top
+  if jax_internals.backends_initialized():
     if jax.default_backend() != "cpu" or jax.local_device_count() != count:
       raise ConfigError(
           f"cpu_devices (--cpu-devices)={count}: JAX is already running with "

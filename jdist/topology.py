@@ -20,6 +20,7 @@ import warnings
 import jax
 
 from jdist import errors
+from jdist import jax_internals
 
 # Environment variables set by MPI launchers for every rank they start.
 _LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS")
@@ -173,12 +174,7 @@ def _reserve_host_threads() -> None:
   if "NPROC" in os.environ:
     return
   os.environ["NPROC"] = str(max(os.cpu_count() or 1, MIN_HOST_THREADS))
-  try:
-    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
-    started = bool(getattr(xla_bridge, "_backends", None))
-  except ImportError:
-    started = False
-  if started:
+  if jax_internals.backends_initialized():
     warnings.warn(
         "jdist.init() ran after JAX created its backends, so XLA's CPU thread pool "
         "keeps its size and several devices per process may deadlock in "

@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core as jax_core  # the current trace, to order exchanges
 
+from jdist import jax_internals
 from jdist import topology as topology_lib
 from jdist.collectives import payloads
 from jdist.collectives import world as world_lib
@@ -162,7 +162,7 @@ def _after_previous_exchange(buffer: jax.Array) -> jax.Array:
     alive = ref()
     if alive is None or not alive.is_valid():
       del _last_exchange[key]
-  trace = jax_core.trace_ctx.trace
+  trace = jax_internals.current_trace()
   entry = _last_exchange.get(id(trace))
   if entry is None or entry[0]() is not trace or buffer.size == 0:
     return buffer
@@ -171,7 +171,7 @@ def _after_previous_exchange(buffer: jax.Array) -> jax.Array:
 
 def _exchange_done(out: jax.Array) -> jax.Array:
   if out.size:
-    trace = jax_core.trace_ctx.trace
+    trace = jax_internals.current_trace()
     _last_exchange[id(trace)] = (weakref.ref(trace), out)
   return out
 

@@ -1,0 +1,49 @@
+"""`jdist.jax_internals`: the one module that reads JAX's private modules."""
+
+import os
+import re
+from importlib import metadata
+
+import jax
+import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+from jdist import jax_internals
+
+JDIST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jdist")
+
+
+def test_no_private_jax_import_outside_the_compatibility_module():
+  offenders = []
+  for folder, _, files in os.walk(JDIST):
+    for name in files:
+      path = os.path.join(folder, name)
+      if name.endswith(".py") and path != jax_internals.__file__:
+        with open(path, encoding="utf-8") as source:
+          text = source.read()
+        if re.search(r"^\s*(from|import)\s+jax\._src", text, re.MULTILINE):
+          offenders.append(os.path.relpath(path, JDIST))
+  assert not offenders, f"jax._src imported outside jdist/jax_internals.py: {offenders}"
+
+
+def test_declared_jax_range_is_the_tested_one_and_installed():
+  requirements = [Requirement(r) for r in metadata.requires("jdist") or []]
+  declared = [r.specifier for r in requirements if r.name == "jax" and not r.marker]
+  assert declared == [SpecifierSet(jax_internals.TESTED_JAX)]
+  assert jax.__version__ in declared[0]
+
+
+def test_internals_answer_on_this_jax(topo):
+  assert jax_internals.backends_initialized()  # the topo fixture ran JAX
+  outside = jax_internals.current_trace()
+  seen = []
+  jax.jit(lambda x: seen.append(jax_internals.current_trace()) or x)(1.0)
+  assert seen and seen[0] is not outside
+
+
+def test_a_jax_without_the_internal_names_the_tested_range(monkeypatch):
+  from jax._src import core  # pylint: disable=g-import-not-at-top
+  monkeypatch.delattr(core, "trace_ctx")
+  with pytest.raises(RuntimeError, match=re.escape(f"jax{jax_internals.TESTED_JAX}")):
+    jax_internals.current_trace()
