@@ -56,8 +56,10 @@ def overhead(jobs: list[dict]) -> list[dict]:
   out = []
   for row in section_rows(jobs, "overhead"):
     nocheck = row.get("jdist_nocheck_time_s")
+    shard_map = row.get("shard_map_time_s")
     out.append(dict(row, ratio=row["jdist_time_s"] / row["pmap_time_s"],
-                    nocheck_ratio=nocheck / row["pmap_time_s"] if nocheck else None))
+                    nocheck_ratio=nocheck / row["pmap_time_s"] if nocheck else None,
+                    shard_map_ratio=row["jdist_time_s"] / shard_map if shard_map else None))
   return out
 
 
@@ -136,6 +138,9 @@ def targets(summary: dict[str, Any]) -> list[dict]:
   for row in summary["overhead"]:
     out.append(_target("step overhead jdist/pmap (ratio of medians)", row["ratio"],
                        OVERHEAD_BOUND, f"1x{row['devices']} {row['model']}"))
+    out.append(_target("step overhead jdist/shard_map (ratio of medians)",
+                       row.get("shard_map_ratio"), OVERHEAD_BOUND,
+                       f"1x{row['devices']} {row['model']}"))
   for row in summary["compression"]:
     if row["mode"] == "fp16":
       out.append(_target("fp16 bytes/float32 bytes", row.get("bytes_ratio"), FP16_BYTES_BOUND,

@@ -6,6 +6,8 @@ parameters and batch go through
   * `jdist`: `jdist.data_parallel` + `jdist.dist_opt(optax.sgd(...))`;
   * `pmap`: `jax.pmap(axis_name="i")` + `lax.pmean` of the gradients +
     `optax.sgd(...)`, written by hand;
+  * `shard_map`: the same step as `jax.jit(jax.shard_map(...))`, written by
+    hand (jdist's `data_parallel` is built on shard_map);
   * `jdist_nocheck`: the jdist step without `data_parallel`'s Python check
     of the inputs' leading axes (`check_inputs=False`), which separates that
     per-call host cost from differences in the compiled step;
@@ -39,6 +41,7 @@ def measure(ctx, name: str) -> dict:
   variants = {
       "jdist": bench.stepper(workload.jdist_step(bench.model, jdist_tx), jdist_tx),
       "pmap": bench.stepper(workload.pmap_step(bench.model, sgd), sgd, init=jax.pmap),
+      "shard_map": bench.stepper(workload.shard_map_step(bench.model, sgd), sgd),
       "jdist_nocheck": bench.stepper(
           workload.jdist_step(bench.model, jdist_tx, check_inputs=False), jdist_tx),
   }
@@ -47,7 +50,9 @@ def measure(ctx, name: str) -> dict:
   return {"model": name, "params": bench.param_count, "devices": ctx.topo.local_device_count,
           "per_replica_batch": PER_REPLICA_BATCH, **series["jdist"].as_dict("jdist_"),
           **series["pmap"].as_dict("pmap_"), **series["jdist_nocheck"].as_dict("jdist_nocheck_"),
-          "paired_ratio": timing.paired_ratio(series["jdist"], series["pmap"])}
+          **series["shard_map"].as_dict("shard_map_"),
+          "paired_ratio": timing.paired_ratio(series["jdist"], series["pmap"]),
+          "paired_ratio_shard_map": timing.paired_ratio(series["jdist"], series["shard_map"])}
 
 
 def run(ctx):

@@ -131,14 +131,17 @@ def _allreduce(summary: dict) -> list[str]:
 
 def _overhead(summary: dict) -> list[str]:
   body = [[f"1x{r['devices']}", r["model"], f"{r['params']:,}", ms(r["jdist_time_s"]),
-           ms(r["pmap_time_s"]), num(r["ratio"], 4), num(r["paired_ratio"], 4),
-           num(r["nocheck_ratio"], 4)]
+           ms(r["pmap_time_s"]), ms(r.get("shard_map_time_s")), num(r["ratio"], 4),
+           num(r["paired_ratio"], 4), num(r.get("shard_map_ratio"), 4),
+           num(r.get("paired_ratio_shard_map"), 4), num(r["nocheck_ratio"], 4)]
           for r in summary["overhead"]]
-  return ["## 2. Step overhead: jdist vs hand-written pmap", "",
+  return ["## 2. Step overhead: jdist vs hand-written pmap and shard_map", "",
           "`jdist.data_parallel` + `jdist.dist_opt(optax.sgd)` against `jax.pmap` + "
-          "`lax.pmean` + `optax.sgd`, same model, parameters and batch, steps interleaved.", ""
-          ] + table(["devices", "model", "params", "jdist ms", "pmap ms", "ratio of medians",
-                     "median of paired ratios", "without input check"], body)
+          "`lax.pmean` + `optax.sgd` and the same step as `jax.jit(jax.shard_map(...))`, "
+          "same model, parameters and batch, steps interleaved.", ""
+          ] + table(["devices", "model", "params", "jdist ms", "pmap ms", "shard_map ms",
+                     "jdist/pmap", "paired", "jdist/shard_map", "paired",
+                     "jdist/pmap without input check"], body)
 
 
 def _compression(summary: dict) -> list[str]:

@@ -10,6 +10,8 @@ Three steps on the same model and data:
     `jdist.dist_opt(optax.sgd(...))`), the way a user writes it;
   * `pmap_step`: the hand-written `jax.pmap(axis_name="i")` + `lax.pmean`
     step that jdist's overhead is measured against (one process only);
+  * `shard_map_step`: the same written as `jax.jit(jax.shard_map(...))`,
+    what new JAX code writes instead of pmap (one process only);
   * `compute_step`: the same step with no reduction at all, for the compute
     part of a step's time.
 """
@@ -133,6 +135,23 @@ def pmap_step(model: nn.Module, tx: optax.GradientTransformation):
     return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, axis_name="i")
 
   return jax.pmap(step, axis_name="i")
+
+
+def shard_map_step(model: nn.Module, tx: optax.GradientTransformation):
+  """The hand-written `jit(shard_map)` step over the local devices, pmap's calling convention."""
+  mesh = Mesh(np.array(jax.local_devices()), ("i",))
+  spec = PartitionSpec("i")
+
+  def per_device(params, opt_state, x, y):
+    params, opt_state, x, y = jax.tree.map(lambda a: a[0], (params, opt_state, x, y))
+    loss, grads = loss_and_grads(model, params, x, y)
+    grads = jax.lax.pmean(grads, axis_name="i")
+    updates, opt_state = tx.update(grads, opt_state, params)
+    out = optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, axis_name="i")
+    return jax.tree.map(lambda a: jnp.asarray(a)[None], out)
+
+  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=spec, out_specs=spec,
+                               check_vma=False))
 
 
 def compute_step(model: nn.Module, tx: optax.GradientTransformation):

@@ -16,6 +16,7 @@ from jdist.collectives import all_gather
 from jdist.collectives import barrier
 from jdist.collectives import broadcast_params
 from jdist.collectives import host_allreduce
+from jdist.collectives import mesh
 from jdist.collectives import pmean
 from jdist.collectives import psum
 from jdist.data import ShardedLoader
@@ -75,6 +76,7 @@ __all__ = (
     "host_allreduce",
     "init",
     "local_replicas",
+    "mesh",
     "metric_sums",
     "metrics",
     "models",

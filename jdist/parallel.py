@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jdist import errors
 from jdist import topology as topology_lib
@@ -74,25 +74,62 @@ def _limit_inflight(marker) -> None:
     oldest.block_until_ready()
 
 
+def _axis_flags(in_axes: Any, positions: Sequence[int]) -> tuple[bool, ...]:
+  """For each dynamic argument: mapped over the devices (True) or replicated."""
+  if in_axes in (0, None):
+    return tuple(in_axes == 0 for _ in positions)
+  if isinstance(in_axes, (tuple, list)) and all(axis in (0, None) for axis in in_axes):
+    return tuple(in_axes[i] == 0 if i < len(in_axes) else True for i in positions)
+  raise ValueError(f"in_axes={in_axes!r}: data_parallel maps arguments over axis 0 or not "
+                   f"at all; use 0, None, or a tuple of 0/None per argument.")
+
+
+def _commit_to_mesh(args: list, positions: Sequence[int], flags: Sequence[bool]) -> list:
+  """Moves arrays committed to one device onto the local devices.
+
+  jit refuses an argument committed to another set of devices, where pmap
+  copied it; an array from `unreplicate` or `jax.device_put(x, device)` is
+  one.
+  """
+  def place(leaf, mapped):
+    if isinstance(leaf, jax.Array) and isinstance(leaf.sharding, SingleDeviceSharding):
+      spec = PartitionSpec(DATA_AXIS) if mapped else PartitionSpec()
+      return jax.device_put(leaf, NamedSharding(_local_mesh(), spec))
+    return leaf
+
+  for position, mapped in zip(positions, flags):
+    args[position] = jax.tree.map(lambda leaf, m=mapped: place(leaf, m), args[position])
+  return args
+
+
 def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[int] = (),
                   static_broadcasted_argnums: int | Sequence[int] = (), in_axes: Any = 0,
                   out_axes: Any = 0, check_inputs: bool = True) -> Callable:
   """Runs `fn` on every local device, as one data-parallel replica each.
 
-  Inside `fn`, `jdist.psum`/`jdist.pmean`/`jdist.allreduce` reduce over every
-  replica of the job (all local devices of all processes).
+  The calling convention is `jax.pmap`'s: mapped inputs and outputs carry a
+  leading axis of one slice per local device. Underneath it is
+  `jax.jit(jax.shard_map(...))` over a mesh of the local devices with axis
+  `jdist.DATA_AXIS`. Inside `fn`, `jdist.psum`/`jdist.pmean`/`jdist.allreduce`
+  reduce over every replica of the job (all local devices of all processes).
 
   Args:
     fn: the per-replica step. Usable as `@data_parallel` or
       `@data_parallel(donate_argnums=...)`.
-    donate_argnums: as in `jax.pmap`.
-    static_broadcasted_argnums: as in `jax.pmap`.
-    in_axes: as in `jax.pmap`.
-    out_axes: as in `jax.pmap`.
+    donate_argnums: arguments whose buffers the step may reuse.
+    static_broadcasted_argnums: hashable arguments passed as Python values
+      (a change recompiles), as in `jax.pmap`.
+    in_axes: 0 (every argument mapped over the devices), None (every
+      argument replicated), or a tuple of 0/None per argument.
+    out_axes: 0 (outputs carry the device axis) or None (outputs are the
+      same on every device and come back without it).
     check_inputs: check that mapped inputs have one slice per local device.
 
   Returns:
-    The pmapped function.
+    The compiled per-device step.
+
+  Raises:
+    ValueError: in_axes or out_axes other than 0/None.
   """
   if fn is None:
     return functools.partial(
@@ -101,16 +138,43 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
         out_axes=out_axes, check_inputs=check_inputs)
   static = ((static_broadcasted_argnums,) if isinstance(static_broadcasted_argnums, int)
             else tuple(static_broadcasted_argnums))
+  if out_axes not in (0, None):
+    raise ValueError(f"out_axes={out_axes!r}: use 0 (per-device outputs) or None (outputs "
+                     f"identical on every device).")
+  _axis_flags(in_axes, [])  # checks in_axes now, not at the first call
+  name = getattr(fn, "__name__", "step")
 
-  def with_marker(*args):
+  def per_device(layout: tuple, *dynamic):
+    # layout: per argument, ("static", value), ("mapped", i) or ("replicated", i).
+    args = []
+    for kind, item in layout:
+      if kind == "static":
+        args.append(item)
+      elif kind == "mapped":  # this device's slice, without pmap's device axis
+        args.append(jax.tree.map(lambda x: x[0], dynamic[item]))
+      else:
+        args.append(dynamic[item])
+    out = fn(*args)
+    if out_axes == 0:
+      out = jax.tree.map(lambda x: jnp.asarray(x)[None], out)
     # A tiny extra output whose readiness tells the watchdog the step ended;
     # the user's own outputs may be donated to the next step.
-    return fn(*args), jnp.zeros((), jnp.int8)
+    return out, jnp.zeros((1,), jnp.int8)
 
-  pmapped = jax.pmap(with_marker, axis_name=DATA_AXIS,
-                     in_axes=in_axes, out_axes=(out_axes, 0),
-                     static_broadcasted_argnums=static, donate_argnums=donate_argnums)
-  name = getattr(fn, "__name__", "step")
+  @functools.partial(jax.jit, static_argnums=static, donate_argnums=donate_argnums)
+  def compiled(*args):
+    positions = [i for i in range(len(args)) if i not in static]
+    flags = _axis_flags(in_axes, positions)
+    kinds = dict(zip(positions, zip(flags, range(len(positions)))))
+    layout = tuple(("static", args[i]) if i in static else
+                   ("mapped" if kinds[i][0] else "replicated", kinds[i][1])
+                   for i in range(len(args)))
+    mapped_out = PartitionSpec(DATA_AXIS) if out_axes == 0 else PartitionSpec()
+    return jax.shard_map(
+        functools.partial(per_device, layout), mesh=_local_mesh(),
+        in_specs=tuple(PartitionSpec(DATA_AXIS) if m else PartitionSpec() for m in flags),
+        out_specs=(mapped_out, PartitionSpec(DATA_AXIS)),
+        check_vma=False)(*[args[i] for i in positions])
 
   @functools.wraps(fn)
   def step(*args):
@@ -120,14 +184,18 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
     if check_inputs:
       check_mapped_inputs(args, _mapped_positions(in_axes, len(args), static),
                           topo.local_device_count, name)
-    outputs, marker = pmapped(*args)
+    if topo.local_device_count > 1:
+      positions = [i for i in range(len(args)) if i not in static]
+      args = _commit_to_mesh(list(args), positions, _axis_flags(in_axes, positions))
+    outputs, marker = compiled(*args)
     _limit_inflight(marker)
     world = world_lib.get()
     if world is not None and world.size > 1:
       world.watchdog.step_dispatched(marker, name)
     return outputs
 
-  step.pmapped = pmapped
+  step.compiled = compiled
+  step.pmapped = compiled  # the name older code and tests use
   return step
 
 

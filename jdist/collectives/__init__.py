@@ -5,6 +5,7 @@ Everything else asks it to reduce a pytree: inside a step with `psum`,
 `broadcast_params`, `host_allreduce` and `barrier`.
 """
 
+from jdist.collectives.context import mesh
 from jdist.collectives.host import allgather_object
 from jdist.collectives.host import barrier
 from jdist.collectives.host import broadcast_params

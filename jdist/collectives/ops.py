@@ -17,6 +17,7 @@ instead of a hang or silently mixed buffers.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Any
 
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jdist import errors
-from jdist import topology as topology_lib
+from jdist.collectives import context
 from jdist.collectives import fusion
 from jdist.collectives import payloads
 from jdist.collectives import transport
@@ -34,20 +35,12 @@ from jdist.collectives.transport import DATA_AXIS
 
 
 def require_data_parallel(what: str) -> None:
-  """Raises a clear error unless called inside a `jdist.data_parallel` step."""
-  try:
-    lax.axis_index(DATA_AXIS)
-  except NameError:
-    raise errors.CollectiveContextError(
-        f"{what} reduces over the replicas of a data-parallel step, so the function "
-        f"that runs it must be wrapped by @jdist.data_parallel (a pmap over the local "
-        f"devices with axis name {DATA_AXIS!r}). It also runs inside jdist.dist_opt and "
-        f"jdist.allreduce: if your train step calls tx.update and is decorated with "
-        f"@jax.jit or @jax.pmap, decorate it with @jdist.data_parallel instead (it "
-        f"compiles the step too), and give it parameters and optimizer state from "
-        f"jdist.replicate(...) and batches from jdist.shard(batch). For host-side values "
-        f"outside a step, use "
-        f"jdist.broadcast_params, jdist.sync_params or jdist.host_allreduce.") from None
+  """Raises a clear error unless traced in a data-parallel step (either kind).
+
+  See `jdist.collectives.context`: a `jdist.data_parallel` step, or a jit
+  step over global arrays under `jax.set_mesh(jdist.mesh())`.
+  """
+  context.in_global_step(what)
 
 
 def _signature(tree: Any) -> list[tuple[str, tuple[int, ...], str]]:
@@ -112,7 +105,8 @@ def _fused(tree: Any, what: str, reduce_buffer, bucket_bytes: int,
 
 def psum(tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> Any:
   """Sum of `tree` over every replica (inside `jdist.data_parallel`)."""
-  require_data_parallel("jdist.psum")
+  if context.in_global_step("jdist.psum"):
+    return context.per_process(functools.partial(psum, bucket_bytes=bucket_bytes), tree)
   if not jax.tree.leaves(tree):
     return tree
   return _fused(tree, "jdist.psum", transport.sum_all, bucket_bytes)
@@ -120,8 +114,9 @@ def psum(tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> Any:
 
 def pmean(tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> Any:
   """Mean of `tree` over every replica; integer leaves are averaged as floats."""
-  require_data_parallel("jdist.pmean")
-  replicas = topology_lib.current().replica_count
+  if context.in_global_step("jdist.pmean"):
+    return context.per_process(functools.partial(pmean, bucket_bytes=bucket_bytes), tree)
+  replicas = context.participant_count()
   as_float = jax.tree.map(
       lambda x: x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float32), tree)
   summed = psum(as_float, bucket_bytes=bucket_bytes)
@@ -131,9 +126,12 @@ def pmean(tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> Any:
 def all_gather(tree: Any) -> Any:
   """Every replica's value of each leaf, stacked: leaves get a leading [R] axis.
 
-  Replicas are in global order (process-major, then local device).
+  Replicas are in global order (process-major, then local device); in a
+  global (jit) step, one row per process.
   """
-  require_data_parallel("jdist.all_gather")
+  if context.in_global_step("jdist.all_gather"):
+    return context.per_process(lambda t: context.gather_rows_per_process(all_gather(t)), tree,
+                               first_only=False)
   return jax.tree.map(
       lambda leaf: transport.gather_all(leaf.reshape(-1)).reshape((-1,) + leaf.shape), tree)
 
@@ -181,8 +179,10 @@ def reduce_payload(updates: Any, *, mean: bool = True,
   Returns:
     The reduced gradient tree, leaves in their original dtypes.
   """
-  require_data_parallel("jdist.allreduce")
-  factor = 1.0 / topology_lib.current().replica_count if mean else 1.0
+  if context.in_global_step("jdist.allreduce"):
+    return context.per_process(
+        functools.partial(reduce_payload, mean=mean, bucket_bytes=bucket_bytes), updates)
+  factor = 1.0 / context.participant_count() if mean else 1.0
   if isinstance(updates, payloads.SparsePayload):
     return _reduce_sparse(updates, factor)
   if isinstance(updates, payloads.HalfPayload):

@@ -1,0 +1,134 @@
+"""Where a reduction is traced: in a per-replica step, or in a jit step over global arrays.
+
+jdist's reductions (`psum`, `pmean`, `all_gather`, `allreduce`) run in one of
+two contexts, told apart at trace time:
+
+* **per replica**: inside `jdist.data_parallel` (a `shard_map` or `pmap`
+  over the local devices), where `jdist.DATA_AXIS` is a bound axis and each
+  device holds one replica's values. Reductions span every replica of the
+  job: the local devices, then the processes.
+* **global**: inside a plain `jax.jit` over global arrays, traced under
+  `jax.set_mesh(jdist.mesh())` (a mesh with the axis `jdist.DATA_AXIS`):
+  the batch is sharded over the data axis, parameters are replicated, and
+  XLA already averages gradients over the mesh's devices. What is left is
+  the exchange between the mesh's copies, one per process under MPI (none
+  with the "jax" backend, whose mesh spans every process). `per_process`
+  runs the per-replica reduction inside a `shard_map` over the mesh in
+  which only the first device of each mesh contributes, so each process's
+  value counts once; `participant_count()` is then the number of processes.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
+
+from jdist import errors
+from jdist import topology as topology_lib
+from jdist.collectives.transport import DATA_AXIS
+
+# Set while a global step's reduction runs per replica: how many distinct
+# values (one per process) the reduction combines.
+_PARTICIPANTS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "jdist_participants", default=None)
+
+
+def mesh() -> Mesh:
+  """The mesh jdist's global (jit) steps run over, with the one axis `jdist.DATA_AXIS`.
+
+  The local devices of this process; with the "jax" backend (JAX's own
+  multi-process runtime), every device of every process. Use it as
+  `with jax.set_mesh(jdist.mesh()):` around the jitted step and for the
+  step's shardings: `NamedSharding(mesh, P(jdist.DATA_AXIS))` for batches,
+  `NamedSharding(mesh, P())` for parameters.
+  """
+  topo = topology_lib.current()
+  devices = jax.devices() if topo.backend == "jax" else jax.local_devices()
+  return Mesh(devices, (DATA_AXIS,))
+
+
+def _global_mesh():
+  """The abstract mesh of a global step being traced, or None."""
+  abstract = jax.sharding.get_abstract_mesh()
+  if DATA_AXIS in abstract.axis_names and DATA_AXIS not in abstract.manual_axes:
+    return abstract
+  return None
+
+
+def in_global_step(what: str) -> bool:
+  """True in a global (jit) step, False in a per-replica step.
+
+  Raises:
+    jdist.errors.CollectiveContextError: traced in neither: names the two ways.
+  """
+  try:
+    lax.axis_index(DATA_AXIS)
+    return False
+  except NameError:
+    pass
+  if _global_mesh() is not None:
+    return True
+  raise errors.CollectiveContextError(
+      f"{what} reduces over the replicas of a data-parallel step, so the function that "
+      f"runs it must be wrapped by @jdist.data_parallel (a shard_map over the local "
+      f"devices with axis name {DATA_AXIS!r}). It also runs inside jdist.dist_opt and "
+      f"jdist.allreduce: if your train step calls tx.update and is decorated with "
+      f"@jax.jit or @jax.pmap, decorate it with @jdist.data_parallel instead (it compiles "
+      f"the step too), and give it parameters and optimizer state from jdist.replicate(...) "
+      f"and batches from jdist.shard(batch). Or keep @jax.jit over global arrays and call "
+      f"the step under `with jax.set_mesh(jdist.mesh()):`, with batches sharded as "
+      f"NamedSharding(jdist.mesh(), P(jdist.DATA_AXIS)). For host-side values outside a "
+      f"step, use jdist.broadcast_params, jdist.sync_params or jdist.host_allreduce.")
+
+
+def participant_count() -> int:
+  """How many distinct values a reduction traced here combines.
+
+  Every replica in a per-replica step; every process (one mesh copy each)
+  in a global step's reduction.
+  """
+  override = _PARTICIPANTS.get()
+  return override if override is not None else topology_lib.current().replica_count
+
+
+def per_process(reduce_fn: Callable[[Any], Any], tree: Any, *, first_only: bool = True) -> Any:
+  """Runs a per-replica reduction on values that every device of the mesh holds whole.
+
+  Args:
+    reduce_fn: the per-replica reduction (e.g. `psum`), run inside a
+      `shard_map` over the global step's mesh.
+    tree: the step's values (replicated over the mesh, or sharded: the
+      `shard_map` gathers them first).
+    first_only: other devices than the mesh's first contribute zeros, so a
+      sum counts each process's value once (False for gathers, which pick
+      one row per process afterwards).
+
+  Returns:
+    `reduce_fn`'s result, the same on every device.
+  """
+  abstract = _global_mesh()
+  participants = topology_lib.current().replica_count // abstract.shape[DATA_AXIS]
+
+  def body(values):
+    if first_only:
+      first = lax.axis_index(DATA_AXIS) == 0
+      values = jax.tree.map(lambda x: jnp.where(first, x, jnp.zeros_like(x)), values)
+    token = _PARTICIPANTS.set(participants)
+    try:
+      return reduce_fn(values)
+    finally:
+      _PARTICIPANTS.reset(token)
+
+  return jax.shard_map(body, in_specs=PartitionSpec(), out_specs=PartitionSpec(),
+                       check_vma=False)(tree)
+
+
+def gather_rows_per_process(gathered: Any) -> Any:
+  """From a gather over every replica inside `per_process`, one row per process."""
+  stride = topology_lib.current().replica_count // participant_count()
+  return jax.tree.map(lambda x: x[::stride], gathered)
