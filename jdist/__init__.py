@@ -21,6 +21,7 @@ from jdist.collectives import pmean
 from jdist.collectives import psum
 from jdist.data import ShardedLoader
 from jdist.batches import process_slice
+from jdist.batches import shard_global_batch
 from jdist.batches import shard_batch as shard
 from jdist.metrics import MetricAccumulator
 from jdist.metrics import metric_sums
@@ -86,6 +87,7 @@ __all__ = (
     "psum",
     "replicate",
     "shard",
+    "shard_global_batch",
     "skip_nonfinite",
     "sync_params",
     "threshold",

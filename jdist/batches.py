@@ -100,3 +100,36 @@ def process_slice(global_batch: Any, topology=None) -> Any:
   rows = size // topology.process_count
   start = topology.process_index * rows
   return jax.tree.map(lambda leaf: leaf[start:start + rows], global_batch)
+
+
+def shard_global_batch(global_batch: Any, topology=None) -> Any:
+  """This process's rows of a global batch, sharded over `jdist.mesh()`: for jit steps.
+
+  The jit-with-sharding counterpart of `jdist.shard(jdist.process_slice(...))`:
+  leaves come back without a device axis, as arrays sharded over the data
+  axis of `jdist.mesh()` (with the "jax" backend, one global array over
+  every process's devices).
+
+  Args:
+    global_batch: a pytree of host arrays sharing the leading size G, the
+      same on every process.
+    topology: the job's `jdist.Topology`; default `jdist.init()`'s.
+
+  Returns:
+    The pytree of sharded `jax.Array`s.
+
+  Raises:
+    jdist.errors.ShapeError: as `process_slice`.
+  """
+  # Imported here: the collective layer imports this module's neighbours.
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+  from jdist.collectives import context  # pylint: disable=g-import-not-at-top
+  if topology is None:
+    from jdist import topology as topology_lib  # pylint: disable=g-import-not-at-top
+    topology = topology_lib.current()
+  rows = process_slice(global_batch, topology)
+  sharding = NamedSharding(context.mesh(), PartitionSpec(context.DATA_AXIS))
+  if topology.backend == "jax":
+    return jax.tree.map(
+        lambda leaf: jax.make_array_from_process_local_data(sharding, np.asarray(leaf)), rows)
+  return jax.device_put(rows, sharding)

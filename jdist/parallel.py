@@ -1,11 +1,13 @@
 """Running a step on every local device: `data_parallel` and placement helpers.
 
-`data_parallel(fn)` is `jax.pmap(fn, axis_name=jdist.DATA_AXIS)` with three
-additions: it checks that mapped inputs carry one slice per local device
-(pmap would otherwise silently run on fewer devices, and averages would be
-divided by the wrong replica count), it tells the watchdog when a step is
-dispatched, and it initializes jdist at its first call if the user has not
-(decorating initializes nothing).
+`data_parallel(fn)` keeps `jax.pmap`'s calling convention (mapped inputs and
+outputs carry a leading axis of one slice per local device) and runs as
+`jax.jit(jax.shard_map(fn, mesh of the local devices, axis jdist.DATA_AXIS))`,
+pmap itself being in maintenance mode since JAX 0.8. It adds: a check that
+mapped inputs carry one slice per local device (else averages would be
+divided by the wrong replica count), a signal to the watchdog when a step
+is dispatched, and jdist's initialization at its first call if the user has
+not (decorating initializes nothing).
 """
 
 from __future__ import annotations
@@ -84,6 +86,14 @@ def _axis_flags(in_axes: Any, positions: Sequence[int]) -> tuple[bool, ...]:
                    f"at all; use 0, None, or a tuple of 0/None per argument.")
 
 
+def _spec(mapped: bool) -> PartitionSpec:
+  return PartitionSpec(DATA_AXIS) if mapped else PartitionSpec()
+
+
+def _with_device_axis(tree: Any) -> Any:
+  return jax.tree.map(lambda x: jnp.asarray(x)[None], tree)
+
+
 def _commit_to_mesh(args: list, positions: Sequence[int], flags: Sequence[bool]) -> list:
   """Moves arrays committed to one device onto the local devices.
 
@@ -93,8 +103,7 @@ def _commit_to_mesh(args: list, positions: Sequence[int], flags: Sequence[bool])
   """
   def place(leaf, mapped):
     if isinstance(leaf, jax.Array) and isinstance(leaf.sharding, SingleDeviceSharding):
-      spec = PartitionSpec(DATA_AXIS) if mapped else PartitionSpec()
-      return jax.device_put(leaf, NamedSharding(_local_mesh(), spec))
+      return jax.device_put(leaf, NamedSharding(_local_mesh(), _spec(mapped)))
     return leaf
 
   for position, mapped in zip(positions, flags):
@@ -110,7 +119,8 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
   The calling convention is `jax.pmap`'s: mapped inputs and outputs carry a
   leading axis of one slice per local device. Underneath it is
   `jax.jit(jax.shard_map(...))` over a mesh of the local devices with axis
-  `jdist.DATA_AXIS`. Inside `fn`, `jdist.psum`/`jdist.pmean`/`jdist.allreduce`
+  `jdist.DATA_AXIS` (with the "jax" backend across processes, `jax.pmap`,
+  which spans every process's devices). Inside `fn`, `jdist.psum`/`jdist.pmean`/`jdist.allreduce`
   reduce over every replica of the job (all local devices of all processes).
 
   Args:
@@ -121,15 +131,16 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
       (a change recompiles), as in `jax.pmap`.
     in_axes: 0 (every argument mapped over the devices), None (every
       argument replicated), or a tuple of 0/None per argument.
-    out_axes: 0 (outputs carry the device axis) or None (outputs are the
-      same on every device and come back without it).
+    out_axes: 0 (outputs carry the device axis), None (outputs are the
+      same on every device, such as a `jdist.pmean`'d loss, and come back
+      without it), or a tuple of 0/None per element of a tuple output.
     check_inputs: check that mapped inputs have one slice per local device.
 
   Returns:
     The compiled per-device step.
 
   Raises:
-    ValueError: in_axes or out_axes other than 0/None.
+    ValueError: in_axes or out_axes other than 0/None (per argument or output).
   """
   if fn is None:
     return functools.partial(
@@ -138,9 +149,11 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
         out_axes=out_axes, check_inputs=check_inputs)
   static = ((static_broadcasted_argnums,) if isinstance(static_broadcasted_argnums, int)
             else tuple(static_broadcasted_argnums))
-  if out_axes not in (0, None):
-    raise ValueError(f"out_axes={out_axes!r}: use 0 (per-device outputs) or None (outputs "
-                     f"identical on every device).")
+  if not (out_axes in (0, None) or (isinstance(out_axes, tuple)
+                                    and all(axis in (0, None) for axis in out_axes))):
+    raise ValueError(f"out_axes={out_axes!r}: use 0 (per-device outputs), None (outputs "
+                     f"identical on every device, e.g. a pmean'd loss) or a tuple of 0/None "
+                     f"per element of a tuple output.")
   _axis_flags(in_axes, [])  # checks in_axes now, not at the first call
   name = getattr(fn, "__name__", "step")
 
@@ -155,8 +168,13 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
       else:
         args.append(dynamic[item])
     out = fn(*args)
-    if out_axes == 0:
-      out = jax.tree.map(lambda x: jnp.asarray(x)[None], out)
+    if isinstance(out_axes, tuple):
+      if not isinstance(out, tuple) or len(out) != len(out_axes):
+        raise ValueError(f"{name}: out_axes={out_axes!r} needs a tuple of {len(out_axes)} "
+                         f"outputs; the step returned {type(out).__name__}.")
+      out = tuple(_with_device_axis(x) if axis == 0 else x for x, axis in zip(out, out_axes))
+    elif out_axes == 0:
+      out = _with_device_axis(out)
     # A tiny extra output whose readiness tells the watchdog the step ended;
     # the user's own outputs may be donated to the next step.
     return out, jnp.zeros((1,), jnp.int8)
@@ -169,12 +187,22 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
     layout = tuple(("static", args[i]) if i in static else
                    ("mapped" if kinds[i][0] else "replicated", kinds[i][1])
                    for i in range(len(args)))
-    mapped_out = PartitionSpec(DATA_AXIS) if out_axes == 0 else PartitionSpec()
+    mapped_out = (tuple(_spec(axis == 0) for axis in out_axes) if isinstance(out_axes, tuple)
+                  else _spec(out_axes == 0))
     return jax.shard_map(
         functools.partial(per_device, layout), mesh=_local_mesh(),
-        in_specs=tuple(PartitionSpec(DATA_AXIS) if m else PartitionSpec() for m in flags),
+        in_specs=tuple(_spec(mapped) for mapped in flags),
         out_specs=(mapped_out, PartitionSpec(DATA_AXIS)),
         check_vma=False)(*[args[i] for i in positions])
+
+  def with_marker(*args):
+    return fn(*args), jnp.zeros((), jnp.int8)
+
+  # With the "jax" backend the step spans every process's devices; pmap
+  # builds those global arrays from each process's slices, so it stays there.
+  multi_process_pmap = functools.cache(lambda: jax.pmap(
+      with_marker, axis_name=DATA_AXIS, in_axes=in_axes, out_axes=(out_axes, 0),
+      static_broadcasted_argnums=static, donate_argnums=donate_argnums))
 
   @functools.wraps(fn)
   def step(*args):
@@ -184,10 +212,13 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
     if check_inputs:
       check_mapped_inputs(args, _mapped_positions(in_axes, len(args), static),
                           topo.local_device_count, name)
-    if topo.local_device_count > 1:
-      positions = [i for i in range(len(args)) if i not in static]
-      args = _commit_to_mesh(list(args), positions, _axis_flags(in_axes, positions))
-    outputs, marker = compiled(*args)
+    if topo.backend == "jax" and topo.multi_process:
+      outputs, marker = multi_process_pmap()(*args)
+    else:
+      if topo.local_device_count > 1:
+        positions = [i for i in range(len(args)) if i not in static]
+        args = _commit_to_mesh(list(args), positions, _axis_flags(in_axes, positions))
+      outputs, marker = compiled(*args)
     _limit_inflight(marker)
     world = world_lib.get()
     if world is not None and world.size > 1:

@@ -114,3 +114,18 @@ def test_decorating_initializes_nothing_subprocess():
                         capture_output=True, text=True, timeout=120, check=False)
   assert done.returncode == 0, done.stderr[-2000:]
   assert "sum 4.0" in done.stdout
+
+
+def test_outputs_a_user_reads_come_back_without_the_device_axis(topo):
+  @jdist.data_parallel(out_axes=(0, None))
+  def step(x):
+    return x * 2, jdist.pmean(jnp.sum(x))
+
+  x = np.arange(topo.local_device_count * 3, dtype=np.float32).reshape(-1, 3)
+  doubled, loss = step(x)
+  assert doubled.shape == x.shape and loss.shape == ()
+  # Every process feeds the same x here, so the mean over replicas is local.
+  np.testing.assert_allclose(float(loss), x.sum(axis=1).mean(), rtol=1e-6)
+  assert "%.4f" % loss  # what flax's examples print: only a scalar formats
+  with pytest.raises(ValueError, match="out_axes="):
+    jdist.data_parallel(lambda x: x, out_axes=1)
