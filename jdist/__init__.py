@@ -19,7 +19,10 @@ from jdist.collectives import host_allreduce
 from jdist.collectives import mesh
 from jdist.collectives import pmean
 from jdist.collectives import psum
+from jdist.collectives import replica_index
+from jdist.collectives import replica_key
 from jdist.data import ShardedLoader
+from jdist.flax_nnx import SyncBatchNorm
 from jdist.batches import process_slice
 from jdist.batches import shard_global_batch
 from jdist.batches import shard_batch as shard
@@ -59,6 +62,7 @@ __all__ = (
     "PartialSyncState",
     "ReplicaMismatch",
     "SparsifyState",
+    "SyncBatchNorm",
     "Topology",
     "all_gather",
     "allreduce",
@@ -85,6 +89,8 @@ __all__ = (
     "pmean",
     "process_slice",
     "psum",
+    "replica_index",
+    "replica_key",
     "replicate",
     "shard",
     "shard_global_batch",

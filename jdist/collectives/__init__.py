@@ -6,6 +6,8 @@ Everything else asks it to reduce a pytree: inside a step with `psum`,
 """
 
 from jdist.collectives.context import mesh
+from jdist.collectives.context import replica_index
+from jdist.collectives.context import replica_key
 from jdist.collectives.host import allgather_object
 from jdist.collectives.host import barrier
 from jdist.collectives.host import broadcast_params

@@ -132,3 +132,30 @@ def gather_rows_per_process(gathered: Any) -> Any:
   """From a gather over every replica inside `per_process`, one row per process."""
   stride = topology_lib.current().replica_count // participant_count()
   return jax.tree.map(lambda x: x[::stride], gathered)
+
+
+def replica_index() -> jax.Array | int:
+  """This replica's global index: in a step, per device; on the host, this process's.
+
+  In a `jdist.data_parallel` step: `process_index * local_device_count +`
+  the device's position (replicas are numbered process-major). In a global
+  (jit) step and on the host, where one process is one participant: the
+  process index.
+  """
+  topo = topology_lib.current()
+  try:
+    device = lax.axis_index(DATA_AXIS)
+  except NameError:
+    return topo.process_index
+  if _global_mesh() is None and _PARTICIPANTS.get() is None:
+    return topo.process_index * topo.local_device_count + device
+  return topo.process_index
+
+
+def replica_key(key: jax.Array) -> jax.Array:
+  """`key` folded with `replica_index()`: different random numbers per replica.
+
+  For dropout and other per-example noise, which must differ between
+  replicas (parameter initialization must not: use the same key there).
+  """
+  return jax.random.fold_in(key, replica_index())
