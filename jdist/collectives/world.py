@@ -147,6 +147,23 @@ class MpiWorld:
     self.watchdog.start()
     # Registered after mpi4py's own handler, so it runs before MPI_Finalize.
     atexit.register(self.watchdog.shutdown)
+    atexit.register(self._await_live_arrays)  # atexit runs last-in first
+
+  def _await_live_arrays(self) -> None:
+    """Waits at exit for the computations of every live array, under the deadline.
+
+    A jit step (global arrays) is dispatched by the user's own `jax.jit`, not
+    by `data_parallel`, so the watchdog does not drain it: a rank that ends
+    its script with steps still running would finalize Python under their
+    host callbacks and abort the job (seen in 2x2).
+    """
+    import jax  # pylint: disable=g-import-not-at-top
+    with self.watchdog.waiting("exit: waiting for this rank's dispatched steps"):
+      for array in jax.live_arrays():
+        try:
+          array.block_until_ready()
+        except Exception:  # pylint: disable=broad-except
+          pass  # a failed or deleted computation has nothing left to wait for
 
   def device_comm(self, local_device: int):
     return self._device_comms[local_device]
