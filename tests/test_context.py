@@ -111,3 +111,12 @@ def test_jit_without_a_mesh_names_both_ways_in(topo):
     jax.jit(lambda p, s: tx.update(p, s, p))(params, tx.init(params))
   message = str(info.value)
   assert "@jdist.data_parallel" in message and "jax.set_mesh(jdist.mesh())" in message
+
+
+def test_global_step_partial_sync_of_one_chunk_is_plain_averaging(topo):
+  model, batches = reference.TinyMLP(), _batches(topo)
+  params = model.init(jax.random.key(0), batches[0][0][:1])
+  expected = reference.train_reference(model, params, optax.sgd(0.1), batches, STEPS)
+  trained, _ = _train_global(model, params, jdist.dist_opt(optax.sgd(0.1), partial=1),
+                             batches, STEPS)
+  reference.assert_trees_close(trained, expected, rtol=1e-5, atol=1e-6)
