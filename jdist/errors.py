@@ -23,3 +23,7 @@ class StructureMismatchError(JdistError):
 
 class CheckpointError(JdistError):
   """A checkpoint cannot be written or does not fit this run."""
+
+
+class WorldMismatchError(JdistError):
+  """The processes of one job differ where they must agree (devices, settings, data)."""

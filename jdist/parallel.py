@@ -102,7 +102,11 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
   world = world_lib.get()
   watch = world is not None and world.size > 1
 
+  name = getattr(fn, "__name__", "step")
+
   def with_marker(*args):
+    if watch:  # runs only while tracing: a re-trace's shapes, for a divergence report
+      world.watchdog.note_trace(name, args)
     # A tiny extra output whose readiness tells the watchdog the step ended;
     # the user's own outputs may be donated to the next step.
     return fn(*args), jnp.zeros((), jnp.int8)
@@ -110,7 +114,6 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
   pmapped = jax.pmap(with_marker, axis_name=DATA_AXIS,
                      in_axes=in_axes, out_axes=(out_axes, 0),
                      static_broadcasted_argnums=static, donate_argnums=donate_argnums)
-  name = getattr(fn, "__name__", "step")
 
   @functools.wraps(fn)
   def step(*args):

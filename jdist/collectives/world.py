@@ -10,7 +10,10 @@ Communicators:
   * `device_comm(d)`: one duplicate per local device index. With several
     local devices per process, device `d` of every process exchanges its
     shard on `device_comm(d)`, so concurrent calls from XLA's device threads
-    never pair up wrongly.
+    never pair up wrongly. With one device per process, mpi4jax's
+    collectives inside steps use `device_comm(0)`: a step that one rank runs
+    while another is in a host exchange then waits (and the watchdog names
+    it) instead of mixing with the host exchange's messages.
   * the watchdog's own duplicate, for progress queries.
 
 Host-side exchanges use non-blocking MPI and poll with short sleeps, so a rank
@@ -141,8 +144,23 @@ class MpiWorld:
     self.watchdog = watchdog_lib.Watchdog(self.comm.Dup(), mpi, timeout=timeout)
 
   def attach(self, topology) -> None:
-    """Creates the per-device communicators and starts the watchdog."""
+    """Checks that every process drives as many devices, creates the
+    per-device communicators and starts the watchdog.
+
+    Raises:
+      jdist.errors.WorldMismatchError: on every process, if the processes
+        have different local device counts (each would create another number
+        of communicators, and `MPI_Comm_dup` would fail on some ranks).
+    """
     if not self._device_comms:
+      counts = self.allgather_object(topology.local_device_count, "jdist.init: device counts")
+      if len(set(counts)) > 1:
+        shown = ", ".join(f"rank {rank} has {count}" for rank, count in enumerate(counts))
+        raise errors.WorldMismatchError(
+            f"jdist.init: the processes drive different numbers of local devices ({shown}). "
+            f"Every process must have the same local device count (data parallelism needs "
+            f"equal replicas per process): give every rank the same devices (e.g. the same "
+            f"--cpu-devices, XLA_FLAGS or CUDA_VISIBLE_DEVICES count).")
       self._device_comms = [self.comm.Dup() for _ in range(topology.local_device_count)]
     self.watchdog.start()
     # Registered after mpi4py's own handler, so it runs before MPI_Finalize.
@@ -154,8 +172,8 @@ class MpiWorld:
   # Host-side exchanges, each under the watchdog's deadline.
 
   def _wait(self, request, label: str) -> None:
-    if request.Test():
-      return
+    # Entered even when the request completes at once: every rank counts its
+    # host exchanges alike, which departure detection compares.
     with self.watchdog.waiting(label):
       pause = 1e-5
       while not request.Test():
