@@ -216,6 +216,14 @@ _JOBS = {
     "back_to_back_2x2": dict(faults=[], devices=2, timeout=10.0, extra=["--steps", "200"]),
     "back_to_back_1x2": dict(faults=[], processes=1, devices=2,
                              extra=["--steps", "150", "--per-replica", "4096"]),
+    # Divergences found in seconds under the DEFAULT deadline (300 s); the
+    # hard limit fails the test long before it.
+    "retrace_2x1": dict(faults=["retrace:5"], timeout=300.0, hard_limit=150.0),
+    "retrace_2x2": dict(faults=["retrace:5"], devices=2, timeout=300.0, hard_limit=150.0),
+    "dtype_2x1": dict(faults=["dtype:5"], timeout=300.0, hard_limit=150.0),
+    "extra_2x1": dict(faults=["extra:10"], timeout=300.0, hard_limit=150.0),
+    "extra_2x2": dict(faults=["extra:10"], devices=2, timeout=300.0, hard_limit=150.0),
+    "hostexit": dict(faults=["hostexit:5"], timeout=60.0),
 }
 _PARALLEL_JOBS = 2  # jobs run two at a time: each is mostly start-up and waiting
 
@@ -255,7 +263,12 @@ def fault_jobs(request):
 
 
 def _job(fault_jobs, name):
-  return fault_jobs[name].result()
+  if _under_mpirun():
+    assert not fault_jobs
+    pytest.skip("fault jobs are launched from plain pytest only")
+  result = fault_jobs[name].result()
+  faults.report(name, result)
+  return result
 
 
 def _explain(result):
@@ -265,9 +278,6 @@ def _explain(result):
 
 @pytest.mark.parametrize("job", ["stall_2x1", "stall_2x2"])
 def test_fault_stalled_rank_aborts_the_job_naming_rank_and_step(fault_jobs, job):
-  if _under_mpirun():
-    assert not fault_jobs  # launched from plain pytest only
-    return
   timeout = _JOBS[job]["timeout"]
   result = _job(fault_jobs, job)
   why = faults.check_stall_abort(result, timeout, step=5)
@@ -277,9 +287,6 @@ def test_fault_stalled_rank_aborts_the_job_naming_rank_and_step(fault_jobs, job)
 
 @_uses_job("tolerated")
 def test_fault_delays_within_the_deadline_pass(fault_jobs):
-  if _under_mpirun():
-    assert not fault_jobs
-    return
   result = _job(fault_jobs, "tolerated")
   assert result.returncode == 0, _explain(result)
   assert "jdist-job: done" in result.stdout
@@ -288,9 +295,6 @@ def test_fault_delays_within_the_deadline_pass(fault_jobs):
 
 @_uses_job("compile")
 def test_fault_slow_compile_on_one_rank_does_not_count(fault_jobs):
-  if _under_mpirun():
-    assert not fault_jobs
-    return
   result = _job(fault_jobs, "compile")
   assert result.returncode == 0, _explain(result)
   compiled = float(result.stderr.split("compiled for ")[1].split(" s")[0])
@@ -299,9 +303,6 @@ def test_fault_slow_compile_on_one_rank_does_not_count(fault_jobs):
 
 @_uses_job("kill")
 def test_fault_killed_rank_ends_the_job_quickly(fault_jobs):
-  if _under_mpirun():
-    assert not fault_jobs
-    return
   result = _job(fault_jobs, "kill")
   assert result.returncode != 0, _explain(result)
   assert result.since("killing") < 15, _explain(result)
@@ -309,9 +310,6 @@ def test_fault_killed_rank_ends_the_job_quickly(fault_jobs):
 
 @_uses_job("raise")
 def test_fault_uncaught_exception_on_one_rank_ends_the_job_at_once(fault_jobs):
-  if _under_mpirun():
-    assert not fault_jobs
-    return
   # Without the watchdog's excepthook, the raising rank would wait in
   # MPI_Finalize and the other in its step until the 60 s deadline.
   result = _job(fault_jobs, "raise")
@@ -323,9 +321,6 @@ def test_fault_uncaught_exception_on_one_rank_ends_the_job_at_once(fault_jobs):
 
 @_uses_job("exit")
 def test_fault_rank_leaving_early_ends_the_job_before_the_deadline(fault_jobs):
-  if _under_mpirun():
-    assert not fault_jobs
-    return
   # sys.exit is no uncaught exception: the rank exits cleanly after its steps
   # and announces how far it got; rank 0, waiting in step 5, aborts then.
   result = _job(fault_jobs, "exit")
@@ -338,9 +333,6 @@ def test_fault_rank_leaving_early_ends_the_job_before_the_deadline(fault_jobs):
 
 @_uses_job("preinit")
 def test_fault_rank_stalled_before_init_is_named(fault_jobs):
-  if _under_mpirun():
-    assert not fault_jobs
-    return
   result = _job(fault_jobs, "preinit")
   assert result.returncode != 0, _explain(result)
   assert result.since("sleeping") < 5 + 15, _explain(result)
@@ -350,9 +342,6 @@ def test_fault_rank_stalled_before_init_is_named(fault_jobs):
 
 @_uses_job("prempi")
 def test_fault_rank_late_to_start_mpi_is_explained_and_waited_for(fault_jobs):
-  if _under_mpirun():
-    assert not fault_jobs
-    return
   # Rank 0 sits in MPI_Init until rank 1 starts MPI, 8 s late: past the 3 s
   # limit it says why, and the job still runs once rank 1 arrives.
   result = _job(fault_jobs, "prempi")
@@ -364,9 +353,6 @@ def test_fault_rank_late_to_start_mpi_is_explained_and_waited_for(fault_jobs):
 
 @_uses_job("barrier")
 def test_fault_stall_in_a_host_side_barrier_is_caught(fault_jobs):
-  if _under_mpirun():
-    assert not fault_jobs
-    return
   timeout = _JOBS["barrier"]["timeout"]
   result = _job(fault_jobs, "barrier")
   assert result.returncode != 0, _explain(result)
@@ -377,9 +363,39 @@ def test_fault_stall_in_a_host_side_barrier_is_caught(fault_jobs):
 
 @pytest.mark.parametrize("job", ["back_to_back_2x2", "back_to_back_1x2"])
 def test_fault_many_steps_back_to_back_do_not_deadlock(fault_jobs, job):
-  if _under_mpirun():
-    assert not fault_jobs
-    return
   result = _job(fault_jobs, job)
   assert result.returncode == 0, _explain(result)
   assert "jdist-job: done" in result.stdout
+
+
+@pytest.mark.parametrize("job, new", [
+    ("retrace_2x1", "argument [2] is now float32[3, 8, 8, 1] (was float32[4, 8, 8, 1])"),
+    ("retrace_2x2", "argument [2] is now float32[3, 8, 8, 1] (was float32[4, 8, 8, 1])"),
+    ("dtype_2x1", "argument [2] is now float16[4, 8, 8, 1] (was float32[4, 8, 8, 1])"),
+])
+def test_fault_one_rank_retracing_is_named_in_seconds(fault_jobs, job, new):
+  result = _job(fault_jobs, job)
+  assert result.returncode != 0, _explain(result)
+  assert result.since("re-tracing") < watchdog.DIVERGENCE_GRACE_S + 20, _explain(result)
+  assert "rank 1 dispatched only" in result.stderr, _explain(result)
+  assert "Rank 1 is re-tracing a step the other ranks run compiled" in result.stderr
+  assert new in result.stderr, _explain(result)
+
+
+@pytest.mark.parametrize("job", ["extra_2x1", "extra_2x2"])
+def test_fault_one_rank_running_an_extra_step_ends_in_seconds(fault_jobs, job):
+  result = _job(fault_jobs, job)
+  assert result.returncode != 0, _explain(result)
+  assert result.since("running step") < watchdog.DIVERGENCE_GRACE_S + 20, _explain(result)
+  assert "ran different numbers of steps" in result.stderr, _explain(result)
+  assert "MPI_ERR_TRUNCATE" not in result.stderr, _explain(result)
+
+
+@_uses_job("hostexit")
+def test_fault_rank_leaving_after_host_exchanges_is_seen_before_the_deadline(fault_jobs):
+  # 20 barriers that complete at once must be counted alike on every rank.
+  result = _job(fault_jobs, "hostexit")
+  assert result.returncode != 0, _explain(result)
+  assert result.since("exiting") < watchdog.DEPARTURE_GRACE_S + 15, _explain(result)
+  assert "rank 0 waits in after the exit" in result.stderr, _explain(result)
+  assert "rank 1 exited after" in result.stderr, _explain(result)
