@@ -95,13 +95,17 @@ def _finite_flags(leaves):
   return jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves])
 
 
-def first_nonfinite(tree: Any) -> str | None:
-  """The path of the first floating leaf of `tree` holding a NaN or an Inf, or None.
+def first_nonfinite(parts: dict[str, Any]) -> str | None:
+  """The path of the first floating leaf holding a NaN or an Inf, or None.
+
+  Args:
+    parts: named pytrees, checked in the dict's order (e.g. params first).
 
   Checked on the devices (one small result comes back). Local: every
   process checks its own replicas.
   """
-  with_paths = [(jax.tree_util.keystr(path), leaf)
+  with_paths = [(f"{name}{jax.tree_util.keystr(path)}", leaf)
+                for name, tree in parts.items()
                 for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
                 if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.inexact)]
   if not with_paths:

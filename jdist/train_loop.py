@@ -160,8 +160,8 @@ class Run:
       TrainError: (on every process) non-finite under `--on-nonfinite stop`,
         or with nothing (more) to roll back to.
     """
-    bad = host.allgather_object(train_guard.first_nonfinite(self.state),
-                                "jdist train: finite check")
+    parts = {name: self.state[name] for name in ("params", "model_state", "opt_state")}
+    bad = host.allgather_object(train_guard.first_nonfinite(parts), "jdist train: finite check")
     bad = next((leaf for leaf in bad if leaf), None)
     if bad is None:
       return True

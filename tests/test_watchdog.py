@@ -186,6 +186,42 @@ def test_a_wait_a_departed_rank_never_reached_is_reported(monkeypatch):
   assert "rank 1 exited after 3 steps" in report and "left its loop early" in report
 
 
+def test_divergence_needs_a_step_and_a_host_exchange_that_exclude_each_other():
+  step = {"waiting_in": "step 7 of train_step", "host_wait": False, "waiting_s": 6.0,
+          "wait_number": 8, "dispatched": 8}
+  check = {"waiting_in": "structure check of jdist.psum", "host_wait": True, "waiting_s": 6.0,
+           "wait_number": 40, "dispatched": 7, "where": "train.py:9 in main",
+           "trace_note": "it is tracing train_step again: argument [2] is now float16[4] "
+                         "(was float32[4])"}
+  found = watchdog.find_divergence({0: step, 1: check}, 5.0)
+  assert found is not None and found[0] == 0 and found[2] == 1
+  text = watchdog.describe_divergence(1, *found)
+  assert "rank 0 waits in step 7 of train_step (its compiled step 8), but rank 1 " \
+         "dispatched only 7 steps and waits in structure check of jdist.psum" in text
+  assert "argument [2] is now float16[4] (was float32[4])" in text
+  # Not (yet) a divergence: too young, or the peer did dispatch that step.
+  assert watchdog.find_divergence({0: step, 1: dict(check, waiting_s=1.0)}, 5.0) is None
+  assert watchdog.find_divergence({0: step, 1: dict(check, dispatched=8)}, 5.0) is None
+
+
+def test_where_in_jdist_train_is_the_training_loop_not_the_console_script():
+  from jdist import train_loop  # pylint: disable=import-outside-toplevel
+
+  class Code:
+    def __init__(self, path, name):
+      self.co_filename, self.co_name = path, name
+
+  class Frame:
+    def __init__(self, path, line, name, back):
+      self.f_code, self.f_lineno, self.f_back = Code(path, name), line, back
+
+  script = Frame("/venv/bin/jdist", 8, "<module>", None)
+  outer = Frame(train_loop.__file__.replace("train_loop", "train"), 190, "train", script)
+  loop = Frame(train_loop.__file__, 240, "run_epoch", outer)
+  inner = Frame(watchdog.__file__, 30, "waiting", loop)
+  assert watchdog.user_location(inner).endswith("jdist/train_loop.py:240 in run_epoch")
+
+
 def test_compile_grace_has_a_bound():
   assert watchdog.Watchdog(_Comm(), mpi=None, timeout=10.0).compile_grace == 600.0
   assert watchdog.Watchdog(_Comm(), mpi=None, timeout=300.0).compile_grace == 3000.0

@@ -50,8 +50,8 @@ import time
 from typing import Any
 
 from jdist.collectives.stall_report import describe_departure
-from jdist.collectives.stall_report import describe_divergence
-from jdist.collectives.stall_report import find_divergence
+from jdist.collectives.stall_report import describe_divergence  # re-exported
+from jdist.collectives.stall_report import find_divergence  # re-exported
 from jdist.collectives.stall_report import trace_signature
 from jdist.collectives.stall_report import describe_stall  # re-exported
 from jdist.collectives.stall_report import in_jax_compiler
