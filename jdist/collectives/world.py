@@ -180,12 +180,35 @@ class MpiWorld:
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
 
+  def _check_steps(self, steps: np.ndarray, label: str) -> None:
+    """Raises on every rank if the ranks dispatched different numbers of steps.
+
+    Every rank runs the same steps and host exchanges in the same order, so
+    at each host exchange every rank has dispatched as many compiled steps.
+    A rank with one batch more (uneven inputs) or a loop left early on one
+    rank shows here, before its steps pair up with the wrong ones.
+    """
+    if len(set(steps.tolist())) > 1:
+      shown = ", ".join(f"rank {rank} {count}" for rank, count in enumerate(steps.tolist()))
+      raise errors.WorldMismatchError(
+          f"{label}: the ranks ran different numbers of jdist.data_parallel steps before this "
+          f"exchange ({shown}): uneven inputs (one rank had more batches) or a loop left "
+          f"early on one rank. Every rank must run the same steps: give each the same "
+          f"number of batches (jdist.ShardedLoader does, from data of the same size), and "
+          f"stop every rank's loop alike.")
+
   def barrier(self, label: str = "barrier") -> None:
-    self._wait(self.comm.Ibarrier(), label)
+    steps = np.zeros(self.size, np.int64)
+    self._wait(self.comm.Iallgather(np.array([self.watchdog.step], np.int64), steps), label)
+    self._check_steps(steps, label)
 
   def allgather_bytes(self, payload: bytes, label: str) -> list[bytes]:
-    sizes = np.zeros(self.size, np.int64)
-    self._wait(self.comm.Iallgather(np.array([len(payload)], np.int64), sizes), label)
+    # One exchange for the sizes and the ranks' step counts (checked alike everywhere).
+    header = np.zeros((self.size, 2), np.int64)
+    self._wait(self.comm.Iallgather(np.array([len(payload), self.watchdog.step], np.int64),
+                                    header), label)
+    self._check_steps(header[:, 1], label)
+    sizes = np.ascontiguousarray(header[:, 0])
     out = np.empty(int(sizes.sum()), np.uint8)
     displacements = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     self._wait(self.comm.Iallgatherv(np.frombuffer(payload, np.uint8),
