@@ -98,6 +98,8 @@ _JOBS = {
                                              flags=["--epochs", "1"]), {}),
     "other_devices": lambda tmp: (_train(tmp, fault=["--rank-args", "--cpu-devices 2"],
                                          flags=["--epochs", "1"]), {}),
+    "drift": lambda tmp: (_train(tmp, fault=["--drift"],
+                                 flags=["--epochs", "1", "--check-replicas-every", "3"]), {}),
     "unwritable": _unwritable,
     "resume_other_world": _resume_other_world,
     "corrupt_latest": _corrupt_latest,
@@ -175,6 +177,14 @@ def test_fault_nan_spike_rolls_back_to_the_last_checkpoint(jobs, job):
 def test_fault_ranks_started_differently_are_stopped_at_start(jobs, job, message):
   result, _ = _result(jobs, job)
   _assert_failed_promptly(result, message)
+  assert "epoch 1/" not in result.stdout, _explain(result)
+
+
+@pytest.mark.parametrize("job", ["drift"])
+def test_fault_replicas_drifting_apart_end_the_run_naming_the_leaf(jobs, job):
+  result, _ = _result(jobs, job)
+  _assert_failed_promptly(result, "replicas diverged by step 3: the first differing leaf is "
+                                  "['params']")
   assert "epoch 1/" not in result.stdout, _explain(result)
 
 

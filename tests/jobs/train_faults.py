@@ -8,6 +8,8 @@ flags after `--`; the options before it inject a fault on rank `--rank`:
   --nan-from STEP       that rank's training batches are NaN from global step
                         STEP on (the parameters become NaN: a diverging run)
   --nan-at STEP         only the batch of step STEP is NaN (a one-off spike)
+  --drift               that rank applies its updates slightly differently (as
+                        if it ran other code): its replicas drift apart
 
 Lines on stderr mark when a fault starts ("jdist-job: rank R <what> at <unix
 time>"). The exit status is `jdist train`'s.
@@ -44,6 +46,16 @@ def poison(me, first: int, last: int | None) -> None:
   data.ShardedLoader._generate = generate  # pylint: disable=protected-access
 
 
+def drift(me) -> None:
+  """Scales this rank's new parameters by 1 + 1e-6 in every step it traces."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+  apply_updates = optax.apply_updates
+  mark(me, "drifting")
+  optax.apply_updates = lambda params, updates: jax.tree.map(
+      lambda x: x * (1 + 1e-6), apply_updates(params, updates))
+
+
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else list(argv)
   split = argv.index("--") if "--" in argv else len(argv)
@@ -52,6 +64,7 @@ def main(argv=None):
   parser.add_argument("--rank-args", default="")
   parser.add_argument("--nan-from", type=int)
   parser.add_argument("--nan-at", type=int)
+  parser.add_argument("--drift", action="store_true")
   args = parser.parse_args(argv[:split])
   train_argv = argv[split + 1:]
   from jdist import topology  # pylint: disable=import-outside-toplevel
@@ -64,6 +77,8 @@ def main(argv=None):
       poison(me, args.nan_from, None)
     if args.nan_at is not None:
       poison(me, args.nan_at, args.nan_at)
+    if args.drift:
+      drift(me)
   from jdist import cli  # pylint: disable=import-outside-toplevel
   return cli.train_main(train_argv)
 
