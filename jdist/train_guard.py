@@ -90,6 +90,16 @@ def probe_writable(directory: str) -> None:
                   f"(on a filesystem every process reads).") from None
 
 
+def _to_host(array: jax.Array) -> np.ndarray:
+  """This process's rows of a jit result (backend "jax" returns global arrays)."""
+  if array.is_fully_addressable:
+    return np.asarray(array)
+  if array.is_fully_replicated:
+    return np.asarray(array.addressable_data(0))
+  shards = sorted(array.addressable_shards, key=lambda shard: shard.index[0].start or 0)
+  return np.concatenate([np.asarray(shard.data) for shard in shards])
+
+
 @jax.jit
 def _finite_flags(leaves):
   return jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves])
@@ -110,7 +120,7 @@ def first_nonfinite(parts: dict[str, Any]) -> str | None:
                 if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.inexact)]
   if not with_paths:
     return None
-  flags = np.asarray(_finite_flags([leaf for _, leaf in with_paths]))
+  flags = _to_host(_finite_flags([leaf for _, leaf in with_paths]))
   bad = [path for (path, _), ok in zip(with_paths, flags) if not ok]
   return bad[0] if bad else None
 
@@ -182,7 +192,7 @@ def replica_checksums(tree: Any) -> tuple[list[str], np.ndarray, np.ndarray]:
   with_paths = [(jax.tree_util.keystr(path), leaf)
                 for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
   bits, sums = _checksums([leaf for _, leaf in with_paths])
-  return [path for path, _ in with_paths], np.asarray(bits), np.asarray(sums)
+  return [path for path, _ in with_paths], _to_host(bits), _to_host(sums)
 
 
 def replicas_problem(tree: Any, step: int) -> str | None:
