@@ -13,7 +13,10 @@ trains with `jdist.dist_opt` in the chosen communication mode, measures exact
 weighted loss/accuracy over all replicas (`jdist.metric_sums`) and evaluates
 every test example exactly once. Rank 0 prints one line per epoch, shows a
 progress bar and writes a JSON-lines log and the checkpoints; a resumed run
-continues bit for bit where the checkpoint left off.
+continues bit for bit where the checkpoint left off. The loop itself and the
+guards that keep a run from going silently wrong (settings compared across
+ranks, no NaN checkpointed, replica checksums, resume checks) are in
+`jdist.train_loop` and `jdist.train_guard`.
 
 Command line: `python -m jdist.train --help` (the same as `jdist train`).
 """

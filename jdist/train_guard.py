@@ -57,7 +57,8 @@ def settings_problem(config, data, topo, steps_per_epoch: int) -> str | None:
           if name not in PER_RANK_SETTINGS}
   mine.update({
       "local devices": topo.local_device_count,
-      "training data": f"{len(data.train_x)} examples, digest {_digest(data.train_x, data.train_y)}",
+      "training data": (f"{len(data.train_x)} examples, digest "
+                        f"{_digest(data.train_x, data.train_y)}"),
       "test data": f"{len(data.test_x)} examples, digest {_digest(data.test_x, data.test_y)}",
       "steps per epoch": steps_per_epoch,
   })

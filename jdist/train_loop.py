@@ -128,8 +128,11 @@ class Run:
           f"with other settings: {'; '.join(conflicts)}. Use the checkpoint's settings, or a "
           f"new --checkpoint-dir to start a new run.")
     self.state, saved = self.manager.restore(self.state, step=step)
-    for text in ([note] if note else []) + notes:
-      self.out.say(f"note: resuming with a changed setting ({text}).")
+    if note:
+      self.out.say(f"note: resuming with a changed setting ({note}).")
+    for text in notes:
+      self.out.say(f"note: resuming with a changed setting ({text}); the run will differ "
+                   f"from an uninterrupted one.")
     self.position.update({k: saved[k] for k in self.position if k in saved})
     self.out.say(f"resumed from {config.checkpoint_dir} step {step} (epoch "
                  f"{self.position['epoch'] + 1}, batch {self.position['batch_in_epoch']}/"
