@@ -127,7 +127,8 @@ class Run:
           f"cannot resume from {config.checkpoint_dir} (step {step}): it belongs to a run "
           f"with other settings: {'; '.join(conflicts)}. Use the checkpoint's settings, or a "
           f"new --checkpoint-dir to start a new run.")
-    self.state, saved = self.manager.restore(self.state, step=step)
+    restored, saved = self.manager.restore(self.state, step=step)
+    self.state.update(restored)
     if note:
       self.out.say(f"note: resuming with a changed setting ({note}).")
     for text in notes:
@@ -173,7 +174,8 @@ class Run:
     rollback = config.on_nonfinite == "rollback"
     if rollback and last is not None and self.rollbacks < MAX_ROLLBACKS:
       self.rollbacks += 1
-      self.state, _ = self.manager.restore(self.state, step=last)
+      restored, _ = self.manager.restore(self.state, step=last)
+      self.state.update(restored)  # in place: the running epoch holds this dict
       self.out.say(f"warning: step {self.step}: the training state holds NaN or Inf (first: "
                    f"{bad}); rolled back to checkpoint step {last} (rollback "
                    f"{self.rollbacks} of {MAX_ROLLBACKS}); training goes on from the current "

@@ -46,11 +46,19 @@ def _nan_stop(tmp, devices):
   return result, {"steps": _steps(ckpt), "first": steps_per_epoch}
 
 
+def _records(log):
+  if not os.path.exists(log):
+    return []
+  with open(log, encoding="utf-8") as stream:
+    return [json.loads(line) for line in stream]
+
+
 def _nan_rollback(tmp):
-  ckpt = os.path.join(tmp, "ckpt")
+  ckpt, log = os.path.join(tmp, "ckpt"), os.path.join(tmp, "run.jsonl")
   result = _train(tmp, fault=["--nan-at", "11"],
-                  flags=["--epochs", "2", "--checkpoint-dir", ckpt, "--on-nonfinite", "rollback"])
-  return result, {"steps": _steps(ckpt)}
+                  flags=["--epochs", "2", "--checkpoint-dir", ckpt, "--on-nonfinite", "rollback",
+                         "--log-file", log])
+  return result, {"steps": _steps(ckpt), "records": _records(log)}
 
 
 def _unwritable(tmp):
@@ -69,11 +77,7 @@ def _resume_other_world(tmp):
                                             "--resume"])
   resumed = _train(tmp, processes=1, flags=["--epochs", "2", "--checkpoint-dir", ckpt,
                                             "--resume", "--batch-size", "32", "--log-file", log])
-  records = []
-  if os.path.exists(log):
-    with open(log, encoding="utf-8") as stream:
-      records = [json.loads(line) for line in stream]
-  return refused, {"resumed": resumed, "records": records}
+  return refused, {"resumed": resumed, "records": _records(log)}
 
 
 def _corrupt_latest(tmp):
@@ -164,9 +168,16 @@ def test_fault_nan_run_stops_without_saving_over_a_finite_checkpoint(jobs, job):
 def test_fault_nan_spike_rolls_back_to_the_last_checkpoint(jobs, job):
   result, seen = _result(jobs, job)
   assert result.returncode == 0, _explain(result)
+  assert "step 13: the training state holds NaN or Inf" in result.stdout, _explain(result)
   assert "rolled back to checkpoint step 8" in result.stdout, _explain(result)
   assert "done: 2 epoch(s)" in result.stdout, _explain(result)
   assert seen["steps"] == [8, 16], seen
+  # Steps 14-16 trained on the restored state: finite, and counted alone.
+  rollback, epoch = [r for r in seen["records"] if r["event"] in ("rollback", "epoch")][1:3]
+  assert rollback == {"event": "rollback", "step": 13, "to_step": 8,
+                      "leaf": "params['Dense_0']['kernel']"}, rollback
+  assert epoch["rolled_back"] and "nonfinite_loss_steps" not in epoch, epoch
+  assert epoch["train_examples"] == 3 * 32 and epoch["train_loss"] < 2.3, epoch
 
 
 @pytest.mark.parametrize("job, message", [
