@@ -64,6 +64,13 @@ _ARRAYS = "state"      # orbax item: the stored arrays
 _RECORD = "jdist"      # orbax item: the JSON record
 
 
+def _first_line(err: Exception) -> str:
+  """`Kind: first line of the message` (tensorstore's run to many lines)."""
+  text = str(err).strip().splitlines()
+  first = text[0] if text else ""
+  return f"{type(err).__name__}: {first[:300]}"
+
+
 class CheckpointManager:
   """Saves and restores replicated training state; rank 0 writes, everyone reads.
 
@@ -127,17 +134,18 @@ class CheckpointManager:
 
   def _from_rank0(self, compute, label: str):
     """Rank 0's result of `compute()` on every process; its error raised everywhere."""
-    result, error = None, None
+    result, error, kind = None, None, errors.CheckpointError
     if self.topology.is_primary:
       try:
         result = compute()
       except errors.CheckpointError as err:
-        error = str(err)
+        error, kind = str(err), type(err)
       except Exception as err:  # pylint: disable=broad-except
         error = f"{self.directory}: {type(err).__name__}: {err}"
-    result, error = host.allgather_object((result, error), label)[0]
+    result, error, corrupt = host.allgather_object(
+        (result, error, kind is errors.CheckpointCorruptError), label)[0]
     if error is not None:
-      raise errors.CheckpointError(error)
+      raise (errors.CheckpointCorruptError if corrupt else errors.CheckpointError)(error)
     return result
 
   def all_steps(self) -> list[int]:
@@ -171,8 +179,8 @@ class CheckpointManager:
       record = self._checkpointer.restore(
           path, args=ocp.args.Composite(**{_RECORD: ocp.args.JsonRestore()}))[_RECORD]
     except Exception as err:  # pylint: disable=broad-except
-      raise errors.CheckpointError(
-          f"{path} is not a readable jdist checkpoint ({type(err).__name__}: {err}).") from err
+      raise errors.CheckpointCorruptError(
+          f"{path} is not a readable jdist checkpoint ({_first_line(err)}).") from err
     layout.check_format(path, record)
     return record
 
@@ -312,7 +320,7 @@ class CheckpointManager:
     wanted = step
     step = self._from_rank0(lambda: self._resolve_step(wanted), "jdist checkpoint: find step")
     path = self.directory / str(step)
-    state, problem = None, None
+    state, problem, corrupt = None, None, False
     try:
       record = self._read_record(step)
       layout.check_fingerprint(path, record, signature)
@@ -321,17 +329,20 @@ class CheckpointManager:
       state = [layout.put_local(stacked, devices, leaf["key_impl"])
                for stacked, leaf in zip(self._read_local(path, record), record["leaves"])]
     except errors.CheckpointError as err:
-      problem = str(err)
+      problem, corrupt = str(err), isinstance(err, errors.CheckpointCorruptError)
     except Exception as err:  # pylint: disable=broad-except
-      problem = f"{path} could not be read ({type(err).__name__}: {err})."
+      problem, corrupt = (f"{path} could not be read: its files are damaged, truncated or "
+                          f"partly deleted ({_first_line(err)})."), True
     # Everyone learns whether everyone succeeded: a rank that cannot read the
     # files must not leave the others running into the next collective alone.
-    problems = host.allgather_object(problem, "jdist checkpoint: restore")
-    for rank, rank_problem in enumerate(problems):
+    problems = host.allgather_object((problem, corrupt), "jdist checkpoint: restore")
+    kind = (errors.CheckpointCorruptError if any(c for _, c in problems)
+            else errors.CheckpointError)
+    for rank, (rank_problem, _) in enumerate(problems):
       if rank_problem is not None and rank_problem == problem:
-        raise errors.CheckpointError(problem)
+        raise kind(problem)
       if rank_problem is not None:
-        raise errors.CheckpointError(
+        raise kind(
             f"Rank {rank} could not restore: {rank_problem} (the checkpoint directory "
             f"must be on a filesystem every process reads).")
     if topo.is_primary and record["replica_count"] != topo.replica_count:
@@ -340,6 +351,26 @@ class CheckpointManager:
                   path, record["replica_count"], record["process_count"],
                   record["local_device_count"], topo.replica_count, topo)
     return jax.tree.unflatten(jax.tree.structure(state_template), state), record["user"]
+
+  def set_aside(self, step: int) -> str:
+    """Renames an unreadable checkpoint `<step>` to `<step>.corrupt` (rank 0).
+
+    Steps only grow, so a run resumed from an older step could otherwise
+    never save past the damaged one. The files stay for inspection.
+
+    Returns:
+      The new path.
+    """
+    def rename():
+      source = self.directory / str(step)
+      target = self.directory / f"{step}.corrupt"
+      suffix = 1
+      while target.exists():
+        suffix += 1
+        target = self.directory / f"{step}.corrupt{suffix}"
+      source.rename(target)
+      return str(target)
+    return self._from_rank0(rename, "jdist checkpoint: set aside")
 
   def _read_local(self, path, record: dict) -> list[np.ndarray]:
     """This process's replicas of every leaf, as [local_devices, ...] host arrays."""
@@ -362,7 +393,7 @@ class CheckpointManager:
       if stored is None:  # zero-size leaf: nothing was written
         stored = np.zeros((1,) + shape, jnp.dtype(leaf["stored_dtype"]))
       if stored.shape[1:] != shape:
-        raise errors.CheckpointError(f"{path}: {leaf['path']} is stored with shape "
+        raise errors.CheckpointCorruptError(f"{path}: {leaf['path']} is stored with shape "
                                      f"{stored.shape}, its record says {shape}; corrupt.")
       if leaf["per_replica"]:  # layout.check_world made sure the replica counts agree
         local.append(stored[list(topo.replica_indices)])

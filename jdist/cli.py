@@ -82,8 +82,14 @@ def build_train_parser(prog: str = "jdist train") -> argparse.ArgumentParser:
                      "chunks averaged per step (not with --half/--sparsify)")
   group.add_argument("--skip-nonfinite", action="store_true",
                      help="every replica skips steps whose gradients hold NaN or Inf")
-  group.add_argument("--check-replicas-every", type=int, default=0, metavar="STEPS",
-                     help="check that all replicas hold identical parameters (0: never)")
+  group.add_argument("--check-replicas-every", type=int,
+                     default=defaults.check_replicas_every, metavar="STEPS",
+                     help="check (by checksum) that all replicas hold identical parameters, "
+                     "every N steps and at the end (0: never)")
+  group.add_argument("--on-nonfinite", default=defaults.on_nonfinite,
+                     choices=config_lib.ON_NONFINITE,
+                     help="when the parameters hold NaN/Inf (never checkpointed): stop with "
+                     "an error, or roll back to the last checkpoint and go on")
   group = parser.add_argument_group("checkpoints and logs")
   group.add_argument("--checkpoint-dir", help="write checkpoints here (rank 0 writes)")
   group.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
@@ -135,7 +141,7 @@ def _collective_errors() -> tuple[type, ...]:
   from jdist import errors  # pylint: disable=g-import-not-at-top
   from jdist import train as train_lib  # pylint: disable=g-import-not-at-top
   kinds = [config_lib.ConfigError, train_lib.TrainError, errors.CheckpointError,
-           errors.StructureMismatchError]
+           errors.StructureMismatchError, errors.WorldMismatchError]
   try:
     from jdist.consistency import ReplicaMismatchError  # pylint: disable=g-import-not-at-top
     kinds.append(ReplicaMismatchError)

@@ -19,6 +19,7 @@ from jdist.optimizer_spec import OPTIMIZERS
 from jdist.optimizer_spec import OptimizerSpec
 
 BACKENDS = ("auto", "mpi", "jax", "none")
+ON_NONFINITE = ("stop", "rollback")
 CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 # Settings that shape the trained state or the data order: a resumed run must
 # use the checkpoint's values, or it would not continue the same run. The
@@ -69,8 +70,13 @@ class TrainConfig:
       to run every epoch. Resuming afterwards continues the same run.
     log_file: JSON-lines log (one record per epoch and a summary), or None.
     eval_every: evaluate every N epochs (the last epoch always; 0: never).
-    check_replicas_every: check every N steps that all replicas hold the
-      same parameters (0: never; under partial, after each full sync).
+    check_replicas_every: check every N steps, and at the end, that all
+      replicas hold the same parameters, by an on-device checksum (0: never;
+      under partial, after each full sync).
+    on_nonfinite: what the trainer does when the state holds NaN or Inf
+      (never saved): "stop" (an error, exit status 1) or "rollback" (restore
+      the last checkpoint, go on past the batches since; needs
+      checkpoint_dir).
     timeout: seconds a cross-process exchange may wait (None: jdist's
       default, $JDIST_TIMEOUT or 300).
     backend: "auto", "mpi", "jax" or "none" (see `jdist.init`).
@@ -104,7 +110,8 @@ class TrainConfig:
   max_steps: int | None = None
   log_file: str | None = None
   eval_every: int = 1
-  check_replicas_every: int = 0
+  check_replicas_every: int = 100
+  on_nonfinite: str = "stop"
   timeout: float | None = None
   backend: str = "auto"
   progress: bool = True
@@ -213,6 +220,12 @@ def validate(config: TrainConfig) -> TrainConfig:
     raise ConfigError(
         "--partial averages parameters in full precision and cannot be combined with "
         "--half or --sparsify (which compress gradients); choose one communication mode.")
+  if config.on_nonfinite not in ON_NONFINITE:
+    raise ConfigError(f"on_nonfinite (--on-nonfinite)={config.on_nonfinite!r} is unknown; "
+                      f"choose one of {', '.join(ON_NONFINITE)}.")
+  if config.on_nonfinite == "rollback" and not config.checkpoint_dir:
+    raise ConfigError("--on-nonfinite rollback needs --checkpoint-dir DIR: the checkpoints "
+                      "to roll back to.")
   if config.resume and not config.checkpoint_dir:
     raise ConfigError("--resume needs --checkpoint-dir DIR: the directory to resume from.")
   if config.checkpoint_every and not config.checkpoint_dir:

@@ -274,7 +274,8 @@ def _not_found(name: str, places: list[tuple[Path, str]], download: str) -> Data
       looked.append(f"  {directory} ({note}): no such directory")
     else:
       missing = [f"{stem}[.gz]" for stem in IDX_FILES.values() if _find(directory, stem) is None]
-      missing_text = "none of the files" if len(missing) == len(IDX_FILES) else ", ".join(missing)
+      missing_text = ("all four files" if len(missing) == len(IDX_FILES)
+                      else ", ".join(missing))
       looked.append(f"  {directory} ({note}): missing {missing_text}")
   fixes = [_INSTALL_HINTS[name]] if name in _INSTALL_HINTS else []
   fixes += ["pass --data-dir DIR (data_dir=DIR) holding the four files",

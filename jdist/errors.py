@@ -23,3 +23,11 @@ class StructureMismatchError(JdistError):
 
 class CheckpointError(JdistError):
   """A checkpoint cannot be written or does not fit this run."""
+
+
+class CheckpointCorruptError(CheckpointError):
+  """A checkpoint's files cannot be read: damaged, truncated or partly deleted."""
+
+
+class WorldMismatchError(JdistError):
+  """The processes of one job differ where they must agree (devices, settings, data)."""

@@ -167,6 +167,9 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
         args.append(jax.tree.map(lambda x: x[0], dynamic[item]))
       else:
         args.append(dynamic[item])
+    world = world_lib.get()
+    if world is not None and world.size > 1:  # runs only while tracing: a re-trace's
+      world.watchdog.note_trace(name, args)   # shapes, for a divergence report
     out = fn(*args)
     if isinstance(out_axes, tuple):
       if not isinstance(out, tuple) or len(out) != len(out_axes):
@@ -196,6 +199,9 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
         check_vma=False)(*[args[i] for i in positions])
 
   def with_marker(*args):
+    world = world_lib.get()
+    if world is not None and world.size > 1:
+      world.watchdog.note_trace(name, args)
     return fn(*args), jnp.zeros((), jnp.int8)
 
   # With the "jax" backend the step spans every process's devices; pmap

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 
@@ -42,8 +43,9 @@ class RunOutput:
       print(text, flush=True)
 
   def record(self, record: dict) -> None:
+    """Writes one JSON line; a NaN or Inf number is written as null (standard JSON)."""
     if self._log is not None:
-      self._log.write(json.dumps(record) + "\n")
+      self._log.write(json.dumps(finite_json(record), allow_nan=False) + "\n")
       self._log.flush()
 
   def bar(self, epoch: int, total: int, initial: int):
@@ -58,11 +60,36 @@ class RunOutput:
       self._log.close()
 
 
+def finite_json(value):
+  """`value` with every non-finite float replaced by None, recursively."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  if isinstance(value, dict):
+    return {key: finite_json(item) for key, item in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [finite_json(item) for item in value]
+  return value
+
+
+def _show(value, spec: str) -> str:
+  return "n/a" if value is None else format(value, spec)
+
+
 def epoch_line(record: dict, epochs: int) -> str:
   """The stdout line of one epoch record."""
-  test = (f" | test loss {record['test_loss']:.4f} acc {record['test_accuracy']:.2%}"
-          if "test_accuracy" in record else "")
-  return (f"epoch {record['epoch']}/{epochs}: train loss {record['train_loss']:.4f} acc "
-          f"{record['train_accuracy']:.2%}{test} | {record['epoch_time_s']:.1f} s, "
+  test = (f" | test loss {_show(record['test_loss'], '.4f')} acc "
+          f"{_show(record['test_accuracy'], '.2%')}" if "test_accuracy" in record else "")
+  notes = []
+  if record.get("skipped_steps"):
+    notes.append(f"{record['skipped_steps']} non-finite steps skipped")
+  if record.get("nonfinite_loss_steps"):
+    notes.append(f"{record['nonfinite_loss_steps']} steps with a non-finite loss left out "
+                 f"of the train metrics")
+  if record.get("rolled_back"):
+    notes.append("rolled back: train metrics count the steps since")
+  note = f" ({'; '.join(notes)})" if notes else ""
+  return (f"epoch {record['epoch']}/{epochs}: train loss {_show(record['train_loss'], '.4f')} "
+          f"acc {_show(record['train_accuracy'], '.2%')}{note}{test} | "
+          f"{record['epoch_time_s']:.1f} s, "
           f"{record['samples_per_s']:.0f} samples/s, "
           f"{human_bytes(record['wire_bytes_per_step'])}/step across processes")

@@ -13,17 +13,17 @@ trains with `jdist.dist_opt` in the chosen communication mode, measures exact
 weighted loss/accuracy over all replicas (`jdist.metric_sums`) and evaluates
 every test example exactly once. Rank 0 prints one line per epoch, shows a
 progress bar and writes a JSON-lines log and the checkpoints; a resumed run
-continues bit for bit where the checkpoint left off.
+continues bit for bit where the checkpoint left off. The loop itself and the
+guards that keep a run from going silently wrong (settings compared across
+ranks, no NaN checkpointed, replica checksums, resume checks) are in
+`jdist.train_loop` and `jdist.train_guard`.
 
 Command line: `python -m jdist.train --help` (the same as `jdist train`).
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import functools
-import os
 import sys
 import time
 import types
@@ -31,7 +31,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import jdist
@@ -40,45 +39,29 @@ from jdist import datasets
 from jdist import errors
 from jdist import models
 from jdist import runlog
-from jdist.collectives import host
+from jdist import train_guard
 from jdist.config import TrainConfig
 from jdist.config import force_cpu_devices
-from jdist.config import resume_conflicts
 from jdist.optimizer_spec import OptimizerSpec
 from jdist.config import validate
-
-_IN_FLIGHT = 2  # train steps dispatched ahead of the host before it waits
-
-
-def reached(max_steps: int | None, step: int) -> bool:
-  return max_steps is not None and step >= max_steps
-
-
-class TrainError(errors.JdistError):
-  """The run cannot go on; raised on every process alike, so all exit cleanly."""
-
-
-def _agree(fn, what: str):
-  """Runs `fn` on every process; if it fails anywhere, raises TrainError everywhere."""
-  result, problem = None, None
-  try:
-    result = fn()
-  except (ValueError, OSError, errors.JdistError) as err:
-    problem = str(err) if str(err) else type(err).__name__
-  problems = host.allgather_object(problem, f"jdist train: {what}")
-  for rank, rank_problem in enumerate(problems):
-    if rank_problem is not None:
-      where = f" (rank {rank})" if len(problems) > 1 and rank_problem != problem else ""
-      raise TrainError(f"{what}{where}: {rank_problem}")
-  return result
+# The loop and its guards live in train_loop; these names stay importable here.
+from jdist.train_loop import Run as _Run
+from jdist.train_loop import TrainError  # pylint: disable=unused-import
+from jdist.train_loop import agree as _agree
+from jdist.train_loop import reached
 
 
 def _load_data(config: TrainConfig):
   data = datasets.load(config.dataset, config.data_dir, download=config.download)
-  return data._replace(train_x=data.train_x[:config.train_limit],
+  data = data._replace(train_x=data.train_x[:config.train_limit],
                        train_y=data.train_y[:config.train_limit],
                        test_x=data.test_x[:config.test_limit],
                        test_y=data.test_y[:config.test_limit])
+  for split, examples in (("training", data.train_x), ("test", data.test_x)):
+    if not len(examples):
+      raise ValueError(f"the {split} split of {data.name} holds no examples; check the "
+                       f"dataset's files (or --data-dir).")
+  return data
 
 
 @functools.lru_cache(maxsize=8)
@@ -132,174 +115,6 @@ def _program(model_name: str, num_classes: int, input_shape: tuple,
       train_step=jdist.data_parallel(train_step), eval_step=jdist.data_parallel(eval_step))
 
 
-def _fresh_position() -> dict:
-  """Where a run stands, as stored in checkpoint metadata (see `_Run.save`)."""
-  return {"epoch": 0, "batch_in_epoch": 0, "step": 0, "history": [], "epoch_sums": None,
-          "epoch_wire": 0.0, "epoch_train_time": 0.0}
-
-
-class _Run:
-  """One training run's state and its steps; every method is collective."""
-
-  def __init__(self, config: TrainConfig, topo, program, state: dict, loaders, out: runlog.RunOutput):
-    self.config, self.topo, self.program, self.state, self.out = config, topo, program, state, out
-    self.train_loader, self.test_loader = loaders
-    self.steps_per_epoch = len(self.train_loader)
-    self.position = _fresh_position()
-    self.manager, self.synced_at = None, -1
-
-  @property
-  def step(self) -> int:
-    return self.position["step"]
-
-  def open_checkpoints(self) -> int | None:
-    """Sets up checkpointing; resumes if asked. Returns the step resumed from."""
-    config = self.config
-    self.manager = _agree(lambda: jdist.CheckpointManager(config.checkpoint_dir, keep=3),
-                          "checkpoint directory")
-    exists = host.allgather_object(os.path.isdir(config.checkpoint_dir))[0]  # rank 0's view
-    latest = self.manager.latest_step() if exists else None
-    if latest is None:
-      if config.resume:
-        self.out.say(f"no checkpoint in {config.checkpoint_dir} yet: starting from scratch")
-      return None
-    if not config.resume:
-      raise TrainError(
-          f"{config.checkpoint_dir} already holds checkpoints (latest step {latest}); pass "
-          f"--resume to continue that run, or choose an empty --checkpoint-dir.")
-    saved = self.manager.read_metadata(latest)["user"]
-    conflicts, notes = resume_conflicts(saved.get("config", {}), config)
-    if conflicts:
-      raise TrainError(
-          f"cannot resume from {config.checkpoint_dir} (step {latest}): it belongs to a run "
-          f"with other settings: {'; '.join(conflicts)}. Use the checkpoint's settings, or a "
-          f"new --checkpoint-dir to start a new run.")
-    for note in notes:
-      self.out.say(f"note: resuming with a changed setting ({note}); the run will differ "
-                   f"from an uninterrupted one.")
-    self.state, saved = self.manager.restore(self.state, step=latest)
-    self.position.update({k: saved[k] for k in self.position if k in saved})
-    self.out.say(f"resumed from {config.checkpoint_dir} step {latest} (epoch "
-                 f"{self.position['epoch'] + 1}, batch {self.position['batch_in_epoch']}/"
-                 f"{self.steps_per_epoch})")
-    return latest
-
-  def check_replicas(self) -> None:
-    from jdist import consistency  # pylint: disable=g-import-not-at-top
-    consistency.check_replicas(
-        {"params": self.state["params"], "model_state": self.state["model_state"]},
-        raise_on_mismatch=True)
-
-  def sync_for_use(self) -> None:
-    """Under partial sync, averages the parameters before they are evaluated or saved."""
-    if self.config.partial and self.synced_at != self.step:
-      self.state["params"] = jdist.sync_params(self.state["params"])
-      self.synced_at = self.step
-      if self.config.check_replicas_every:
-        self.check_replicas()
-
-  def save(self, epoch: int, batch_in_epoch: int, epoch_so_far: dict) -> None:
-    self.sync_for_use()
-    if batch_in_epoch == self.steps_per_epoch:
-      epoch, batch_in_epoch, epoch_so_far = epoch + 1, 0, {}
-    self.position.update(_fresh_position(), **epoch_so_far, epoch=epoch,
-                         batch_in_epoch=batch_in_epoch, step=self.step,
-                         history=self.position["history"])
-    metadata = {**self.position, "seed": self.config.seed, "config": self.config.to_dict(),
-                "replica_count": self.topo.replica_count}
-    self.manager.save(self.step, self.state, metadata=metadata)
-
-  def evaluate(self) -> dict:
-    self.sync_for_use()
-    accumulator = jdist.MetricAccumulator()
-    with contextlib.closing(self.test_loader.epoch(0)) as batches:
-      for batch in batches:
-        accumulator.add(self.program.eval_step(self.state["params"], self.state["model_state"],
-                                               batch))
-    return accumulator.result()
-
-  def run_epoch(self, epoch: int) -> dict | None:
-    """Trains one epoch (or its rest); returns its record, or None if stopped early."""
-    config, state, position = self.config, self.state, self.position
-    resuming = epoch == position["epoch"] and position["batch_in_epoch"] > 0
-    batch_index = position["batch_in_epoch"] if resuming else 0
-    carried = (position["epoch_sums"] or {}) if resuming else {}
-    carried_wire = position["epoch_wire"] if resuming else 0.0
-    carried_time = position["epoch_train_time"] if resuming else 0.0
-    first_batch, epoch_start = batch_index, time.perf_counter()
-    accumulator, wires, in_flight = jdist.MetricAccumulator(), [], collections.deque()
-    saved_at = None
-
-    def so_far() -> dict:
-      sums = accumulator.sums()
-      return {"epoch_sums": {k: sums[k] + carried.get(k, 0) for k in sums},
-              "epoch_wire": carried_wire + sum(float(np.asarray(w)[0])
-                                               for w in jax.device_get(wires)),
-              "epoch_train_time": carried_time + time.perf_counter() - epoch_start}
-
-    with self.out.bar(epoch, self.steps_per_epoch, batch_index) as bar, \
-         contextlib.closing(self.train_loader.epoch(epoch, batch_index)) as batches:
-      for batch in batches:
-        (state["params"], state["model_state"], state["opt_state"], sums,
-         wire) = self.program.train_step(state["params"], state["model_state"],
-                                         state["opt_state"], batch)
-        position["step"] += 1
-        batch_index += 1
-        accumulator.add(sums)
-        wires.append(wire)
-        # Bound the steps queued ahead: a steady pipeline, and a bar showing real progress.
-        in_flight.append(sums)
-        if len(in_flight) > _IN_FLIGHT:
-          oldest = jax.device_get(in_flight.popleft())
-          if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{oldest['loss_sum'][0] / oldest['weight_sum'][0]:.4f}",
-                            refresh=False)
-        every = config.check_replicas_every
-        if every and not config.partial and self.step % every == 0:
-          self.check_replicas()
-        if (config.checkpoint_every and self.step % config.checkpoint_every == 0
-            and batch_index < self.steps_per_epoch):
-          self.save(epoch, batch_index, so_far())
-          saved_at = self.step
-        if reached(config.max_steps, self.step):
-          break
-      if bar is not None:
-        bar.update(batch_index - bar.n)
-    if batch_index < self.steps_per_epoch:  # stopped by max_steps
-      if self.manager and saved_at != self.step:
-        self.save(epoch, batch_index, so_far())
-      self.out.say(f"stopped after step {self.step} (--max-steps), in epoch {epoch + 1} at "
-                   f"batch {batch_index}/{self.steps_per_epoch}"
-                   + ("; continue with --resume" if self.manager else ""))
-      return None
-
-    done = so_far()
-    totals = done["epoch_sums"]
-    record = {"event": "epoch", "epoch": epoch + 1, "step": self.step,
-              "train_loss": totals["loss_sum"] / totals["weight_sum"],
-              "train_accuracy": totals["correct_sum"] / totals["weight_sum"],
-              "train_examples": totals["count"], "train_time_s": done["epoch_train_time"],
-              "samples_per_s": (self.steps_per_epoch - first_batch) * config.batch_size
-                               * self.topo.replica_count
-                               / max(time.perf_counter() - epoch_start, 1e-9),
-              "wire_bytes_per_step": done["epoch_wire"] / self.steps_per_epoch}
-    if config.skip_nonfinite:
-      record["skipped_steps"] = int(np.asarray(jax.device_get(state["opt_state"].skipped))[0])
-    eval_start = time.perf_counter()
-    last = epoch + 1 == config.epochs or reached(config.max_steps, self.step)
-    if config.eval_every and ((epoch + 1) % config.eval_every == 0 or last):
-      result = self.evaluate()
-      record.update(test_loss=result["loss"], test_accuracy=result["accuracy"],
-                    test_examples=result["count"])
-    record["eval_time_s"] = time.perf_counter() - eval_start
-    record["epoch_time_s"] = record["train_time_s"] + record["eval_time_s"]
-    self.position["history"].append(record)
-    if self.manager:
-      self.save(epoch, self.steps_per_epoch, {})
-    return record
-
-
 def train(config: TrainConfig, *, return_state: bool = False) -> dict[str, Any]:
   """Runs (or resumes) the training run described by `config`.
 
@@ -339,6 +154,12 @@ def train(config: TrainConfig, *, return_state: bool = False) -> dict[str, Any]:
       lambda: _program(config.model, data.num_classes, input_shape, config.optimizer_spec,
                        topo),
       f"model {config.model!r}")
+  # Before any exchange that settings could make differ: the same run everywhere.
+  steps_per_epoch = jdist.data.batches_per_epoch(
+      len(data.train_x), batch_size=config.batch_size, replica_count=topo.replica_count)
+  problem = train_guard.settings_problem(config, data, topo, steps_per_epoch)
+  if problem:
+    raise TrainError(problem)
   # Rank 0's parameters everywhere: an identical start.
   params, model_state = jdist.broadcast_params(program.init(config.seed, topo.process_index))
   state = {"params": jdist.replicate(params), "model_state": jdist.replicate(model_state)}
@@ -370,6 +191,11 @@ def train(config: TrainConfig, *, return_state: bool = False) -> dict[str, Any]:
       stopped_early = epoch + 1 < config.epochs
       break
 
+  # The state handed back (and the last checkpoint) must be finite and agree everywhere.
+  run.sync_for_use()
+  run.finite("at the end of training")
+  if config.check_replicas_every and not config.partial:
+    run.check_replicas()
   history = run.position["history"]
   evaluated = [r["test_accuracy"] for r in history if "test_accuracy" in r]
   total_time = time.perf_counter() - started

@@ -295,6 +295,16 @@ def test_missing_everywhere_lists_places_and_fixes(tmp_path, monkeypatch):
     assert expected in message, expected
 
 
+def test_a_directory_without_any_file_says_all_four_are_missing(tmp_path, monkeypatch):
+  monkeypatch.setitem(datasets.SYSTEM_DIRS, "fashion_mnist", [])
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  with pytest.raises(DatasetError) as info:
+    datasets.load_fashion_mnist(empty, download=False)
+  assert f"{empty} (" in str(info.value) and "missing all four files" in str(info.value)
+  assert "missing none" not in str(info.value)
+
+
 def test_offline_download_failure_is_reported(tmp_path):
   with pytest.raises(DatasetError) as info:
     datasets.load_mnist()

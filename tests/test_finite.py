@@ -108,3 +108,18 @@ def test_skip_nonfinite_rejects_bad_arguments():
   for bad in (0, -1, 1.5, True):
     with pytest.raises(ValueError, match=f"max_consecutive={bad!r} must be None"):
       skip_nonfinite(optax.sgd(0.1), max_consecutive=bad)
+
+
+def test_overflow_on_the_16_bit_wire_is_skipped_like_a_nan(topo):
+  # Finite float32 gradients whose float16 payload overflows (1e6 / replicas is
+  # past float16's 65504): the decision must see the exchanged updates, not
+  # only the local gradients.
+  replicas = topo.replica_count
+  grads = np.full((3, replicas, 2), 0.5, np.float32)
+  grads[1, replicas - 1] = 1e6  # step 2: one replica sends a huge, finite gradient
+  history = _train_on_gradients(
+      skip_nonfinite(jdist.dist_opt(optax.sgd(1.0), half=jnp.float16)), grads, topo)
+  w, skipped, _ = zip(*history)
+  assert all(np.all(np.isfinite(x)) for x in w), w
+  assert skipped == (0, 1, 1)
+  np.testing.assert_allclose(w[2], -np.ones(2), rtol=1e-3)

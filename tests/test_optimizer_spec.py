@@ -35,6 +35,7 @@ FLAG_CASES = {
 }
 # Flags of the same argument groups that do not build the optimizer.
 NOT_OPTIMIZER = {"--epochs", "--batch-size", "--eval-batch-size", "--seed", "--max-steps",
+                 "--on-nonfinite",  # what the trainer does after a non-finite step
                  "--check-replicas-every"}
 OPTIMIZER_GROUPS = ("optimization", "communication")
 

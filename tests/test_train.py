@@ -16,6 +16,11 @@ import numpy as np
 import pytest
 
 import jdist
+from jdist import checkpoint_layout
+from jdist import consistency
+from jdist import datasets
+from jdist import train as train_module
+from jdist import train_guard
 from jdist.collectives import host
 from jdist.config import ConfigError
 from jdist.config import TrainConfig
@@ -205,3 +210,74 @@ def test_cpu_devices_cannot_change_a_running_backend(topo):
   force_cpu_devices(topo.local_device_count)  # what is running: accepted
   with pytest.raises(ConfigError, match="already running"):
     force_cpu_devices(topo.local_device_count + 1)
+
+
+def _with_nan_examples(monkeypatch, rows):
+  """Makes `train` load digits whose training examples `rows` are NaN."""
+  load = datasets.load
+
+  def poisoned(*args, **kwargs):
+    data = load(*args, **kwargs)
+    train_x = np.array(data.train_x)
+    train_x[rows] = np.nan
+    return data._replace(train_x=train_x)
+
+  monkeypatch.setattr(datasets, "load", poisoned)
+
+
+def test_skipped_steps_stay_out_of_the_metrics_and_the_log_is_standard_json(
+    topo, shared_dir, monkeypatch):
+  _with_nan_examples(monkeypatch, [3, 100, 300])
+  log_file = os.path.join(shared_dir, "run.jsonl")
+  summary = train(_config(topo, epochs=2, skip_nonfinite=True, log_file=log_file))
+  epochs = summary["epochs"]
+  for record in epochs:
+    assert np.isfinite(record["train_loss"]) and record["nonfinite_loss_steps"] >= 1
+    assert record["skipped_steps"] == record["nonfinite_loss_steps"]  # per epoch
+    assert record["train_examples"] == (
+        (512 // GLOBAL_BATCH - record["nonfinite_loss_steps"]) * GLOBAL_BATCH)
+  assert epochs[1]["skipped_steps_total"] == sum(r["skipped_steps"] for r in epochs)
+  host.barrier()
+
+  def refuse(token):
+    raise AssertionError(f"non-standard JSON token {token}")
+
+  with open(log_file, encoding="utf-8") as stream:
+    records = [json.loads(line, parse_constant=refuse) for line in stream]
+  assert records[0]["train_loss"] == epochs[0]["train_loss"]
+
+
+def test_a_nan_run_stops_before_any_checkpoint_holds_nan(topo, shared_dir, monkeypatch):
+  _with_nan_examples(monkeypatch, list(range(512)))  # every step: NaN parameters at once
+  directory = os.path.join(shared_dir, "ckpt")
+  with pytest.raises(TrainError, match=r"holds NaN or Inf \(first non-finite leaf: "
+                     r"params\[.*it was not saved\. Lower --lr"):
+    train(_config(topo, epochs=1, checkpoint_dir=directory, eval_every=0))
+  host.barrier()
+  assert not [name for name in os.listdir(directory) if name.isdigit()]
+
+
+def test_an_empty_split_is_named(topo, monkeypatch):
+  load = datasets.load
+  monkeypatch.setattr(datasets, "load",
+                      lambda *a, **k: load(*a, **k)._replace(test_x=np.zeros((0, 8, 8, 1)),
+                                                             test_y=np.zeros((0,), np.int32)))
+  with pytest.raises(TrainError, match="the test split of digits holds no examples"):
+    train(_config(topo))
+
+
+def test_replica_checksums_name_the_first_differing_leaf(topo):
+  tree = {"a": np.arange(6, dtype=np.float32), "b": np.ones((2, 3), np.float32)}
+  replicated = jdist.replicate(tree)
+  assert train_guard.replicas_problem(replicated, step=7) is None
+  # The last replica of the job holds a slightly different "b".
+  rows = np.stack([tree["b"]] * topo.local_device_count)
+  if topo.process_index == topo.process_count - 1:
+    rows[-1, 1, 2] += 1e-6
+  devices = jax.local_devices()[:topo.local_device_count]
+  replicated["b"] = checkpoint_layout.put_local(rows, devices, None)
+  problem = train_guard.replicas_problem(replicated, step=7)
+  assert problem is not None and "replicas diverged by step 7" in problem, problem
+  assert f"first differing leaf is ['b']: replica 0 sum 6, replica {topo.replica_count - 1}" \
+      in problem, problem
+  assert consistency.check_replicas(replicated)[0].path == "['b']"  # the exact check agrees

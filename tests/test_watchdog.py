@@ -186,6 +186,42 @@ def test_a_wait_a_departed_rank_never_reached_is_reported(monkeypatch):
   assert "rank 1 exited after 3 steps" in report and "left its loop early" in report
 
 
+def test_divergence_needs_a_step_and_a_host_exchange_that_exclude_each_other():
+  step = {"waiting_in": "step 7 of train_step", "host_wait": False, "waiting_s": 6.0,
+          "wait_number": 8, "dispatched": 8}
+  check = {"waiting_in": "structure check of jdist.psum", "host_wait": True, "waiting_s": 6.0,
+           "wait_number": 40, "dispatched": 7, "where": "train.py:9 in main",
+           "trace_note": "it is tracing train_step again: argument [2] is now float16[4] "
+                         "(was float32[4])"}
+  found = watchdog.find_divergence({0: step, 1: check}, 5.0)
+  assert found is not None and found[0] == 0 and found[2] == 1
+  text = watchdog.describe_divergence(1, *found)
+  assert "rank 0 waits in step 7 of train_step (its compiled step 8), but rank 1 " \
+         "dispatched only 7 steps and waits in structure check of jdist.psum" in text
+  assert "argument [2] is now float16[4] (was float32[4])" in text
+  # Not (yet) a divergence: too young, or the peer did dispatch that step.
+  assert watchdog.find_divergence({0: step, 1: dict(check, waiting_s=1.0)}, 5.0) is None
+  assert watchdog.find_divergence({0: step, 1: dict(check, dispatched=8)}, 5.0) is None
+
+
+def test_where_in_jdist_train_is_the_training_loop_not_the_console_script():
+  from jdist import train_loop  # pylint: disable=import-outside-toplevel
+
+  class Code:
+    def __init__(self, path, name):
+      self.co_filename, self.co_name = path, name
+
+  class Frame:
+    def __init__(self, path, line, name, back):
+      self.f_code, self.f_lineno, self.f_back = Code(path, name), line, back
+
+  script = Frame("/venv/bin/jdist", 8, "<module>", None)
+  outer = Frame(train_loop.__file__.replace("train_loop", "train"), 190, "train", script)
+  loop = Frame(train_loop.__file__, 240, "run_epoch", outer)
+  inner = Frame(watchdog.__file__, 30, "waiting", loop)
+  assert watchdog.user_location(inner).endswith("jdist/train_loop.py:240 in run_epoch")
+
+
 def test_compile_grace_has_a_bound():
   assert watchdog.Watchdog(_Comm(), mpi=None, timeout=10.0).compile_grace == 600.0
   assert watchdog.Watchdog(_Comm(), mpi=None, timeout=300.0).compile_grace == 3000.0
@@ -216,6 +252,14 @@ _JOBS = {
     "back_to_back_2x2": dict(faults=[], devices=2, timeout=10.0, extra=["--steps", "200"]),
     "back_to_back_1x2": dict(faults=[], processes=1, devices=2,
                              extra=["--steps", "150", "--per-replica", "4096"]),
+    # Divergences found in seconds under the DEFAULT deadline (300 s); the
+    # hard limit fails the test long before it.
+    "retrace_2x1": dict(faults=["retrace:5"], timeout=300.0, hard_limit=150.0),
+    "retrace_2x2": dict(faults=["retrace:5"], devices=2, timeout=300.0, hard_limit=150.0),
+    "dtype_2x1": dict(faults=["dtype:5"], timeout=300.0, hard_limit=150.0),
+    "extra_2x1": dict(faults=["extra:10"], timeout=300.0, hard_limit=150.0),
+    "extra_2x2": dict(faults=["extra:10"], devices=2, timeout=300.0, hard_limit=150.0),
+    "hostexit": dict(faults=["hostexit:5"], timeout=60.0),
 }
 _PARALLEL_JOBS = 2  # jobs run two at a time: each is mostly start-up and waiting
 
@@ -255,7 +299,12 @@ def fault_jobs(request):
 
 
 def _job(fault_jobs, name):
-  return fault_jobs[name].result()
+  if _under_mpirun():
+    assert not fault_jobs
+    pytest.skip("fault jobs are launched from plain pytest only")
+  result = fault_jobs[name].result()
+  faults.report(name, result)
+  return result
 
 
 def _explain(result):
@@ -265,9 +314,6 @@ def _explain(result):
 
 @pytest.mark.parametrize("job", ["stall_2x1", "stall_2x2"])
 def test_fault_stalled_rank_aborts_the_job_naming_rank_and_step(fault_jobs, job):
-  if _under_mpirun():
-    assert not fault_jobs  # launched from plain pytest only
-    return
   timeout = _JOBS[job]["timeout"]
   result = _job(fault_jobs, job)
   why = faults.check_stall_abort(result, timeout, step=5)
@@ -277,9 +323,6 @@ def test_fault_stalled_rank_aborts_the_job_naming_rank_and_step(fault_jobs, job)
 
 @_uses_job("tolerated")
 def test_fault_delays_within_the_deadline_pass(fault_jobs):
-  if _under_mpirun():
-    assert not fault_jobs
-    return
   result = _job(fault_jobs, "tolerated")
   assert result.returncode == 0, _explain(result)
   assert "jdist-job: done" in result.stdout
@@ -288,9 +331,6 @@ def test_fault_delays_within_the_deadline_pass(fault_jobs):
 
 @_uses_job("compile")
 def test_fault_slow_compile_on_one_rank_does_not_count(fault_jobs):
-  if _under_mpirun():
-    assert not fault_jobs
-    return
   result = _job(fault_jobs, "compile")
   assert result.returncode == 0, _explain(result)
   compiled = float(result.stderr.split("compiled for ")[1].split(" s")[0])
@@ -299,9 +339,6 @@ def test_fault_slow_compile_on_one_rank_does_not_count(fault_jobs):
 
 @_uses_job("kill")
 def test_fault_killed_rank_ends_the_job_quickly(fault_jobs):
-  if _under_mpirun():
-    assert not fault_jobs
-    return
   result = _job(fault_jobs, "kill")
   assert result.returncode != 0, _explain(result)
   assert result.since("killing") < 15, _explain(result)
@@ -309,9 +346,6 @@ def test_fault_killed_rank_ends_the_job_quickly(fault_jobs):
 
 @_uses_job("raise")
 def test_fault_uncaught_exception_on_one_rank_ends_the_job_at_once(fault_jobs):
-  if _under_mpirun():
-    assert not fault_jobs
-    return
   # Without the watchdog's excepthook, the raising rank would wait in
   # MPI_Finalize and the other in its step until the 60 s deadline.
   result = _job(fault_jobs, "raise")
@@ -323,9 +357,6 @@ def test_fault_uncaught_exception_on_one_rank_ends_the_job_at_once(fault_jobs):
 
 @_uses_job("exit")
 def test_fault_rank_leaving_early_ends_the_job_before_the_deadline(fault_jobs):
-  if _under_mpirun():
-    assert not fault_jobs
-    return
   # sys.exit is no uncaught exception: the rank exits cleanly after its steps
   # and announces how far it got; rank 0, waiting in step 5, aborts then.
   result = _job(fault_jobs, "exit")
@@ -338,9 +369,6 @@ def test_fault_rank_leaving_early_ends_the_job_before_the_deadline(fault_jobs):
 
 @_uses_job("preinit")
 def test_fault_rank_stalled_before_init_is_named(fault_jobs):
-  if _under_mpirun():
-    assert not fault_jobs
-    return
   result = _job(fault_jobs, "preinit")
   assert result.returncode != 0, _explain(result)
   assert result.since("sleeping") < 5 + 15, _explain(result)
@@ -350,9 +378,6 @@ def test_fault_rank_stalled_before_init_is_named(fault_jobs):
 
 @_uses_job("prempi")
 def test_fault_rank_late_to_start_mpi_is_explained_and_waited_for(fault_jobs):
-  if _under_mpirun():
-    assert not fault_jobs
-    return
   # Rank 0 sits in MPI_Init until rank 1 starts MPI, 8 s late: past the 3 s
   # limit it says why, and the job still runs once rank 1 arrives.
   result = _job(fault_jobs, "prempi")
@@ -364,9 +389,6 @@ def test_fault_rank_late_to_start_mpi_is_explained_and_waited_for(fault_jobs):
 
 @_uses_job("barrier")
 def test_fault_stall_in_a_host_side_barrier_is_caught(fault_jobs):
-  if _under_mpirun():
-    assert not fault_jobs
-    return
   timeout = _JOBS["barrier"]["timeout"]
   result = _job(fault_jobs, "barrier")
   assert result.returncode != 0, _explain(result)
@@ -377,9 +399,41 @@ def test_fault_stall_in_a_host_side_barrier_is_caught(fault_jobs):
 
 @pytest.mark.parametrize("job", ["back_to_back_2x2", "back_to_back_1x2"])
 def test_fault_many_steps_back_to_back_do_not_deadlock(fault_jobs, job):
-  if _under_mpirun():
-    assert not fault_jobs
-    return
   result = _job(fault_jobs, job)
   assert result.returncode == 0, _explain(result)
   assert "jdist-job: done" in result.stdout
+
+
+@pytest.mark.parametrize("job, new", [
+    ("retrace_2x1", "argument [2] is now float32[3, 8, 8, 1] (was float32[4, 8, 8, 1])"),
+    ("retrace_2x2", "argument [2] is now float32[3, 8, 8, 1] (was float32[4, 8, 8, 1])"),
+    ("dtype_2x1", "argument [2] is now float16[4, 8, 8, 1] (was float32[4, 8, 8, 1])"),
+])
+def test_fault_one_rank_retracing_is_named_in_seconds(fault_jobs, job, new):
+  result = _job(fault_jobs, job)
+  assert result.returncode != 0, _explain(result)
+  assert result.since("re-tracing") < watchdog.DIVERGENCE_GRACE_S + 20, _explain(result)
+  assert "rank 1 dispatched only" in result.stderr, _explain(result)
+  assert "Rank 1 is re-tracing a step the other ranks run compiled" in result.stderr
+  assert new in result.stderr, _explain(result)
+
+
+@pytest.mark.parametrize("job", ["extra_2x1", "extra_2x2"])
+def test_fault_one_rank_running_an_extra_step_ends_in_seconds(fault_jobs, job):
+  result = _job(fault_jobs, job)
+  assert result.returncode != 0, _explain(result)
+  assert result.since("running step") < watchdog.DIVERGENCE_GRACE_S + 20, _explain(result)
+  # Found at the next host exchange, before the extra step pairs with another.
+  assert ("after training: the ranks ran different numbers of jdist.data_parallel steps "
+          "before this exchange (rank 0 11, rank 1 12)") in result.stderr, _explain(result)
+  assert "MPI_ERR_TRUNCATE" not in result.stderr, _explain(result)
+
+
+@_uses_job("hostexit")
+def test_fault_rank_leaving_after_host_exchanges_is_seen_before_the_deadline(fault_jobs):
+  # 20 barriers that complete at once must be counted alike on every rank.
+  result = _job(fault_jobs, "hostexit")
+  assert result.returncode != 0, _explain(result)
+  assert result.since("exiting") < watchdog.DEPARTURE_GRACE_S + 15, _explain(result)
+  assert "rank 0 waits in after the exit" in result.stderr, _explain(result)
+  assert "rank 1 exited after" in result.stderr, _explain(result)

@@ -22,6 +22,9 @@ _LIBRARY_DIRS = tuple({os.path.normpath(p) + os.sep for p in
                        (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
                         sysconfig.get_paths()["platlib"])})
 _JDIST_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# jdist's own training loop: where `jdist train` stands is a line of it, not
+# of the console script that called it.
+_USER_LEVEL = (os.path.join(_JDIST_DIR, "train.py"), os.path.join(_JDIST_DIR, "train_loop.py"))
 
 
 def in_jax_compiler(frame) -> bool:
@@ -43,8 +46,8 @@ def user_location(frame) -> str | None:
     path = os.path.normpath(frame.f_code.co_filename)
     here = f"{_short_path(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
     innermost = innermost or here
-    if not (path.startswith(_LIBRARY_DIRS) or path.startswith(_JDIST_DIR)
-            or path.startswith("<")):
+    if path in _USER_LEVEL or not (path.startswith(_LIBRARY_DIRS)
+                                   or path.startswith(_JDIST_DIR) or path.startswith("<")):
       return here
     frame = frame.f_back
   return innermost
@@ -141,3 +144,65 @@ def describe_departure(rank: int, label: str, number: int, host: bool,
           f"{left}, so it can never arrive. The ranks ran different numbers of {kind}: "
           f"one left its loop early (sys.exit, return or break on one rank only). "
           f"Aborting the job so no rank hangs until the deadline.")
+
+
+def trace_signature(args: Any) -> list[tuple[str, str]]:
+  """[(argument path, "dtype[shape]"), ...] of a traced step's array arguments."""
+  import jax  # pylint: disable=g-import-not-at-top
+  out = []
+  for path, leaf in jax.tree_util.tree_leaves_with_path(args):
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+      shape = ", ".join(str(d) for d in leaf.shape)
+      out.append((f"argument {jax.tree_util.keystr(path)}", f"{leaf.dtype}[{shape}]"))
+  return out
+
+
+def find_divergence(status: dict[int, dict[str, Any]], grace: float):
+  """Two ranks whose waits exclude each other, or None.
+
+  Rank X waits in its compiled step N; rank Y waits in a host exchange and
+  has dispatched fewer than N steps. Every rank runs the same steps and host
+  exchanges in the same order, so Y will not dispatch step N before X joins
+  its host exchange, and X cannot (its step waits for Y's): they diverged.
+
+  Args:
+    status: each rank's `Watchdog.status()` (the reporting rank's included).
+    grace: seconds both waits must have lasted (shorter ones may be transient).
+
+  Returns:
+    (x, x's status, y, y's status), or None.
+  """
+  for x, x_status in sorted(status.items()):
+    if (x_status.get("waiting_in") is None or x_status.get("host_wait")
+        or x_status.get("waiting_s", 0.0) < grace):
+      continue
+    for y, y_status in sorted(status.items()):
+      if (y != x and y_status.get("host_wait") and y_status.get("waiting_s", 0.0) >= grace
+          and y_status.get("dispatched", 0) < x_status.get("wait_number", 0)):
+        return x, x_status, y, y_status
+  return None
+
+
+def describe_divergence(rank: int, x: int, x_status: dict[str, Any], y: int,
+                        y_status: dict[str, Any]) -> str:
+  """The report of `find_divergence`'s finding, as rank `rank` prints it."""
+  retrace = y_status["waiting_in"].startswith("structure check")
+  where = f" at {y_status['where']}" if y_status.get("where") else ""
+  lines = [f"jdist watchdog: rank {rank}: rank {x} waits in {x_status['waiting_in']} (its "
+           f"compiled step {x_status['wait_number']}), but rank {y} dispatched only "
+           f"{y_status.get('dispatched', 0)} steps and waits in {y_status['waiting_in']}"
+           f"{where}, so neither can go on."]
+  if retrace:
+    note = y_status.get("trace_note")
+    lines.append(f"Rank {y} is re-tracing a step the other ranks run compiled"
+                 + (f": {note}." if note else ".")
+                 + " An input of another shape or dtype on one rank (a short last batch, a "
+                   "cast) makes only that rank trace again. Give every rank batches of the "
+                   "same shapes and dtypes (e.g. drop the last partial batch: "
+                   "jdist.ShardedLoader's drop_last=True).")
+  else:
+    lines.append(f"The ranks ran different numbers of steps (uneven inputs: rank {x} runs a "
+                 f"step that rank {y} never runs). Give every rank the same number of "
+                 f"batches per epoch (jdist.ShardedLoader does, from data of the same size).")
+  lines.append("Aborting the job so no rank hangs until the deadline.")
+  return "\n".join(lines)

@@ -201,7 +201,7 @@ def sum_all(buffer: jax.Array) -> jax.Array:
   world = world_lib.get()
   if which == "mpi4jax":
     mpi4jax = world_lib.import_mpi4jax()
-    return mpi4jax.allreduce(buffer, op=world.MPI.SUM, comm=world.comm)
+    return mpi4jax.allreduce(buffer, op=world.MPI.SUM, comm=world.device_comm(0))
   devices = topo.local_device_count
   size = buffer.shape[0]
   shard = _pad_to(_after_previous_exchange(buffer), devices)
@@ -252,9 +252,9 @@ def sum_all_16bit(buffer: jax.Array) -> jax.Array:
   if which == "mpi4jax":
     mpi4jax = world_lib.import_mpi4jax()
     chunks = _bits(_pad_to(buffer, processes).reshape(processes, -1))
-    received = mpi4jax.alltoall(chunks, comm=world.comm)
+    received = mpi4jax.alltoall(chunks, comm=world.device_comm(0))
     mine = _add_rows(_from_bits(received, dtype)).astype(dtype)
-    gathered = mpi4jax.allgather(_bits(mine), comm=world.comm)
+    gathered = mpi4jax.allgather(_bits(mine), comm=world.device_comm(0))
     return _from_bits(gathered, dtype).reshape(-1)[:size]
   devices = topo.local_device_count
   padded = _pad_to(_after_previous_exchange(buffer), devices * processes)
@@ -280,7 +280,7 @@ def gather_all(buffer: jax.Array) -> jax.Array:
   world = world_lib.get()
   if which == "mpi4jax":
     mpi4jax = world_lib.import_mpi4jax()
-    return mpi4jax.allgather(buffer, comm=world.comm)
+    return mpi4jax.allgather(buffer, comm=world.device_comm(0))
   per_process = _callback(
       _host_allgather, jax.ShapeDtypeStruct((processes,) + buffer.shape, buffer.dtype),
       _after_previous_exchange(buffer))

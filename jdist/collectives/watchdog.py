@@ -29,6 +29,14 @@ job at once. A rank that ends without an exception (`sys.exit`, a loop left
 early on one rank) announces at exit how many steps and host exchanges it
 ran; a peer that has waited `DEPARTURE_GRACE_S` in a later one aborts the job
 then, instead of at the deadline.
+
+Ranks whose control flow diverged are found without waiting for the
+deadline either: a rank waiting in compiled step N while another has
+dispatched fewer than N steps and waits in a host exchange (typically the
+structure check of a step that only it re-traces, for a batch of another
+shape or dtype, or the exchange after the loop of a rank that ran fewer
+steps) can never be joined. Once both have waited `DIVERGENCE_GRACE_S`, the
+job is aborted with a report naming the rank, and what its re-trace changed.
 """
 
 from __future__ import annotations
@@ -42,6 +50,9 @@ import time
 from typing import Any
 
 from jdist.collectives.stall_report import describe_departure
+from jdist.collectives.stall_report import describe_divergence  # re-exported
+from jdist.collectives.stall_report import find_divergence  # re-exported
+from jdist.collectives.stall_report import trace_signature
 from jdist.collectives.stall_report import describe_stall  # re-exported
 from jdist.collectives.stall_report import in_jax_compiler
 from jdist.collectives.stall_report import is_missing
@@ -51,6 +62,7 @@ _QUERY_TAG = 7401
 _REPLY_TAG = 7402
 _DEPART_TAG = 7403
 DEPARTURE_GRACE_S = 5.0  # a wait this old, that a departed rank never reached, is a stall
+DIVERGENCE_GRACE_S = 5.0  # waits this old, in a step and a host exchange that exclude each other
 _POLL_S = 0.1
 
 @dataclasses.dataclass
@@ -97,6 +109,9 @@ class Watchdog:
     self._queries = 0
     self._host_count = 0
     self._departed: dict[int, dict[str, int]] = {}  # rank -> its counts when it left
+    self._traces: dict[str, list] = {}  # step function name -> its last traced signature
+    self._trace_note: str | None = None  # what the last re-trace changed
+    self._last_probe = 0.0
     self._started = False
     self._stopping = threading.Event()
     self._threads: list[threading.Thread] = []
@@ -173,6 +188,26 @@ class Watchdog:
     if self._started:
       self._steps.put((number, label, marker, time.monotonic()))
 
+  def note_trace(self, name: str, args: Any) -> None:
+    """Records that step function `name` is being traced for `args` (at trace time).
+
+    A re-trace with other shapes or dtypes is remembered as a note ("x is now
+    float32[15, 8] (was float32[16, 8])"), which a divergence report shows.
+    """
+    signature = trace_signature(args)
+    with self._lock:
+      previous = self._traces.get(name)
+      self._traces[name] = signature
+      if previous is None:
+        self._trace_note = None
+        return
+      changed = [f"{path} is now {now} (was {before})"
+                 for (path, now), (_, before) in zip(signature, previous) if now != before]
+      if len(signature) != len(previous):
+        changed.append(f"{len(signature)} array arguments (were {len(previous)})")
+      self._trace_note = (f"it is tracing {name} again: " + "; ".join(changed[:3])
+                          if changed else f"it is tracing {name} again")
+
   def _monitor_steps(self) -> None:
     while True:
       item = self._steps.get()
@@ -210,6 +245,9 @@ class Watchdog:
           "last_dispatched": self._last_dispatched,
           "last_completed": self._last_completed,
           "waiting_in": current.label if current else None,
+          "wait_number": current.number if current else 0,
+          "host_wait": bool(current and current.host),
+          "trace_note": self._trace_note,
           "waiting_s": now - current.since if current else 0.0,
           "idle_s": now - self._last_activity,
           # Blocked in a host exchange (even one made while tracing) is waiting.
@@ -281,10 +319,25 @@ class Watchdog:
       return describe_departure(self.rank, wait.label, wait.number, wait.host, gone) \
           if gone else None
 
+  def _divergence(self) -> str | None:
+    """The report, if this rank's wait and a peer's exclude each other (module doc)."""
+    now = time.monotonic()
+    with self._lock:
+      wait = self._current_wait()
+      if wait is None or now - wait.since < DIVERGENCE_GRACE_S:
+        return None
+      if now - self._last_probe < DIVERGENCE_GRACE_S:
+        return None
+      self._last_probe = now
+    replies = self._query_peers()
+    replies[self.rank] = self.status()
+    found = find_divergence(replies, DIVERGENCE_GRACE_S)
+    return describe_divergence(self.rank, *found) if found else None
+
   def _serve_once(self) -> bool:
     """Answers queries and checks the deadline; True once the job was aborted."""
     self._answer_queries()
-    report = self._departure_stall()
+    report = self._departure_stall() or self._divergence()
     if report is not None:
       self.on_timeout(report)
       return True

@@ -10,7 +10,10 @@ Communicators:
   * `device_comm(d)`: one duplicate per local device index. With several
     local devices per process, device `d` of every process exchanges its
     shard on `device_comm(d)`, so concurrent calls from XLA's device threads
-    never pair up wrongly.
+    never pair up wrongly. With one device per process, mpi4jax's
+    collectives inside steps use `device_comm(0)`: a step that one rank runs
+    while another is in a host exchange then waits (and the watchdog names
+    it) instead of mixing with the host exchange's messages.
   * the watchdog's own duplicate, for progress queries.
 
 Host-side exchanges use non-blocking MPI and poll with short sleeps, so a rank
@@ -141,8 +144,23 @@ class MpiWorld:
     self.watchdog = watchdog_lib.Watchdog(self.comm.Dup(), mpi, timeout=timeout)
 
   def attach(self, topology) -> None:
-    """Creates the per-device communicators and starts the watchdog."""
+    """Checks that every process drives as many devices, creates the
+    per-device communicators and starts the watchdog.
+
+    Raises:
+      jdist.errors.WorldMismatchError: on every process, if the processes
+        have different local device counts (each would create another number
+        of communicators, and `MPI_Comm_dup` would fail on some ranks).
+    """
     if not self._device_comms:
+      counts = self.allgather_object(topology.local_device_count, "jdist.init: device counts")
+      if len(set(counts)) > 1:
+        shown = ", ".join(f"rank {rank} has {count}" for rank, count in enumerate(counts))
+        raise errors.WorldMismatchError(
+            f"jdist.init: the processes drive different numbers of local devices ({shown}). "
+            f"Every process must have the same local device count (data parallelism needs "
+            f"equal replicas per process): give every rank the same devices (e.g. the same "
+            f"--cpu-devices, XLA_FLAGS or CUDA_VISIBLE_DEVICES count).")
       self._device_comms = [self.comm.Dup() for _ in range(topology.local_device_count)]
     self.watchdog.start()
     # Registered after mpi4py's own handler, so it runs before MPI_Finalize.
@@ -171,20 +189,43 @@ class MpiWorld:
   # Host-side exchanges, each under the watchdog's deadline.
 
   def _wait(self, request, label: str) -> None:
-    if request.Test():
-      return
+    # Entered even when the request completes at once: every rank counts its
+    # host exchanges alike, which departure detection compares.
     with self.watchdog.waiting(label):
       pause = 1e-5
       while not request.Test():
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
 
+  def _check_steps(self, steps: np.ndarray, label: str) -> None:
+    """Raises on every rank if the ranks dispatched different numbers of steps.
+
+    Every rank runs the same steps and host exchanges in the same order, so
+    at each host exchange every rank has dispatched as many compiled steps.
+    A rank with one batch more (uneven inputs) or a loop left early on one
+    rank shows here, before its steps pair up with the wrong ones.
+    """
+    if len(set(steps.tolist())) > 1:
+      shown = ", ".join(f"rank {rank} {count}" for rank, count in enumerate(steps.tolist()))
+      raise errors.WorldMismatchError(
+          f"{label}: the ranks ran different numbers of jdist.data_parallel steps before this "
+          f"exchange ({shown}): uneven inputs (one rank had more batches) or a loop left "
+          f"early on one rank. Every rank must run the same steps: give each the same "
+          f"number of batches (jdist.ShardedLoader does, from data of the same size), and "
+          f"stop every rank's loop alike.")
+
   def barrier(self, label: str = "barrier") -> None:
-    self._wait(self.comm.Ibarrier(), label)
+    steps = np.zeros(self.size, np.int64)
+    self._wait(self.comm.Iallgather(np.array([self.watchdog.step], np.int64), steps), label)
+    self._check_steps(steps, label)
 
   def allgather_bytes(self, payload: bytes, label: str) -> list[bytes]:
-    sizes = np.zeros(self.size, np.int64)
-    self._wait(self.comm.Iallgather(np.array([len(payload)], np.int64), sizes), label)
+    # One exchange for the sizes and the ranks' step counts (checked alike everywhere).
+    header = np.zeros((self.size, 2), np.int64)
+    self._wait(self.comm.Iallgather(np.array([len(payload), self.watchdog.step], np.int64),
+                                    header), label)
+    self._check_steps(header[:, 1], label)
+    sizes = np.ascontiguousarray(header[:, 0])
     out = np.empty(int(sizes.sum()), np.uint8)
     displacements = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     self._wait(self.comm.Iallgatherv(np.frombuffer(payload, np.uint8),

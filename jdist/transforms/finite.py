@@ -5,8 +5,11 @@ the all-reduce and poison the parameters. `optax.apply_if_finite` skips such
 steps, but it decides per replica: if replicas decided differently (a check
 placed before the all-reduce, on local gradients) their parameters would
 silently diverge. `skip_nonfinite` decides once for the whole job: each
-replica's "my gradients are not finite" flag is summed over every replica
-with `jdist.psum`, so all replicas skip the same steps together.
+replica's "my gradients, or the updates the chain made of them, are not
+finite" flag is summed over every replica with `jdist.psum`, so all replicas
+skip the same steps together. The updates are checked after the inner chain
+(after the all-reduce and any 16-bit or sparse decode), so an overflow on
+the wire (float16 tops out at 65504) is skipped like a NaN in a gradient.
 
 The inner transformation (typically the whole `jdist.dist_opt` chain) runs
 on every step, skipped or not, so every replica always makes the same
@@ -57,7 +60,8 @@ def skip_nonfinite(inner: optax.GradientTransformation, *,
 
     tx = jdist.skip_nonfinite(jdist.dist_opt(optax.adam(1e-3)), max_consecutive=10)
 
-  If the incoming gradients of ANY replica contain a NaN or an Inf, EVERY
+  If the incoming gradients of ANY replica, or the updates the inner chain
+  computed from them (after the exchange), contain a NaN or an Inf, EVERY
   replica returns zero updates and keeps the inner state unchanged; the
   decision is reduced over replicas with `jdist.psum`, so replicas never
   diverge.
@@ -97,13 +101,16 @@ def skip_nonfinite(inner: optax.GradientTransformation, *,
     return SkipNonFiniteState(skipped=zero, consecutive=zero, inner_state=inner.init(params))
 
   def update_fn(updates, state, params=None):
-    # Summed over every replica: the same decision everywhere.
-    nonfinite = collectives.psum(_count_nonfinite(updates)) > 0
+    # The inner chain runs every step, so every replica makes the same collective calls.
+    new_updates, new_inner = inner.update(updates, state.inner_state, params)
+    # Judged on what would be applied too: a 16-bit payload can overflow on the
+    # wire (or a decode produce NaN) although every replica's gradients were
+    # finite. Summed over every replica: the same decision everywhere.
+    local = jnp.maximum(_count_nonfinite(updates), _count_nonfinite(new_updates))
+    nonfinite = collectives.psum(local) > 0
     skip = nonfinite
     if max_consecutive is not None:
       skip = nonfinite & (state.consecutive < max_consecutive)
-    # The inner chain runs every step, so every replica makes the same collective calls.
-    new_updates, new_inner = inner.update(updates, state.inner_state, params)
     out = jax.tree.map(lambda u: jnp.where(skip, jnp.zeros_like(u), u), new_updates)
     inner_state = jax.tree.map(lambda old, new: jnp.where(skip, old, new),
                                state.inner_state, new_inner)

@@ -5,6 +5,8 @@ JAX: it only launches the job and parses its output.
 """
 
 import dataclasses
+import json
+import os
 import re
 import subprocess
 import sys
@@ -52,10 +54,21 @@ def run(faults, *, processes: int = 2, devices: int = 1, timeout: float = 10.0, 
   for fault in faults:
     args += ["--fault", fault]
   args += list(extra)
-  argv = args if processes == 1 else launch.mpirun_argv(args, np=processes)
   limit = hard_limit if hard_limit is not None else STARTUP_S + 3 * timeout
+  return run_args(args, processes=processes, devices=devices, hard_limit=limit, env=env)
+
+
+def run_args(args, *, processes: int = 2, devices: int = 1, hard_limit: float = STARTUP_S,
+             env: dict | None = None) -> JobResult:
+  """Runs `args` (a command line) under mpirun, or plain when `processes` is 1.
+
+  Raises:
+    subprocess.TimeoutExpired: the job hung past `hard_limit` seconds; every
+      process of the job is killed.
+  """
+  argv = list(args) if processes == 1 else launch.mpirun_argv(args, np=processes)
   started = time.time()
-  done = launch.run_own_session(argv, launch.clean_env(devices, **(env or {})), limit)
+  done = launch.run_own_session(argv, launch.clean_env(devices, **(env or {})), hard_limit)
   return JobResult(done.returncode, done.stdout, done.stderr, time.time(), time.time() - started)
 
 
@@ -74,6 +87,21 @@ def check_stall_abort(result: JobResult, timeout: float, step: int = 5) -> str |
   if f"step {step} of train_step" not in result.stderr:
     return f"the watchdog's report does not name step {step} of train_step"
   return None
+
+
+def report(name: str, result: JobResult) -> None:
+  """Appends one line (job, exit status, seconds, first jdist line) to the file named by
+  $JDIST_FAULT_REPORT, if set: the numbers behind docs/reliability.md's table."""
+  path = os.environ.get("JDIST_FAULT_REPORT")
+  if not path:
+    return
+  lines = [line for line in (result.stderr + "\n" + result.stdout).splitlines()
+           if line.startswith(("jdist", "warning", "note", "resumed", "done"))
+           and not line.startswith("jdist-job")]
+  with open(path, "a", encoding="utf-8") as stream:
+    stream.write(json.dumps({"job": name, "exit": result.returncode,
+                             "seconds": round(result.elapsed, 1),
+                             "first": lines[0] if lines else None}) + "\n")
 
 
 TimeoutExpired = subprocess.TimeoutExpired

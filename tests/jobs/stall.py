@@ -24,6 +24,16 @@ rank `--rank` misbehave just before dispatching step STEP (1-based):
   compile:S     the faulty rank traces and compiles a function for
                 `--compile` seconds first, longer than the deadline
                 (compiling must not count)
+  retrace:S     the faulty rank's batch of step S has one example fewer per
+                replica: only it re-traces the step (must abort in seconds,
+                naming the new shape)
+  dtype:S       the faulty rank's batch of step S is float16: the same, for a dtype
+  extra:S       the faulty rank runs step S twice (one step more than the
+                others); after the loop every rank calls jdist.barrier() (must
+                abort in seconds)
+  hostexit:S    every rank calls jdist.barrier() 20 times; then the faulty rank
+                calls sys.exit(3) while the others call jdist.barrier() (must
+                abort DEPARTURE_GRACE_S after the exit)
 
 Lines on stderr mark when a fault starts ("jdist-job: rank R <kind> at
 <unix time>"); rank 0 prints "jdist-job: done" when training ends.
@@ -44,7 +54,7 @@ import jdist
 from tests import reference
 
 KINDS = ("stall", "late", "kill", "raise", "exit", "barrier", "checkpoint", "compile",
-         "preinit", "prempi")
+         "preinit", "prempi", "retrace", "dtype", "extra", "hostexit")
 
 
 def parse_fault(text):
@@ -119,6 +129,24 @@ def inject(kind, step, me, faulty, args, replicated):
   elif kind == "compile" and faulty:
     mark(me, f"compiling before step {step}")
     compile_slowly(me, args.compile)
+  elif kind == "hostexit":
+    for _ in range(20):
+      jdist.barrier("one of 20 barriers")
+    if faulty:
+      mark(me, f"exiting after 20 barriers before step {step}")
+      sys.exit(3)
+    jdist.barrier("after the exit")
+
+
+def alter_batch(kinds, me, faulty, x, y):
+  """The faulty rank's batch for step S of a retrace:S or dtype:S fault."""
+  if faulty and "retrace" in kinds:
+    mark(me, "re-tracing with a shorter batch")
+    return x[:, :-1], y[:, :-1]
+  if faulty and "dtype" in kinds:
+    mark(me, "re-tracing with a float16 batch")
+    return x.astype(jnp.float16), y
+  return x, y
 
 
 def main(argv=None):
@@ -158,9 +186,16 @@ def main(argv=None):
       if at == step:
         inject(kind, step, me, faulty, args, replicated)
     x, y = local[step % len(local)]
-    replicated, opt_state, loss = train_step(replicated, opt_state, x, y)
+    now = {kind for kind, at in args.fault if at == step}
+    x, y = alter_batch(now, me, faulty, x, y)
+    for _ in range(2 if faulty and "extra" in now else 1):
+      if faulty and "extra" in now:
+        mark(me, f"running step {step} twice")
+      replicated, opt_state, loss = train_step(replicated, opt_state, x, y)
     if args.sync:
       loss.block_until_ready()
+  if any(kind == "extra" for kind, _ in args.fault):
+    jdist.barrier("after training")
   final = float(jdist.unreplicate(loss))
   if me == 0:
     print(f"jdist-job: done, {args.steps} steps, loss {final:.4f}", flush=True)

@@ -1,0 +1,363 @@
+"""One training run's loop: epochs, checkpoints, resume, and its guards.
+
+`jdist.train.train` builds the program and the data, then hands them to a
+`Run`. Every method of `Run` is collective: every process calls it alike.
+Besides training, a run makes sure nothing goes silently wrong or gets lost
+(see docs/reliability.md, "jdist train's guards"):
+
+  * a state holding NaN or Inf is never checkpointed: the run stops with an
+    error (`--on-nonfinite stop`) or rolls back to the last checkpoint and
+    goes on past the batches since (`--on-nonfinite rollback`);
+  * steps whose loss is not finite (skipped by `--skip-nonfinite`) are left
+    out of the epoch's metrics and counted;
+  * the replicas are compared by checksum every `--check-replicas-every`
+    steps and at the end;
+  * a resume with another replica count continues exactly or is refused; an
+    unreadable newest checkpoint falls back to an intact older one.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import time
+
+import jax
+import numpy as np
+
+import jdist
+from jdist import errors
+from jdist import train_guard
+from jdist.collectives import host
+from jdist.config import resume_conflicts
+
+_IN_FLIGHT = 2  # train steps dispatched ahead of the host before it waits
+MAX_ROLLBACKS = 3  # --on-nonfinite rollback gives up (stops) after this many
+_SUM_KEYS = ("loss_sum", "correct_sum", "weight_sum", "count")
+
+
+class TrainError(errors.JdistError):
+  """The run cannot go on; raised on every process alike, so all exit cleanly."""
+
+
+def agree(fn, what: str):
+  """Runs `fn` on every process; if it fails anywhere, raises TrainError everywhere."""
+  result, problem = None, None
+  try:
+    result = fn()
+  except (ValueError, OSError, errors.JdistError) as err:
+    problem = str(err) if str(err) else type(err).__name__
+  problems = host.allgather_object(problem, f"jdist train: {what}")
+  for rank, rank_problem in enumerate(problems):
+    if rank_problem is not None:
+      where = f" (rank {rank})" if len(problems) > 1 and rank_problem != problem else ""
+      raise TrainError(f"{what}{where}: {rank_problem}")
+  return result
+
+
+def reached(max_steps: int | None, step: int) -> bool:
+  return max_steps is not None and step >= max_steps
+
+
+def fresh_position() -> dict:
+  """Where a run stands, as stored in checkpoint metadata (see `Run.save`)."""
+  return {"epoch": 0, "batch_in_epoch": 0, "step": 0, "history": [], "epoch_sums": None,
+          "epoch_wire": 0.0, "epoch_train_time": 0.0, "epoch_nonfinite": 0,
+          "epoch_skipped_before": None}
+
+
+class Run:
+  """One training run's state and its steps; every method is collective."""
+
+  def __init__(self, config, topo, program, state: dict, loaders, out):
+    self.config, self.topo, self.program, self.state, self.out = config, topo, program, state, out
+    self.train_loader, self.test_loader = loaders
+    self.steps_per_epoch = len(self.train_loader)
+    self.position = fresh_position()
+    self.manager, self.synced_at, self.rollbacks = None, -1, 0
+
+  @property
+  def step(self) -> int:
+    return self.position["step"]
+
+  # Checkpoints and resume ---------------------------------------------------
+
+  def open_checkpoints(self) -> int | None:
+    """Sets up checkpointing; resumes if asked. Returns the step resumed from."""
+    config = self.config
+
+    def open_manager():
+      if self.topo.is_primary:  # rank 0 writes: find out now, not at the first save
+        train_guard.probe_writable(config.checkpoint_dir)
+      return jdist.CheckpointManager(config.checkpoint_dir, keep=3)
+
+    self.manager = agree(open_manager, "checkpoint directory")
+    steps = self.manager.all_steps()
+    if not steps:
+      if config.resume:
+        self.out.say(f"no checkpoint in {config.checkpoint_dir} yet: starting from scratch")
+      return None
+    if not config.resume:
+      raise TrainError(
+          f"{config.checkpoint_dir} already holds checkpoints (latest step {steps[-1]}); pass "
+          f"--resume to continue that run, or choose an empty --checkpoint-dir.")
+    for step in reversed(steps):
+      try:
+        return self._resume_from(step)
+      except errors.CheckpointCorruptError as err:
+        moved = self.manager.set_aside(step)
+        older = [s for s in steps if s < step]
+        self.out.say(f"warning: checkpoint step {step} cannot be read ({err}); moved it to "
+                     f"{moved}" + (f"; trying step {older[-1]}" if older else ""))
+    raise TrainError(f"no checkpoint in {config.checkpoint_dir} can be read (steps {steps} "
+                     f"were damaged and are set aside as <step>.corrupt). Start a new run "
+                     f"with an empty --checkpoint-dir.")
+
+  def _resume_from(self, step: int) -> int:
+    config = self.config
+    saved = self.manager.read_metadata(step)["user"]
+    saved_config, refusal, note = train_guard.resume_world(saved, config, self.topo)
+    if refusal:
+      raise TrainError(f"cannot resume from {config.checkpoint_dir} (step {step}) with "
+                       f"{self.topo.replica_count} replicas: {refusal}")
+    conflicts, notes = resume_conflicts(saved_config, config)
+    if conflicts:
+      raise TrainError(
+          f"cannot resume from {config.checkpoint_dir} (step {step}): it belongs to a run "
+          f"with other settings: {'; '.join(conflicts)}. Use the checkpoint's settings, or a "
+          f"new --checkpoint-dir to start a new run.")
+    restored, saved = self.manager.restore(self.state, step=step)
+    self.state.update(restored)
+    if note:
+      self.out.say(f"note: resuming with a changed setting ({note}).")
+    for text in notes:
+      self.out.say(f"note: resuming with a changed setting ({text}); the run will differ "
+                   f"from an uninterrupted one.")
+    self.position.update({k: saved[k] for k in self.position if k in saved})
+    self.out.say(f"resumed from {config.checkpoint_dir} step {step} (epoch "
+                 f"{self.position['epoch'] + 1}, batch {self.position['batch_in_epoch']}/"
+                 f"{self.steps_per_epoch})")
+    return step
+
+  def save(self, epoch: int, batch_in_epoch: int, epoch_so_far: dict) -> bool:
+    """Checkpoints the run; False (nothing saved) if its state was rolled back instead."""
+    self.sync_for_use()
+    if not self.finite("before saving a checkpoint"):
+      return False  # the restored checkpoint is the newest already
+    if batch_in_epoch == self.steps_per_epoch:
+      epoch, batch_in_epoch, epoch_so_far = epoch + 1, 0, {}
+    self.position.update(fresh_position(), **epoch_so_far, epoch=epoch,
+                         batch_in_epoch=batch_in_epoch, step=self.step,
+                         history=self.position["history"])
+    metadata = {**self.position, "seed": self.config.seed, "config": self.config.to_dict(),
+                "replica_count": self.topo.replica_count}
+    self.manager.save(self.step, self.state, metadata=metadata)
+    return True
+
+  # Guards -------------------------------------------------------------------
+
+  def finite(self, when: str) -> bool:
+    """Checks the state for NaN/Inf: True if finite, False if rolled back.
+
+    Raises:
+      TrainError: (on every process) non-finite under `--on-nonfinite stop`,
+        or with nothing (more) to roll back to.
+    """
+    parts = {name: self.state[name] for name in ("params", "model_state", "opt_state")}
+    bad = host.allgather_object(train_guard.first_nonfinite(parts), "jdist train: finite check")
+    bad = next((leaf for leaf in bad if leaf), None)
+    if bad is None:
+      return True
+    config = self.config
+    last = self.manager.latest_step() if self.manager else None
+    rollback = config.on_nonfinite == "rollback"
+    if rollback and last is not None and self.rollbacks < MAX_ROLLBACKS:
+      self.rollbacks += 1
+      restored, _ = self.manager.restore(self.state, step=last)
+      self.state.update(restored)  # in place: the running epoch holds this dict
+      self.out.say(f"warning: step {self.step}: the training state holds NaN or Inf (first: "
+                   f"{bad}); rolled back to checkpoint step {last} (rollback "
+                   f"{self.rollbacks} of {MAX_ROLLBACKS}); training goes on from the current "
+                   f"batch, past the batches since step {last}.")
+      self.out.record({"event": "rollback", "step": self.step, "to_step": last, "leaf": bad})
+      return False
+    kept = (f"; nothing was saved over the newest checkpoint, step {last} in "
+            f"{config.checkpoint_dir}, which is finite" if last is not None else
+            "; it was not saved")
+    if rollback:
+      how = (f"rolled back {MAX_ROLLBACKS} times already" if last is not None else
+             "there is no checkpoint to roll back to yet")
+      fix = f"--on-nonfinite rollback gives up: {how}. Lower --lr, or use --skip-nonfinite"
+    else:
+      fix = ("Lower --lr, use --skip-nonfinite (skips steps with non-finite gradients), or "
+             "--on-nonfinite rollback (goes back to the last checkpoint)")
+    raise TrainError(f"step {self.step} ({when}): the training state holds NaN or Inf (first "
+                     f"non-finite leaf: {bad}), so the run stops{kept}. {fix}.")
+
+  def check_replicas(self) -> None:
+    from jdist import consistency  # pylint: disable=g-import-not-at-top
+    problem = train_guard.replicas_problem(
+        {"params": self.state["params"], "model_state": self.state["model_state"]}, self.step)
+    if problem:
+      raise consistency.ReplicaMismatchError(problem)
+
+  def sync_for_use(self) -> None:
+    """Under partial sync, averages the parameters before they are evaluated or saved."""
+    if self.config.partial and self.synced_at != self.step:
+      self.state["params"] = jdist.sync_params(self.state["params"])
+      self.synced_at = self.step
+      if self.config.check_replicas_every:
+        self.check_replicas()
+
+  def skipped_total(self) -> int | None:
+    if not self.config.skip_nonfinite:
+      return None
+    return int(np.asarray(jax.device_get(self.state["opt_state"].skipped))[0])
+
+  # Training -----------------------------------------------------------------
+
+  def evaluate(self) -> dict:
+    self.sync_for_use()
+    accumulator = jdist.MetricAccumulator()
+    with contextlib.closing(self.test_loader.epoch(0)) as batches:
+      for batch in batches:
+        accumulator.add(self.program.eval_step(self.state["params"], self.state["model_state"],
+                                               batch))
+    return accumulator.result()
+
+  def run_epoch(self, epoch: int) -> dict | None:
+    """Trains one epoch (or its rest); returns its record, or None if stopped early."""
+    config, state, position = self.config, self.state, self.position
+    resuming = epoch == position["epoch"] and position["batch_in_epoch"] > 0
+    batch_index = position["batch_in_epoch"] if resuming else 0
+    tally = _Tally(position if resuming else fresh_position())
+    if tally.skipped_before is None:
+      tally.skipped_before = self.skipped_total()
+    first_batch, epoch_start, in_flight, saved_at = batch_index, time.perf_counter(), \
+        collections.deque(), None
+
+    def so_far() -> dict:
+      while in_flight:
+        self._take(tally, in_flight.popleft(), None)
+      return tally.position(time.perf_counter() - epoch_start)
+
+    with self.out.bar(epoch, self.steps_per_epoch, batch_index) as bar, \
+         contextlib.closing(self.train_loader.epoch(epoch, batch_index)) as batches:
+      for batch in batches:
+        (state["params"], state["model_state"], state["opt_state"], sums,
+         wire) = self.program.train_step(state["params"], state["model_state"],
+                                         state["opt_state"], batch)
+        position["step"] += 1
+        batch_index += 1
+        tally.wires.append(wire)
+        # Bound the steps queued ahead: a steady pipeline, and a bar showing real progress.
+        in_flight.append(sums)
+        if len(in_flight) > _IN_FLIGHT and not self._take(tally, in_flight.popleft(), bar):
+          # A non-finite loss: the state is checked (every rank saw the same sums).
+          if not self.finite("after a non-finite loss"):
+            in_flight.clear()
+            tally.restart(self.skipped_total())
+            first_batch, epoch_start = batch_index, time.perf_counter()
+        every = config.check_replicas_every
+        if every and not config.partial and self.step % every == 0:
+          self.check_replicas()
+        if (config.checkpoint_every and self.step % config.checkpoint_every == 0
+            and batch_index < self.steps_per_epoch):
+          if self.save(epoch, batch_index, so_far()):
+            saved_at = self.step
+          else:
+            tally.restart(self.skipped_total())
+            first_batch, epoch_start = batch_index, time.perf_counter()
+        if reached(config.max_steps, self.step):
+          break
+      if bar is not None:
+        bar.update(batch_index - bar.n)
+    if batch_index < self.steps_per_epoch:  # stopped by max_steps
+      if self.manager and saved_at != self.step:
+        self.save(epoch, batch_index, so_far())
+      self.out.say(f"stopped after step {self.step} (--max-steps), in epoch {epoch + 1} at "
+                   f"batch {batch_index}/{self.steps_per_epoch}"
+                   + ("; continue with --resume" if self.manager else ""))
+      return None
+
+    done = so_far()
+    if not self.finite("at the end of the epoch"):
+      tally.restart(self.skipped_total())
+      done = tally.position(0.0)
+    record = tally.record(epoch, self.step, done)
+    record["samples_per_s"] = ((self.steps_per_epoch - first_batch) * config.batch_size
+                               * self.topo.replica_count
+                               / max(time.perf_counter() - epoch_start, 1e-9))
+    record["wire_bytes_per_step"] = done["epoch_wire"] / self.steps_per_epoch
+    if config.skip_nonfinite:
+      total = self.skipped_total()
+      record["skipped_steps"] = total - (tally.skipped_before or 0)
+      record["skipped_steps_total"] = total
+    if self.rollbacks:
+      record["rollbacks_total"] = self.rollbacks
+    eval_start = time.perf_counter()
+    last = epoch + 1 == config.epochs or reached(config.max_steps, self.step)
+    if config.eval_every and ((epoch + 1) % config.eval_every == 0 or last):
+      result = self.evaluate()
+      record.update(test_loss=result["loss"], test_accuracy=result["accuracy"],
+                    test_examples=result["count"])
+    record["eval_time_s"] = time.perf_counter() - eval_start
+    record["epoch_time_s"] = record["train_time_s"] + record["eval_time_s"]
+    self.position["history"].append(record)
+    if self.manager:
+      self.save(epoch, self.steps_per_epoch, {})
+    return record
+
+  def _take(self, tally: "_Tally", sums, bar) -> bool:
+    """Adds one step's sums to the epoch (False, and left out, if its loss is not finite)."""
+    host_sums = {k: float(np.asarray(v)[0]) for k, v in jax.device_get(sums).items()}
+    finite = math.isfinite(host_sums["loss_sum"])
+    if finite:
+      for key in _SUM_KEYS:
+        tally.sums[key] = tally.sums.get(key, 0.0) + host_sums[key]
+    else:
+      tally.nonfinite += 1
+    if bar is not None:
+      bar.update(1)
+      if finite and host_sums["weight_sum"]:
+        bar.set_postfix(loss=f"{host_sums['loss_sum'] / host_sums['weight_sum']:.4f}",
+                        refresh=False)
+    return finite
+
+
+class _Tally:
+  """An epoch's training metrics so far (host sums), resumable from a checkpoint."""
+
+  def __init__(self, position: dict):
+    self.sums = dict(position["epoch_sums"] or {})
+    self.carried_wire = position["epoch_wire"]
+    self.carried_time = position["epoch_train_time"]
+    self.nonfinite = position.get("epoch_nonfinite", 0)
+    self.skipped_before = position.get("epoch_skipped_before")
+    self.wires: list = []
+    self.rolled_back = False
+
+  def restart(self, skipped: int | None) -> None:
+    """After a rollback: the epoch's metrics count only the steps from here on."""
+    self.sums, self.carried_wire, self.carried_time, self.wires = {}, 0.0, 0.0, []
+    self.nonfinite, self.skipped_before, self.rolled_back = 0, skipped, True
+
+  def position(self, elapsed: float) -> dict:
+    wire = self.carried_wire + sum(float(np.asarray(w)[0]) for w in jax.device_get(self.wires))
+    return {"epoch_sums": dict(self.sums), "epoch_wire": wire,
+            "epoch_train_time": self.carried_time + elapsed,
+            "epoch_nonfinite": self.nonfinite, "epoch_skipped_before": self.skipped_before}
+
+  def record(self, epoch: int, step: int, done: dict) -> dict:
+    totals = {key: done["epoch_sums"].get(key, 0.0) for key in _SUM_KEYS}
+    weight = totals["weight_sum"]
+    record = {"event": "epoch", "epoch": epoch + 1, "step": step,
+              "train_loss": totals["loss_sum"] / weight if weight else None,
+              "train_accuracy": totals["correct_sum"] / weight if weight else None,
+              "train_examples": totals["count"], "train_time_s": done["epoch_train_time"]}
+    if self.nonfinite:
+      record["nonfinite_loss_steps"] = self.nonfinite  # left out of train_loss
+    if self.rolled_back:
+      record["rolled_back"] = True  # train_* count only the steps after the rollback
+    return record
