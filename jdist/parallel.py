@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdist import errors
 from jdist import topology as topology_lib
+from jdist.collectives import steps
 from jdist.collectives import world as world_lib
 from jdist.collectives.transport import DATA_AXIS
 
@@ -102,15 +103,18 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
   static = ((static_broadcasted_argnums,) if isinstance(static_broadcasted_argnums, int)
             else tuple(static_broadcasted_argnums))
 
+  name = getattr(fn, "__name__", "step")
+
   def with_marker(*args):
     # A tiny extra output whose readiness tells the watchdog the step ended;
-    # the user's own outputs may be donated to the next step.
-    return fn(*args), jnp.zeros((), jnp.int8)
+    # the user's own outputs may be donated to the next step. The scope
+    # numbers the step's exchanges (the native route names them so).
+    with steps.step_scope(name):
+      return fn(*args), jnp.zeros((), jnp.int8)
 
   pmapped = jax.pmap(with_marker, axis_name=DATA_AXIS,
                      in_axes=in_axes, out_axes=(out_axes, 0),
                      static_broadcasted_argnums=static, donate_argnums=donate_argnums)
-  name = getattr(fn, "__name__", "step")
 
   @functools.wraps(fn)
   def step(*args):

@@ -48,6 +48,11 @@ class Topology:
       multi-process collectives) or "none" (a single process).
     timeout: seconds any cross-process exchange may wait before the watchdog
       names the missing ranks and aborts the job.
+    route: how buffers cross processes inside a step (see
+      `jdist.collectives.route`): "local" (one process, or backend "jax"),
+      "mpi4jax" (one device per process), "native" (jdist's compiled
+      exchange, several devices per process) or "callback" (its fallback
+      through host callbacks, where the native library is not built).
   """
 
   process_index: int
@@ -57,6 +62,7 @@ class Topology:
   local_process_count: int = 1
   backend: str = "none"
   timeout: float = DEFAULT_TIMEOUT_S
+  route: str = "local"
 
   @property
   def replica_count(self) -> int:
@@ -89,7 +95,7 @@ class Topology:
   def __str__(self) -> str:
     return (f"process {self.process_index}/{self.process_count} x "
             f"{self.local_device_count} local devices = {self.replica_count} "
-            f"replicas (backend {self.backend})")
+            f"replicas (backend {self.backend}, route {self.route})")
 
 
 _lock = threading.Lock()
@@ -180,6 +186,20 @@ def _reserve_host_threads() -> None:
         "keeps its size and several devices per process may deadlock in "
         "cross-process exchanges. Call jdist.init() before any JAX computation, or "
         f"set NPROC={MIN_HOST_THREADS} in the environment.", RuntimeWarning, stacklevel=3)
+
+
+def _start_route(mpi_world, topology: Topology) -> str:
+  """Starts the native exchange engine where it serves; returns the route."""
+  from jdist.collectives import native, transport  # pylint: disable=g-import-not-at-top
+  if topology.backend == "mpi" and topology.process_count > 1:
+    why_not = native.start(mpi_world, topology.local_device_count, topology.timeout)
+    if why_not and topology.local_device_count > 1:
+      warnings.warn(
+          f"jdist: the native cross-process exchange is not available ({why_not}); "
+          f"using the slower callback route. Build it with `python -m "
+          f"jdist.collectives.native.build` (scripts/install.sh does).", RuntimeWarning,
+          stacklevel=3)
+  return transport.route(topology)
 
 
 def _start_jax_distributed(mpi_world) -> None:
@@ -286,6 +306,7 @@ def init(*, timeout: float | None = None, backend: str | None = None,
           timeout=resolved_timeout,
       )
       mpi_world.attach(topology)
+      topology = dataclasses.replace(topology, route=_start_route(mpi_world, topology))
     _topology = topology
     return topology
 
