@@ -157,5 +157,11 @@ def call(kind: int, buffer: jax.Array, result: jax.ShapeDtypeStruct, ordinal: in
     axis_name: the pmap axis of the local devices.
   """
   device = lax.axis_index(axis_name).astype(np.int32)
-  return jax.ffi.ffi_call(TARGET, result, has_side_effect=True)(
+  # A sum writes its result over its input: the input's pages are already
+  # mapped, while a fresh XLA output buffer page-faults on every call
+  # (measured: the copy into it took 7 ms of a 16 MB exchange's 21 ms).
+  # The engine reads every input before it writes any output.
+  aliases = {1: 0} if kind != GATHER else {}
+  return jax.ffi.ffi_call(TARGET, result, has_side_effect=True,
+                          input_output_aliases=aliases)(
       device, buffer, ordinal=np.int64(ordinal), kind=np.int32(kind))

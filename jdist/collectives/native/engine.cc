@@ -30,6 +30,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -50,6 +51,18 @@ namespace jdist {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Where an exchange's time goes, summed over exchanges when JDIST_NATIVE_PROFILE
+// is set (printed by jdist_stop): for tuning, off the hot path otherwise.
+struct Profile {
+  std::atomic<int64_t> skew_ns{0}, local_ns{0}, queue_ns{0}, first_ns{0}, add_ns{0},
+      second_ns{0}, copy_ns{0}, count{0};
+};
+Profile profile;
+const bool profiling = std::getenv("JDIST_NATIVE_PROFILE") != nullptr;
+int64_t Ns(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count();
+}
 
 size_t ElemSize(int elem) {
   switch (elem) {
@@ -152,6 +165,7 @@ struct Exchange {
   std::vector<MPI_Request> requests;
   std::vector<int> expected_bytes;  // per request, receives only (else -1)
   int phase = 0;
+  Clock::time_point mark;  // profiling: when the current stage started
 };
 
 class Engine {
@@ -190,6 +204,16 @@ class Engine {
       cv_.notify_all();
     }
     thread_.join();
+    if (profiling && profile.count > 0) {
+      double n = static_cast<double>(profile.count.load()) * 1e3;
+      std::fprintf(stderr,
+                   "jdist native profile, rank %d, %lld exchanges, mean us: device skew %.1f, "
+                   "local reduce %.1f, queue %.1f, first phase %.1f, add %.1f, second phase "
+                   "%.1f, copy-out per device %.1f\n",
+                   rank_, static_cast<long long>(profile.count.load()), profile.skew_ns / n,
+                   profile.local_ns / n, profile.queue_ns / n, profile.first_ns / n,
+                   profile.add_ns / n, profile.second_ns / n, profile.copy_ns / n / devices_);
+    }
     std::lock_guard<std::mutex> lock(mu_);
     running_ = false;
     MPI_Comm_free(&comm_);
@@ -238,7 +262,14 @@ class Engine {
       }
     }
     if (!ready) return;
+    auto arrived = Clock::now();
     ReduceLocal(*ready);  // on the last device's thread: compute only
+    if (profiling) {
+      ready->mark = Clock::now();
+      profile.skew_ns += Ns(ready->since, arrived);
+      profile.local_ns += Ns(arrived, ready->mark);
+      profile.count += 1;
+    }
     if (size_ == 1) return Finish(ready);
     std::lock_guard<std::mutex> lock(mu_);
     queue_.push_back(std::move(ready));
@@ -340,6 +371,11 @@ class Engine {
   }
 
   void Begin(Exchange& e) {
+    if (profiling) {
+      auto now = Clock::now();
+      profile.queue_ns += Ns(e.mark, now);
+      e.mark = now;
+    }
     const size_t w = WireSize(e);
     if (e.kind == JDIST_GATHER) {
       size_t block = e.count * ElemSize(e.elem) * devices_;
@@ -366,6 +402,12 @@ class Engine {
   // Called when every request of the current phase completed. Returns true
   // when the exchange is done.
   bool Advance(Exchange& e) {
+    if (profiling) {
+      auto now = Clock::now();
+      (e.kind == JDIST_GATHER || e.phase == 1 ? profile.second_ns : profile.first_ns) +=
+          Ns(e.mark, now);
+      e.mark = now;
+    }
     if (e.kind == JDIST_GATHER || e.phase == 1) return true;
     const size_t w = WireSize(e);
     auto mine = Chunk(e, rank_);
@@ -394,6 +436,11 @@ class Engine {
       }
     }
     e.recv.reset();
+    if (profiling) {
+      auto now = Clock::now();
+      profile.add_ns += Ns(e.mark, now);
+      e.mark = now;
+    }
     char* base = e.acc.get();
     PostPhase(
         e, 1, [&](int) { return std::make_pair(acc, static_cast<size_t>(n) * w); },
@@ -415,7 +462,9 @@ class Engine {
       completions_.Run([e, d, bytes, message] {
         const Part& part = e->parts[d];
         if (!message.empty()) return part.done(part.arg, message.c_str());
+        auto start = Clock::now();
         std::memcpy(part.out, e->acc.get(), bytes);
+        if (profiling) profile.copy_ns += Ns(start, Clock::now());
         part.done(part.arg, nullptr);
       });
     }
