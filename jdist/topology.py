@@ -166,18 +166,32 @@ def resolve_init_timeout(timeout: float) -> float:
 MIN_HOST_THREADS = 16
 
 
+def _native_route_expected() -> bool:
+  """True when the native exchange library is built and not overridden.
+
+  Decided before JAX creates its backends (NPROC is read then), so it looks
+  for the library only; `jdist.init` warns if the engine then fails to start.
+  """
+  from jdist.collectives.native import build  # pylint: disable=g-import-not-at-top
+  return (os.path.exists(build.CPU_LIBRARY)
+          and os.environ.get("JDIST_ROUTE", "") != "callback")
+
+
 def _reserve_host_threads() -> None:
   """Gives XLA's CPU client enough threads for blocking cross-process calls.
 
-  XLA sizes the CPU client's thread pool from the NPROC environment variable,
-  else the core count. With several local devices, each device's host
-  callback blocks a pool thread inside MPI until its peer on the other
-  process arrives; on a 2-core machine the pool (2 threads) is then full and
-  the work the other device still needs never runs: a deadlock on both
-  processes (measured: 2 processes x 2 devices, buffers >= 64K floats). Extra
-  pool threads cost nothing while idle.
+  Only the callback route needs it (the native route's custom calls return
+  at once and block no thread; with NPROC left alone the 2 x 2 ordering tests
+  pass on a 2-core machine, where the callback route deadlocks). XLA sizes
+  the CPU client's thread pool from the NPROC environment variable, else the
+  core count. With several local devices, each device's host callback blocks
+  a pool thread inside MPI until its peer on the other process arrives; on a
+  2-core machine the pool (2 threads) is then full and the work the other
+  device still needs never runs: a deadlock on both processes (measured: 2
+  processes x 2 devices, buffers >= 64K floats). Extra pool threads cost
+  nothing while idle.
   """
-  if "NPROC" in os.environ:
+  if "NPROC" in os.environ or _native_route_expected():
     return
   os.environ["NPROC"] = str(max(os.cpu_count() or 1, MIN_HOST_THREADS))
   if jax_internals.backends_initialized():
