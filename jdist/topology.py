@@ -172,8 +172,8 @@ def _native_route_expected() -> bool:
   Decided before JAX creates its backends (NPROC is read then), so it looks
   for the library only; `jdist.init` warns if the engine then fails to start.
   """
-  from jdist.collectives.native import build  # pylint: disable=g-import-not-at-top
-  return (os.path.exists(build.CPU_LIBRARY)
+  from jdist.collectives import native  # pylint: disable=g-import-not-at-top
+  return (os.path.exists(native.CPU_LIBRARY)
           and os.environ.get("JDIST_ROUTE", "") != "callback")
 
 

@@ -129,8 +129,7 @@ def test_native_route_is_taken_for_several_devices_per_process(topo):
     assert collectives.route() in ("local", "mpi4jax")
     return
   import os  # pylint: disable=import-outside-toplevel
-  from jdist.collectives.native import build  # pylint: disable=import-outside-toplevel
-  if not os.path.exists(build.CPU_LIBRARY):
+  if not os.path.exists(native.CPU_LIBRARY):
     assert collectives.route() == "callback" and topo.route == "callback"
     return
   assert native.running() and collectives.route() == "native" and topo.route == "native"

@@ -28,8 +28,10 @@ import jax
 import numpy as np
 from jax import lax
 
-from jdist.collectives.native import build as build_lib
-
+HERE = os.path.dirname(os.path.abspath(__file__))
+BUILD_DIR = os.path.join(HERE, "_build")  # written by `build`, ignored by git
+CPU_LIBRARY = os.path.join(BUILD_DIR, "libjdist_exchange.so")
+CUDA_LIBRARY = os.path.join(BUILD_DIR, "libjdist_exchange_cuda.so")
 TARGET = "jdist_exchange"
 SUM, SUM16, GATHER = 0, 1, 2  # engine.h's JdistKind
 SUM_DTYPES = frozenset(np.dtype(d) for d in (np.float32, np.float64, np.int32, np.int64,
@@ -50,10 +52,10 @@ def _load() -> ctypes.CDLL:
   """
   global _library
   if _library is None:
-    if not os.path.exists(build_lib.CPU_LIBRARY):
-      raise OSError(f"{build_lib.CPU_LIBRARY} is not built (run `python -m "
+    if not os.path.exists(CPU_LIBRARY):
+      raise OSError(f"{CPU_LIBRARY} is not built (run `python -m "
                     f"jdist.collectives.native.build`; scripts/install.sh does)")
-    library = ctypes.CDLL(build_lib.CPU_LIBRARY)
+    library = ctypes.CDLL(CPU_LIBRARY)
     library.jdist_start.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_double]
     library.jdist_start.restype = ctypes.c_int
     library.jdist_last_error.restype = ctypes.c_char_p
@@ -70,10 +72,10 @@ def _register(platform: str) -> None:
   if platform == "cpu":
     handler = _load().JdistExchangeCpu
   else:
-    if not os.path.exists(build_lib.CUDA_LIBRARY):
-      raise OSError(f"{build_lib.CUDA_LIBRARY} is not built (no CUDA toolkit at build time)")
+    if not os.path.exists(CUDA_LIBRARY):
+      raise OSError(f"{CUDA_LIBRARY} is not built (no CUDA toolkit at build time)")
     _load()  # the CUDA library links to the CPU one
-    handler = ctypes.CDLL(build_lib.CUDA_LIBRARY).JdistExchangeCuda
+    handler = ctypes.CDLL(CUDA_LIBRARY).JdistExchangeCuda
   jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler),
                               platform="cpu" if platform == "cpu" else "CUDA")
   _registered.add(platform)

@@ -21,10 +21,10 @@ import shutil
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-BUILD_DIR = os.path.join(HERE, "_build")
-CPU_LIBRARY = os.path.join(BUILD_DIR, "libjdist_exchange.so")
-CUDA_LIBRARY = os.path.join(BUILD_DIR, "libjdist_exchange_cuda.so")
+from jdist.collectives.native import BUILD_DIR
+from jdist.collectives.native import CPU_LIBRARY
+from jdist.collectives.native import CUDA_LIBRARY
+from jdist.collectives.native import HERE
 FLAGS = ["-O3", "-DNDEBUG", "-std=c++17", "-fPIC", "-shared", "-pthread", "-Wall"]
 
 
