@@ -230,37 +230,14 @@ class Engine {
             void* out, JdistDone done, void* arg) {
     if (kind == JDIST_SUM && (elem == JDIST_F16 || elem == JDIST_BF16)) kind = JDIST_SUM16;
     std::shared_ptr<Exchange> ready;
+    const char* error = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!running_ || stop_) return done(arg, "jdist's native exchange engine is not running");
-      if (device < 0 || device >= devices_) return done(arg, "device index out of range");
-      if (2 * ordinal + 1 > tag_ub_) return done(arg, "too many exchanges in one step");
-      uint64_t seq = next_seq_[device][ordinal]++;
-      auto key = std::make_pair(ordinal, seq);
-      auto& slot = forming_[key];
-      if (!slot) {
-        slot = std::make_shared<Exchange>();
-        slot->ordinal = ordinal;
-        slot->seq = seq;
-        slot->kind = kind;
-        slot->elem = elem;
-        slot->count = count;
-        slot->parts.resize(devices_);
-        slot->present.assign(devices_, false);
-        slot->since = Clock::now();
-      } else if (slot->count != count || slot->elem != elem || slot->kind != kind ||
-                 slot->present[device]) {
-        // The devices disagree on what exchange this is: a program error
-        // that would otherwise mix unrelated buffers.
-        return done(arg, "local devices posted different exchanges under one ordinal");
-      }
-      slot->parts[device] = Part{in, out, done, arg};
-      slot->present[device] = true;
-      if (++slot->arrived == devices_) {
-        ready = slot;
-        forming_.erase(key);
-      }
+      error = Admit(device, ordinal, kind, elem, count, Part{in, out, done, arg}, &ready);
     }
+    // Outside the lock: completing a future runs the device's next work here,
+    // which may post the next exchange.
+    if (error) return done(arg, error);
     if (!ready) return;
     auto arrived = Clock::now();
     ReduceLocal(*ready);  // on the last device's thread: compute only
@@ -277,6 +254,41 @@ class Engine {
   }
 
  private:
+  // Records one device's part; sets `ready` when it completes the local
+  // group. Returns an error message, or null. Called with mu_ held.
+  const char* Admit(int device, int64_t ordinal, int kind, int elem, int64_t count,
+                    const Part& part, std::shared_ptr<Exchange>* ready) {
+    if (!running_ || stop_) return "jdist's native exchange engine is not running";
+    if (device < 0 || device >= devices_) return "device index out of range";
+    if (ordinal < 0 || 2 * ordinal + 1 > tag_ub_) return "too many exchanges in one step";
+    uint64_t seq = next_seq_[device][ordinal]++;
+    auto key = std::make_pair(ordinal, seq);
+    auto& slot = forming_[key];
+    if (!slot) {
+      slot = std::make_shared<Exchange>();
+      slot->ordinal = ordinal;
+      slot->seq = seq;
+      slot->kind = kind;
+      slot->elem = elem;
+      slot->count = count;
+      slot->parts.resize(devices_);
+      slot->present.assign(devices_, false);
+      slot->since = Clock::now();
+    } else if (slot->count != count || slot->elem != elem || slot->kind != kind ||
+               slot->present[device]) {
+      // The devices disagree on what exchange this is: a program error
+      // that would otherwise mix unrelated buffers.
+      return "local devices posted different exchanges under one ordinal";
+    }
+    slot->parts[device] = part;
+    slot->present[device] = true;
+    if (++slot->arrived == devices_) {
+      *ready = slot;
+      forming_.erase(key);
+    }
+    return nullptr;
+  }
+
   int Fail(const char* why) {
     error_ = why;
     return -1;
