@@ -11,8 +11,13 @@ Variants, interleaved at each size in one job:
   * `jdist_fp16`: `jdist.cast(float16)` + `jdist.allreduce()`: 16 bits on
     the wire, float32 in and out;
   * `jdist_callback`: `jdist.psum` with the callback route forced
-    (`JDIST_ROUTE=callback`) on one device per process;
-  * `*_x8` (`mpi_x8`, `mpi4jax_x8`, `jdist_psum_x8`): eight all-reduces, one
+    (`JDIST_ROUTE=callback`), the fallback where the native library is not
+    built (with several devices per process, `jdist_psum` takes the native
+    route: the two side by side);
+  * `jdist_native`: `jdist.psum` with the native route forced
+    (`JDIST_ROUTE=native`) on one device per process, beside mpi4jax;
+  * `*_x8` (`mpi_x8`, `mpi4jax_x8`, `jdist_psum_x8`, `jdist_callback_x8`,
+    `jdist_native_x8`): eight all-reduces, one
     after the other, per call (a Python loop for MPI, one jitted step for the
     others). Their time is per all-reduce: what one all-reduce costs inside a
     step, with the fixed cost of launching a jitted call (about 0.5 ms here,
@@ -36,6 +41,7 @@ import optax
 
 import jdist
 from jdist import collectives
+from jdist.collectives import native
 from benchmarks import timing
 
 SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KB .. 64 MB
@@ -88,8 +94,16 @@ def _jdist_variants(topo: jdist.Topology) -> dict[str, tuple[Callable, str | Non
       "jdist_fp16": (jdist_mean(jnp.float16), None),
       "jdist_psum_x8": (chained(jdist.psum), None),
   }
-  if topo.backend == "mpi" and topo.local_device_count == 1:
+  # The callback route blocks an XLA thread per device, so with several
+  # devices it needs the thread pool jdist.init() only enlarges for it: run
+  # the job with NPROC=16 (the native route does not need it) to include it.
+  callback_ok = topo.local_device_count == 1 or int(os.environ.get("NPROC", "0")) >= 8
+  if topo.backend == "mpi" and topo.process_count > 1 and callback_ok:
     variants["jdist_callback"] = (jdist.psum, "callback")
+    variants["jdist_callback_x8"] = (chained(jdist.psum), "callback")
+    if topo.route != "native" and native.running():
+      variants["jdist_native"] = (jdist.psum, "native")
+      variants["jdist_native_x8"] = (chained(jdist.psum), "native")
   return variants
 
 

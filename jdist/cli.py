@@ -228,6 +228,9 @@ def info_main(argv=None) -> int:
     library = mpi_world.MPI.Get_library_version().strip().splitlines()[0]
     print(f"MPI: {library} (thread multiple: {mpi_world.thread_multiple})")
   print(f"topology: {topo}; timeout {topo.timeout:g} s")
+  from jdist.collectives import native  # pylint: disable=g-import-not-at-top
+  if native.unavailable_reason():
+    print(f"  native exchange unavailable: {native.unavailable_reason()}")
   for line in everyone:
     print(f"  {line}")
   for name in ("XLA_FLAGS", "JAX_PLATFORMS", "NPROC", "JDIST_TIMEOUT", "CUDA_VISIBLE_DEVICES"):

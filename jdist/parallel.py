@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from jdist import errors
 from jdist import topology as topology_lib
+from jdist.collectives import steps
 from jdist.collectives import world as world_lib
 from jdist.collectives.transport import DATA_AXIS
 
@@ -170,7 +171,8 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
     world = world_lib.get()
     if world is not None and world.size > 1:  # runs only while tracing: a re-trace's
       world.watchdog.note_trace(name, args)   # shapes, for a divergence report
-    out = fn(*args)
+    with steps.step_scope(name):  # numbers the step's exchanges (the native route's names)
+      out = fn(*args)
     if isinstance(out_axes, tuple):
       if not isinstance(out, tuple) or len(out) != len(out_axes):
         raise ValueError(f"{name}: out_axes={out_axes!r} needs a tuple of {len(out_axes)} "
@@ -202,7 +204,8 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
     world = world_lib.get()
     if world is not None and world.size > 1:
       world.watchdog.note_trace(name, args)
-    return fn(*args), jnp.zeros((), jnp.int8)
+    with steps.step_scope(name):
+      return fn(*args), jnp.zeros((), jnp.int8)
 
   # With the "jax" backend the step spans every process's devices; pmap
   # builds those global arrays from each process's slices, so it stays there.

@@ -48,6 +48,11 @@ class Topology:
       multi-process collectives) or "none" (a single process).
     timeout: seconds any cross-process exchange may wait before the watchdog
       names the missing ranks and aborts the job.
+    route: how buffers cross processes inside a step (see
+      `jdist.collectives.route`): "local" (one process, or backend "jax"),
+      "mpi4jax" (one device per process), "native" (jdist's compiled
+      exchange, several devices per process) or "callback" (its fallback
+      through host callbacks, where the native library is not built).
   """
 
   process_index: int
@@ -57,6 +62,7 @@ class Topology:
   local_process_count: int = 1
   backend: str = "none"
   timeout: float = DEFAULT_TIMEOUT_S
+  route: str = "local"
 
   @property
   def replica_count(self) -> int:
@@ -89,7 +95,7 @@ class Topology:
   def __str__(self) -> str:
     return (f"process {self.process_index}/{self.process_count} x "
             f"{self.local_device_count} local devices = {self.replica_count} "
-            f"replicas (backend {self.backend})")
+            f"replicas (backend {self.backend}, route {self.route})")
 
 
 _lock = threading.Lock()
@@ -160,18 +166,32 @@ def resolve_init_timeout(timeout: float) -> float:
 MIN_HOST_THREADS = 16
 
 
+def _native_route_expected() -> bool:
+  """True when the native exchange library is built and not overridden.
+
+  Decided before JAX creates its backends (NPROC is read then), so it looks
+  for the library only; `jdist.init` warns if the engine then fails to start.
+  """
+  from jdist.collectives import native  # pylint: disable=g-import-not-at-top
+  return (os.path.exists(native.CPU_LIBRARY)
+          and os.environ.get("JDIST_ROUTE", "") != "callback")
+
+
 def _reserve_host_threads() -> None:
   """Gives XLA's CPU client enough threads for blocking cross-process calls.
 
-  XLA sizes the CPU client's thread pool from the NPROC environment variable,
-  else the core count. With several local devices, each device's host
-  callback blocks a pool thread inside MPI until its peer on the other
-  process arrives; on a 2-core machine the pool (2 threads) is then full and
-  the work the other device still needs never runs: a deadlock on both
-  processes (measured: 2 processes x 2 devices, buffers >= 64K floats). Extra
-  pool threads cost nothing while idle.
+  Only the callback route needs it (the native route's custom calls return
+  at once and block no thread; with NPROC left alone the 2 x 2 ordering tests
+  pass on a 2-core machine, where the callback route deadlocks). XLA sizes
+  the CPU client's thread pool from the NPROC environment variable, else the
+  core count. With several local devices, each device's host callback blocks
+  a pool thread inside MPI until its peer on the other process arrives; on a
+  2-core machine the pool (2 threads) is then full and the work the other
+  device still needs never runs: a deadlock on both processes (measured: 2
+  processes x 2 devices, buffers >= 64K floats). Extra pool threads cost
+  nothing while idle.
   """
-  if "NPROC" in os.environ:
+  if "NPROC" in os.environ or _native_route_expected():
     return
   os.environ["NPROC"] = str(max(os.cpu_count() or 1, MIN_HOST_THREADS))
   if jax_internals.backends_initialized():
@@ -180,6 +200,20 @@ def _reserve_host_threads() -> None:
         "keeps its size and several devices per process may deadlock in "
         "cross-process exchanges. Call jdist.init() before any JAX computation, or "
         f"set NPROC={MIN_HOST_THREADS} in the environment.", RuntimeWarning, stacklevel=3)
+
+
+def _start_route(mpi_world, topology: Topology) -> str:
+  """Starts the native exchange engine where it serves; returns the route."""
+  from jdist.collectives import native, transport  # pylint: disable=g-import-not-at-top
+  if topology.backend == "mpi" and topology.process_count > 1:
+    why_not = native.start(mpi_world, topology.local_device_count, topology.timeout)
+    if why_not and topology.local_device_count > 1:
+      warnings.warn(
+          f"jdist: the native cross-process exchange is not available ({why_not}); "
+          f"using the slower callback route. Build it with `python -m "
+          f"jdist.collectives.native.build` (scripts/install.sh does).", RuntimeWarning,
+          stacklevel=3)
+  return transport.route(topology)
 
 
 def _start_jax_distributed(mpi_world) -> None:
@@ -286,6 +320,7 @@ def init(*, timeout: float | None = None, backend: str | None = None,
           timeout=resolved_timeout,
       )
       mpi_world.attach(topology)
+      topology = dataclasses.replace(topology, route=_start_route(mpi_world, topology))
     _topology = topology
     return topology
 

