@@ -38,6 +38,7 @@ SECTIONS = {
     "scaling": "scaling",
     "half": "half",
     "accuracy": "accuracy",
+    "network": "network_steps",
 }
 
 
