@@ -18,11 +18,19 @@ replica, these steps train interleaved round by round (`timing.interleaved`):
     one process's devices), and mpi4jax refuses more than one local device,
     so there is no hand-written step in 2x2.
 
+With option `torch` (torch installed), the PyTorch peer trains in the same
+processes and the same rounds (`benchmarks.torch_peer`: `torch_compute`,
+`ddp`, `ddp_fp16`, `ddp_powersgd`, gloo over the same link), so jdist and DDP
+are timed side by side under the same machine load. Each process is one
+torch rank training its local replicas' images (64 x local devices).
+
 Then the floor: mpi4py `Allreduce` of the gradient's size in float32
 (`mpi_f32`) and of half its bytes (`mpi_f32_half_bytes`, what a 16-bit
 payload moves), on the same link, between numpy buffers.
 
-Options (ctx.options): `modes` (jdist modes to run), `repeats`, `warmup`.
+Options (ctx.options): `modes` (jdist modes to run), `repeats`, `warmup`,
+`model` (default the CNN), `handwritten`, `floor` (default on), `torch`
+(a list of torch variants; default none).
 """
 
 from __future__ import annotations
@@ -92,12 +100,21 @@ def mpi_floor(ctx, param_count: int, repeats: int, warmup: int) -> list[dict]:
           for name, count in buffers.items()]
 
 
+def torch_steppers(ctx, variants) -> dict:
+  """The PyTorch peer's variants as step functions, named `torch_compute`, `ddp`, ..."""
+  from benchmarks import torch_peer  # pylint: disable=import-outside-toplevel
+  torch_peer.init(ctx.rank, ctx.topo.process_count)
+  batch = PER_REPLICA_BATCH * ctx.topo.local_device_count
+  return {("torch_compute" if v == "compute" else v):
+          torch_peer.Trainer(v, batch, seed=0, rank=ctx.rank) for v in variants}
+
+
 def run(ctx):
   """Yields one row per variant: median step time (`time_s`) and its spread."""
   repeats = 3 if ctx.quick else int(ctx.options.get("repeats", REPEATS))
   warmup = 1 if ctx.quick else int(ctx.options.get("warmup", WARMUP))
   modes = ctx.options.get("modes", MODES)
-  bench = workload.setup(MODEL, PER_REPLICA_BATCH)
+  bench = workload.setup(ctx.options.get("model", MODEL), PER_REPLICA_BATCH)
   sgd = optax.sgd(LEARNING_RATE)
   steppers = {"compute": bench.stepper(workload.compute_step(bench.model, sgd), sgd)}
   kinds = {"compute": "compute"}
@@ -111,17 +128,22 @@ def run(ctx):
       steppers[name] = bench.stepper(handwritten_step(bench.model, sgd, per_leaf=per_leaf),
                                      sgd, init=jax.pmap)
       kinds[name] = "handwritten"
+  if ctx.options.get("torch"):
+    for name, trainer in torch_steppers(ctx, ctx.options["torch"]).items():
+      steppers[name] = trainer
+      kinds[name] = "torch"
   series = timing.interleaved(steppers, repeats=repeats, warmup=warmup, sync=ctx.sync)
-  compute = series["compute"].samples
   for name, stepper in steppers.items():
+    compute = series["torch_compute" if kinds[name] == "torch" else "compute"].samples
     wire = 0.0
     if kinds[name] == "jdist":
       wire = float(jdist.wire_bytes(jdist.unreplicate(stepper.state[1])))
     elif kinds[name] == "handwritten":
       wire = float(bench.param_count * 4)
     paired = statistics.median(s - c for s, c in zip(series[name].samples, compute))
-    yield {"variant": name, "kind": kinds[name], "params": bench.param_count,
+    extra = {"threads": stepper.threads} if kinds[name] == "torch" else {}
+    yield {"variant": name, "kind": kinds[name], "params": bench.param_count, **extra,
            "per_replica_batch": PER_REPLICA_BATCH, "wire_bytes": wire,
            "comm_paired_s": paired, **series[name].as_dict()}
-  if ctx.topo.process_count > 1:
+  if ctx.topo.process_count > 1 and ctx.options.get("floor", True):
     yield from mpi_floor(ctx, bench.param_count, max(repeats, 10), warmup)

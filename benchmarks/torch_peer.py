@@ -1,4 +1,8 @@
-"""The PyTorch peer: DDP (gloo) on SINGA's CNN, one rank of `python -m benchmarks.network`.
+"""The PyTorch peer: DDP (gloo) on SINGA's CNN.
+
+`benchmarks.network_steps` builds these trainers inside its own processes
+(`init`, `Trainer`), so DDP and jdist steps interleave under the same load.
+It also runs alone, one rank per process:
 
     mpirun -np 2 python -m benchmarks.torch_peer --out PREFIX --config JSON
 
@@ -94,10 +98,20 @@ def wrap(variant: str, model: nn.Module) -> nn.Module:
   return ddp
 
 
+def init(rank: int, size: int, threads: int | None = None) -> None:
+  """Joins the gloo process group (MASTER_ADDR/MASTER_PORT from the environment)
+  once, with `threads` intra-op threads (default: cores / processes, as torchrun)."""
+  torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // size))
+  if not dist.is_initialized():
+    dist.init_process_group("gloo", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=120))
+
+
 class Trainer:
   """One variant's model, optimizer and batch; a call runs one SGD step."""
 
   def __init__(self, variant: str, batch: int, seed: int, rank: int):
+    self.threads = torch.get_num_threads()
     torch.manual_seed(seed)  # the same initial weights on every rank and variant
     self.model = wrap(variant, SingaCNN())
     self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LEARNING_RATE)
@@ -150,10 +164,7 @@ def main(argv=None) -> None:
   options = config.get("options", {})
   rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "0")))
   size = int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-  threads = int(options.get("threads") or max(1, (os.cpu_count() or 1) // size))
-  torch.set_num_threads(threads)
-  dist.init_process_group("gloo", rank=rank, world_size=size,
-                          timeout=datetime.timedelta(seconds=120))
+  init(rank, size, int(options.get("threads") or 0) or None)
   section = {"rows": [], "complete": False}
   result = {"job": config["job"], "topology": f"{size}x1 torch", "rank": rank,
             "backend": f"torch {torch.__version__} gloo", "init_error": None,
