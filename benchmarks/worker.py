@@ -39,6 +39,7 @@ SECTIONS = {
     "half": "half",
     "accuracy": "accuracy",
     "network": "network_steps",
+    "overlap": "overlap",
 }
 
 
