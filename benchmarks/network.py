@@ -73,12 +73,12 @@ def free_port() -> int:
 
 
 def cell_job(topology: str, link: netns.Link, *, quick: bool, repeats: int,
-             with_torch: bool) -> jobs_lib.Job:
+             with_torch: bool, modes=None) -> jobs_lib.Job:
   """The job of one link and topology: jdist's variants and (with torch) DDP's."""
   processes, devices = TOPOLOGIES[topology]
   options = {"repeats": repeats, "warmup": WARMUP}
-  if quick:
-    options["modes"] = list(QUICK_MODES)
+  if quick or modes:
+    options["modes"] = list(modes or QUICK_MODES)
   env = ()
   if with_torch:
     options["torch"] = list(QUICK_TORCH_VARIANTS if quick else TORCH_VARIANTS)
@@ -89,12 +89,13 @@ def cell_job(topology: str, link: netns.Link, *, quick: bool, repeats: int,
 
 
 def run_link(link: netns.Link, topologies, *, quick: bool, repeats: int, with_torch: bool,
-             log: Callable[[str], None]) -> list[dict]:
+             log: Callable[[str], None], modes=None) -> list[dict]:
   """Every job of `link`, in one namespace (none for shared memory)."""
   results = []
   with (netns.shaped_namespace(link) if link.shaped else contextlib.nullcontext()) as name:
     for topology in topologies:
-      job = cell_job(topology, link, quick=quick, repeats=repeats, with_torch=with_torch)
+      job = cell_job(topology, link, quick=quick, repeats=repeats, with_torch=with_torch,
+                     modes=modes)
       if name is not None:
         job = dataclasses.replace(job, prefix=tuple(netns.exec_prefix(name)),
                                   mpirun_args=netns.MPI_TCP_ARGS)
@@ -115,7 +116,7 @@ def environment() -> dict[str, Any]:
 
 
 def run_network(links=None, topologies=None, *, quick: bool = False, repeats: int | None = None,
-                log: Callable[[str], None] = print) -> dict[str, Any]:
+                modes=None, log: Callable[[str], None] = print) -> dict[str, Any]:
   """Runs the network section and returns its results (summary included).
 
   Args:
@@ -123,6 +124,7 @@ def run_network(links=None, topologies=None, *, quick: bool = False, repeats: in
     topologies: "2x1" and/or "2x2" (default both; quick: 2x1).
     quick: smoke run: few modes, 3 timed rounds.
     repeats: timed rounds per variant (default `REPEATS`).
+    modes: jdist modes (default every one of `network_steps.MODES`).
     log: progress lines.
 
   Returns:
@@ -151,7 +153,7 @@ def run_network(links=None, topologies=None, *, quick: bool = False, repeats: in
   results = []
   for link in chosen:
     results += run_link(link, topologies, quick=quick, repeats=repeats or REPEATS,
-                        with_torch=torch_reason is None, log=log)
+                        with_torch=torch_reason is None, log=log, modes=modes)
   environment_info = environment()
   environment_info["load_average_end"] = list(os.getloadavg())
   out = {"command": "python -m benchmarks.network" + (" --quick" if quick else ""),
@@ -183,6 +185,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                       + ",".join(link.name for link in netns.LINKS))
   parser.add_argument("--topologies", help="comma-separated, from " + ",".join(TOPOLOGIES))
   parser.add_argument("--repeats", type=int, help=f"timed rounds (default {REPEATS})")
+  parser.add_argument("--modes", help="comma-separated jdist modes (default all: plain, fp16, "
+                      "bf16, topk1%%, topk1%%-block, threshold, partial4)")
   args = parser.parse_args(argv)
   if args.out is None:
     args.out = (os.path.join(tempfile.gettempdir(), "jdist-network-quick") if args.quick
@@ -200,7 +204,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
   args = parse_args(argv)
   netns.terminate_on_sigterm()  # so a killed run still deletes its namespace
-  results = run_network(args.links, args.topologies, quick=args.quick, repeats=args.repeats)
+  results = run_network(args.links, args.topologies, quick=args.quick, repeats=args.repeats,
+                        modes=args.modes.split(",") if args.modes else None)
   if argv is not None or len(sys.argv) > 1:
     results["command"] = "python -m benchmarks.network " + " ".join(
         argv if argv is not None else sys.argv[1:])
