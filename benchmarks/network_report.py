@@ -100,7 +100,10 @@ def targets(by_key: dict) -> list[dict]:
         if mine is None:
           continue
         value = _ratio(mine and mine[f"{measure}_s"], theirs and theirs[f"{measure}_s"])
-        out.append(analysis._target(name, value, bound, f"{topology} {link}"))  # pylint: disable=protected-access
+        target = analysis._target(name, value, bound, f"{topology} {link}")  # pylint: disable=protected-access
+        if measure == "step":  # the median of per-round ratios, beside the ratio of medians
+          target["paired"] = mine.get(f"paired_vs_{reference}")
+        out.append(target)
   return out
 
 
@@ -123,6 +126,15 @@ def best_modes(rows: list[dict]) -> list[dict]:
                 "fastest_dense_step_s": fastest_dense and fastest_dense["step_s"],
                 "plain_step_s": plain and plain["step_s"]})
   return out
+
+
+def by_variant(summary: dict, row: dict, variant: str) -> float | None:
+  """The median step of `variant` in `row`'s cell."""
+  for other in summary["rows"]:
+    if (other["link"], other["topology"], other["variant"]) == (
+        row["link"], row["topology"], variant):
+      return other["step_s"]
+  return None
 
 
 def _link_order(summary: dict) -> list[str]:
@@ -193,9 +205,24 @@ def markdown(results: dict) -> str:
   for reason in results["skipped"]:
     lines += [f"**Skipped:** {reason}.", ""]
   body = [[t["target"], t["where"], f"<= {t['bound']}", report.num(t["measured"]),
+           report.num(t.get("paired")),
            {True: "met", False: "MISSED", None: "not measured"}[t["met"]]]
           for t in summary["targets"]]
-  lines += ["## Targets", ""] + report.table(["target", "where", "bound", "measured", ""], body)
+  lines += ["## Targets", "",
+            "Ratios of medians; for whole steps also the median of per-round ratios "
+            "(`paired`: each round runs both steps back to back, so load drift cancels).", ""
+            ] + report.table(["target", "where", "bound", "measured", "paired", ""], body)
+  compute = [r for r in summary["rows"] if r["variant"] == "compute"
+             and r.get("paired_vs_torch_compute")]
+  if compute:
+    body = [[r["topology"], r["link"], report.ms(r["step_s"]),
+             report.ms(by_variant(summary, r, "torch_compute")),
+             report.num(r["paired_vs_torch_compute"])] for r in compute]
+    lines += ["## Compute only: XLA:CPU against PyTorch", "",
+              "The same model, batch and SGD step without any exchange (jdist: XLA's "
+              "default CPU thread pool per process; torch: its `threads` per process).", ""
+              ] + report.table(["topology", "link", "jdist compute ms", "torch compute ms",
+                                "jdist/torch (paired)"], body)
   for topology in sorted({r["topology"] for r in summary["rows"]}):
     lines += [f"## {topology}: median step / communication ms", ""] + _grid(summary, topology)
     lines += [f"### {topology}: ratios against DDP (fp16 and bf16 against DDP + fp16 hook) "

@@ -53,6 +53,8 @@ LEARNING_RATE = compression.LEARNING_RATE
 MODES = ("plain", "fp16", "bf16", "topk1%", "topk1%-block", "threshold", "partial4")
 REPEATS = 15
 WARMUP = 3
+# Each row's step against these, round by round (the torch peer's when present).
+PAIRED_REFERENCES = ("compute", "torch_compute", "ddp", "ddp_fp16")
 
 
 def handwritten_step(model, tx: optax.GradientTransformation, *, per_leaf: bool):
@@ -142,6 +144,9 @@ def run(ctx):
       wire = float(bench.param_count * 4)
     paired = statistics.median(s - c for s, c in zip(series[name].samples, compute))
     extra = {"threads": stepper.threads} if kinds[name] == "torch" else {}
+    for reference in PAIRED_REFERENCES:  # medians of per-round ratios: drift cancels
+      if reference in series:
+        extra[f"paired_vs_{reference}"] = timing.paired_ratio(series[name], series[reference])
     yield {"variant": name, "kind": kinds[name], "params": bench.param_count, **extra,
            "per_replica_batch": PER_REPLICA_BATCH, "wire_bytes": wire,
            "comm_paired_s": paired, **series[name].as_dict()}
