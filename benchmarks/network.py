@@ -185,6 +185,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                       + ",".join(link.name for link in netns.LINKS))
   parser.add_argument("--topologies", help="comma-separated, from " + ",".join(TOPOLOGIES))
   parser.add_argument("--repeats", type=int, help=f"timed rounds (default {REPEATS})")
+  parser.add_argument("--render", metavar="JSON", help="measure nothing: re-derive the summary "
+                      "of a network.json and rewrite its network.md and figure into --out")
   parser.add_argument("--modes", help="comma-separated jdist modes (default all: plain, fp16, "
                       "bf16, topk1%%, topk1%%-block, threshold, partial4)")
   args = parser.parse_args(argv)
@@ -203,10 +205,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if args.render:
+    with open(args.render, encoding="utf-8") as f:
+      results = json.load(f)
+    results["summary"] = network_report.summarize(results)
+    print(f"Rewrote {', '.join(write_outputs(results, args.out))} into {args.out}.")
+    return 0
   netns.terminate_on_sigterm()  # so a killed run still deletes its namespace
   results = run_network(args.links, args.topologies, quick=args.quick, repeats=args.repeats,
                         modes=args.modes.split(",") if args.modes else None)
-  if argv is not None or len(sys.argv) > 1:
+  if argv or len(sys.argv) > 1:
     results["command"] = "python -m benchmarks.network " + " ".join(
         argv if argv is not None else sys.argv[1:])
   written = write_outputs(results, args.out)
