@@ -18,10 +18,12 @@ import time
 
 from benchmarks import analysis
 from benchmarks import jobs as jobs_lib
+from benchmarks import network
 from benchmarks import plots
 from benchmarks import report
 
-SECTIONS = ("allreduce", "half", "overhead", "compression", "selection", "scaling", "backends")
+SECTIONS = ("allreduce", "half", "overhead", "compression", "selection", "scaling", "backends",
+            "network")
 # Seconds each job may run before it is killed (a hang must not block the suite).
 TIMEOUTS = {"1x1": 180, "1x2": 300, "1x4": 300, "2x1": 900, "2x2": 300, "2x1-jax": 300}
 QUICK_TIMEOUT = 150
@@ -56,16 +58,24 @@ def run_suite(args: argparse.Namespace) -> dict:
     timeout = QUICK_TIMEOUT if args.quick else TIMEOUTS.get(job.name, 300)
     job_results.append(jobs_lib.run(job, quick=args.quick, timeout=timeout))
   environment["load_average_end"] = list(os.getloadavg())
+  network_results = None
+  if "network" in selected:  # its own jobs, links and report: see benchmarks.network
+    network_results = network.run_network(quick=args.quick)
   command = "python -m benchmarks" + (" --quick" if args.quick else "") + (
       f" --only {args.only}" if selected != set(SECTIONS) else "")
   return {"command": command, "quick": args.quick, "wall_s": time.perf_counter() - start,
           "environment": environment, "jobs": job_results,
-          "summary": analysis.summarize(job_results)}
+          "summary": analysis.summarize(job_results), "network": network_results}
 
 
 def write_outputs(results: dict, out_dir: str) -> None:
   os.makedirs(out_dir, exist_ok=True)
   results["figures"] = plots.draw_all(results["summary"], out_dir)
+  network_results = results.pop("network", None)
+  if network_results is not None:  # network.json, network.md, network.png
+    network.write_outputs(network_results, out_dir)
+    results["network"] = {"report": "network.md", "skipped": network_results["skipped"],
+                          "targets": network_results["summary"]["targets"]}
   with open(os.path.join(out_dir, "results.json"), "w", encoding="utf-8") as f:
     json.dump(results, f, indent=1)
   with open(os.path.join(out_dir, "results.md"), "w", encoding="utf-8") as f:

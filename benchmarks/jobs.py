@@ -36,6 +36,9 @@ class Job:
   backend: str | None = None
   env: tuple[tuple[str, str], ...] = ()
   options: tuple[tuple[str, Any], ...] = ()  # handed to the sections (ctx.options)
+  module: str = "benchmarks.worker"  # the per-rank program (`python -m MODULE --out --config`)
+  prefix: tuple[str, ...] = ()  # argv before the launcher (e.g. `ip netns exec NAME`)
+  mpirun_args: tuple[str, ...] = ()  # extra mpirun options (e.g. MCA parameters)
 
 
 def jobs(sections: set[str] | None = None, *, quick: bool = False) -> list[Job]:
@@ -72,13 +75,13 @@ def command(job: Job, out_prefix: str, quick: bool) -> list[str]:
   """The argv that starts `job`'s processes."""
   config = json.dumps({"job": job.name, "sections": list(job.sections), "quick": quick,
                        "backend": job.backend, "options": dict(job.options)})
-  worker = [sys.executable, "-m", "benchmarks.worker", "--out", out_prefix, "--config", config]
+  worker = [sys.executable, "-m", job.module, "--out", out_prefix, "--config", config]
   if job.processes == 1:
-    return worker
+    return list(job.prefix) + worker
   launcher = [mpirun_binary(), "-np", str(job.processes), "--oversubscribe"]
   if hasattr(os, "geteuid") and os.geteuid() == 0:
     launcher.append("--allow-run-as-root")
-  return launcher + worker
+  return list(job.prefix) + launcher + list(job.mpirun_args) + worker
 
 
 def environment(job: Job) -> dict[str, str]:

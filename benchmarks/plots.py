@@ -86,3 +86,39 @@ def draw_all(summary: dict, out_dir: str) -> list[str]:
   """Writes every figure that has data; returns their names."""
   names = [draw(summary, out_dir) for draw in (allreduce_bandwidth, compression, scaling)]
   return [name for name in names if name]
+
+
+def network(summary: dict, out_dir: str) -> str | None:
+  """Step and communication time against link rate, one line per mode and peer.
+
+  The T_sync vs T_comp cost model made visible: a mode's step is its compute
+  plus the part of its exchange it cannot hide, which grows as the link slows.
+  """
+  rows = [r for r in summary["rows"] if r["variant"] not in ("compute", "torch_compute")]
+  if not rows:
+    return None
+  from benchmarks import netns  # pylint: disable=import-outside-toplevel
+  links = [l.name for l in reversed(netns.LINKS) if any(r["link"] == l.name for r in rows)]
+  topologies = sorted({r["topology"] for r in rows})
+  fig, axes = plt.subplots(2, len(topologies), figsize=(6.5 * len(topologies), 8.5),
+                           squeeze=False, sharex=True)
+  for column, topology in enumerate(topologies):
+    mine = [r for r in rows if r["topology"] == topology]
+    for variant in dict.fromkeys(r["variant"] for r in mine):
+      points = {r["link"]: r for r in mine if r["variant"] == variant}
+      xs = [i for i, link in enumerate(links) if link in points]
+      kind = next(iter(points.values())).get("kind")
+      style = {"torch": "--", "floor": ":", "handwritten": "-."}.get(kind, "-")
+      for row_index, key in ((0, "step_s"), (1, "comm_s")):
+        if kind == "floor" and key == "step_s":
+          continue
+        ys = [points[links[i]][key] * 1e3 for i in xs]
+        axes[row_index][column].plot(xs, ys, style, marker="o", markersize=3, label=variant)
+    axes[0][column].set(title=f"{topology}: median step", ylabel="ms", yscale="log")
+    axes[1][column].set(title=f"{topology}: communication (step - compute-only)",
+                        ylabel="ms", yscale="symlog", xlabel="link")
+    for ax in axes[:, column]:
+      ax.set_xticks(range(len(links)), links)
+      ax.grid(True, which="both", alpha=0.3)
+      ax.legend(fontsize=7, ncol=2)
+  return _save(fig, out_dir, "network")

@@ -218,11 +218,22 @@ def _failures(summary: dict) -> list[str]:
   return lines
 
 
+def _network(results: dict) -> list[str]:
+  info = results.get("network")
+  if not info:
+    return []
+  lines = ["## 6. Network", "",
+           f"jdist against PyTorch DDP on shaped links: [{info['report']}]({info['report']}) "
+           "(`python -m benchmarks.network`).", ""]
+  lines += [f"**Skipped:** {reason}." for reason in info["skipped"]]
+  return lines + [""]
+
+
 def markdown(results: dict) -> str:
   summary = results["summary"]
   parts = (_header(results) + _targets(summary) + _allreduce(summary) + _half(summary)
            + _overhead(summary)
            + _compression(summary) + _selection(summary) + _scaling(summary)
-           + _backends(summary) + _failures(summary))
+           + _backends(summary) + _network(results) + _failures(summary))
   figures = [f"![{name}]({name}.png)" for name in results.get("figures", [])]
   return "\n".join(parts + ["## Figures", ""] + figures) + "\n"

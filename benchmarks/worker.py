@@ -38,6 +38,8 @@ SECTIONS = {
     "scaling": "scaling",
     "half": "half",
     "accuracy": "accuracy",
+    "network": "network_steps",
+    "overlap": "overlap",
 }
 
 

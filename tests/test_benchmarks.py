@@ -75,3 +75,19 @@ def test_quick_run_derives_ratios_and_writes_the_report(quick_results):
     assert f"({figure}.png)" in report
   assert {"allreduce_bandwidth", "compression", "scaling"} <= set(results["figures"])
   assert "## Targets" in report and "Open MPI" in report
+
+
+@pytest.mark.timeout(660)
+def test_quick_run_has_a_network_section_or_says_why_not(quick_results):
+  if quick_results is None:
+    return
+  results, out = quick_results
+  network = results["network"]
+  assert network["report"] == "network.md" and (out / "network.md").stat().st_size > 0
+  if network["skipped"]:  # no root, iproute2 or torch: the reasons are in the report
+    assert all(reason in (out / "network.md").read_text() for reason in network["skipped"])
+  if not any(reason.startswith("shaped links skipped") for reason in network["skipped"]):
+    with open(out / "network.json", encoding="utf-8") as f:
+      rows = json.load(f)["summary"]["rows"]
+    assert {"compute", "plain", "fp16", "mpi_f32"} <= {r["variant"] for r in rows}
+    assert all(r["step_s"] > 0 for r in rows)

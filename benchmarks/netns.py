@@ -1,0 +1,232 @@
+"""A cluster network on one machine: a private network namespace, its loopback shaped by `tc`.
+
+Every rank of a job runs inside one fresh network namespace whose only
+interface is its own loopback; `tc` limits that loopback's rate (a token
+bucket, `tbf`) and optionally delays every packet (`netem`). Both ranks share
+the one link, as two hosts behind one switch port would share their uplink:
+a 2-rank all-reduce of S bytes moves about 2 S bytes through it.
+
+    with netns.shaped_namespace(netns.Link("1gbit", rate_mbit=1000)) as name:
+      subprocess.run(netns.exec_prefix(name) + mpirun_argv + netns.MPI_TCP_ARGS + ...)
+
+Traffic never leaves the namespace: it has no other interface and nothing
+in it addresses anything but its loopback. Creating one needs root (or
+CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2's `ip` and `tc`;
+`missing_requirements` says what is absent so callers can skip with a reason.
+
+Namespaces are named `jdist-net-<pid>-<n>` (unique per process, so parallel
+runs never collide) and deleted on every way out of `shaped_namespace`:
+normal exit, exceptions, Ctrl-C, and SIGTERM once `terminate_on_sigterm` is
+installed. Any process still inside is killed first (only processes in that
+namespace, which this module created). `remove_stale` deletes namespaces a
+killed run (SIGKILL) left behind: those whose creating pid is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from typing import Iterator
+
+PREFIX = "jdist-net-"
+# Open MPI over TCP on the namespace's loopback (it skips loopback unless told).
+MPI_TCP_ARGS = ("--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
+                "--mca", "btl_tcp_if_include", "lo")
+INSTALL_HINT = "apt-get update && apt-get install -y iproute2"
+_COUNTER = itertools.count()
+_TC_TIMEOUT = 30
+
+
+class NamespaceError(RuntimeError):
+  """A namespace or qdisc could not be created (the message says why)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+  """A shaped link.
+
+  Attributes:
+    name: label in tables and plots ("1gbit", "100mbit+1ms").
+    rate_mbit: rate limit in Mbit/s; None runs without a namespace at all
+      (MPI over shared memory, the one-box baseline).
+    delay_ms: one-way delay added to every packet (netem); 0 for none. On a
+      loopback each packet crosses the qdisc once, so a round trip costs
+      twice this.
+  """
+  name: str
+  rate_mbit: float | None
+  delay_ms: float = 0.0
+
+  @property
+  def shaped(self) -> bool:
+    return self.rate_mbit is not None
+
+  def bytes_per_s(self) -> float | None:
+    return None if self.rate_mbit is None else self.rate_mbit * 1e6 / 8
+
+
+SHARED_MEMORY = Link("shm", None)
+LINKS = (SHARED_MEMORY, Link("10gbit", 10_000), Link("1gbit", 1_000), Link("100mbit", 100),
+         Link("100mbit+1ms", 100, delay_ms=1.0))
+
+
+def link_named(name: str) -> Link:
+  for link in LINKS:
+    if link.name == name:
+      return link
+  raise ValueError(f"Unknown link {name!r}; choose from {[l.name for l in LINKS]}.")
+
+
+def _run(argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess:
+  result = subprocess.run(argv, capture_output=True, text=True, timeout=_TC_TIMEOUT,
+                          check=False)
+  if check and result.returncode != 0:
+    raise NamespaceError(f"`{' '.join(argv)}` failed ({result.returncode}): "
+                         f"{(result.stderr or result.stdout).strip()}")
+  return result
+
+
+def missing_requirements() -> list[str]:
+  """What stops this machine from making shaped namespaces (empty: nothing).
+
+  Returns:
+    One sentence per missing piece: not root, `ip` or `tc` not installed
+    (with the install line), or the kernel refusing a namespace.
+  """
+  missing = []
+  if hasattr(os, "geteuid") and os.geteuid() != 0:
+    missing.append("not root: network namespaces and tc need root "
+                   "(or CAP_NET_ADMIN and CAP_SYS_ADMIN)")
+  for tool in ("ip", "tc"):
+    if shutil.which(tool) is None:
+      missing.append(f"`{tool}` not found: install iproute2 ({INSTALL_HINT})")
+  if missing:
+    return missing
+  try:
+    with shaped_namespace(Link("probe", 1000)):
+      pass
+  except (NamespaceError, OSError, subprocess.TimeoutExpired) as err:
+    missing.append(f"cannot create a shaped network namespace here: {err}")
+  return missing
+
+
+def netem_available() -> bool:
+  """Whether the kernel has the netem qdisc (needed for a delay)."""
+  try:
+    with shaped_namespace(Link("probe", 1000, delay_ms=1.0)):
+      return True
+  except NamespaceError:
+    return False
+
+
+def exec_prefix(name: str) -> list[str]:
+  """The argv prefix that runs a command inside namespace `name`."""
+  return ["ip", "netns", "exec", name]
+
+
+def tbf_args(rate_mbit: float) -> list[str]:
+  """A token bucket of `rate_mbit`; the burst covers 1 ms at that rate (256 KB at least)."""
+  burst = max(256 * 1024, int(rate_mbit * 1e6 / 8 / 1000))
+  return ["tbf", "rate", f"{rate_mbit:g}mbit", "burst", str(burst), "latency", "100ms"]
+
+
+def shape(name: str, link: Link) -> None:
+  """Puts `link`'s qdiscs on namespace `name`'s loopback.
+
+  Rate only: `tbf` as the root qdisc. With a delay: `netem delay` as the
+  root and the `tbf` as its child, so packets are delayed, then rate-limited.
+
+  Raises:
+    NamespaceError: tc refused (e.g. the kernel lacks netem).
+  """
+  tc = exec_prefix(name) + ["tc", "qdisc"]
+  if not link.delay_ms:
+    _run(tc + ["replace", "dev", "lo", "root"] + tbf_args(link.rate_mbit))
+    return
+  try:
+    _run(tc + ["replace", "dev", "lo", "root", "handle", "1:", "netem", "delay",
+               f"{link.delay_ms:g}ms", "limit", "100000"])
+  except NamespaceError as err:
+    raise NamespaceError(f"{err} (the kernel has no netem qdisc, `sch_netem`: links "
+                         f"with a delay cannot be emulated on this machine)") from None
+  _run(tc + ["add", "dev", "lo", "parent", "1:", "handle", "2:"] + tbf_args(link.rate_mbit))
+
+
+def namespace_pids(name: str) -> list[int]:
+  result = _run(["ip", "netns", "pids", name], check=False)
+  return [int(pid) for pid in result.stdout.split() if pid.isdigit()]
+
+
+def delete(name: str) -> None:
+  """Kills what still runs in namespace `name`, then deletes it (and its qdiscs)."""
+  for sig in (signal.SIGTERM, signal.SIGKILL):
+    pids = namespace_pids(name)
+    for pid in pids:
+      with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+    deadline = time.monotonic() + 3
+    while pids and namespace_pids(name) and time.monotonic() < deadline:
+      time.sleep(0.05)
+  _run(["ip", "netns", "delete", name], check=False)
+
+
+def exists(name: str) -> bool:
+  return name in list_names()
+
+
+def list_names() -> list[str]:
+  """Names of every network namespace `ip` knows."""
+  result = _run(["ip", "netns", "list"], check=False)
+  return [line.split()[0] for line in result.stdout.splitlines() if line.strip()]
+
+
+def remove_stale() -> list[str]:
+  """Deletes this module's namespaces whose creating process is gone; returns them."""
+  removed = []
+  for name in list_names():
+    match = re.fullmatch(re.escape(PREFIX) + r"(\d+)-\d+", name)
+    if match and not os.path.exists(f"/proc/{match.group(1)}"):
+      delete(name)
+      removed.append(name)
+  return removed
+
+
+@contextlib.contextmanager
+def shaped_namespace(link: Link) -> Iterator[str]:
+  """A fresh namespace with its loopback up and shaped as `link`; yields its name.
+
+  Args:
+    link: a shaped link (`rate_mbit` set).
+
+  Yields:
+    The namespace's name: run commands in it with `exec_prefix(name)`.
+
+  Raises:
+    NamespaceError: creating or shaping it failed (it is deleted again).
+    ValueError: `link` is not shaped.
+  """
+  if not link.shaped:
+    raise ValueError(f"Link {link.name!r} has no rate: run it without a namespace.")
+  name = f"{PREFIX}{os.getpid()}-{next(_COUNTER)}"
+  _run(["ip", "netns", "add", name])
+  try:
+    _run(exec_prefix(name) + ["ip", "link", "set", "lo", "up"])
+    shape(name, link)
+    yield name
+  finally:
+    delete(name)
+
+
+def terminate_on_sigterm() -> None:
+  """Turns SIGTERM into SystemExit, so `finally` blocks (namespace deletion) run."""
+  def handler(signum, frame):
+    del frame
+    raise SystemExit(128 + signum)
+  signal.signal(signal.SIGTERM, handler)

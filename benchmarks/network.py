@@ -1,0 +1,233 @@
+"""Network section: jdist against PyTorch DDP on emulated cluster links.
+
+    python -m benchmarks.network [--quick] [--out DIR] [--links shm,1gbit] [--topologies 2x1]
+    python -m benchmarks --only network     # the same, as a section of the suite
+
+For each link of `netns.LINKS` (shared memory: no namespace; then 10 Gbit/s,
+1 Gbit/s, 100 Mbit/s and 100 Mbit/s + 1 ms, each a fresh network namespace
+whose loopback `tc` shapes, MPI over TCP on it) and each topology (2x1:
+2 processes x 1 device; 2x2: 2 x 2 forced host devices), one job
+(`benchmarks.network_steps`) times, interleaved round by round in the same
+processes so both sides see the same machine load:
+
+  * jdist: every mode of `jdist.dist_opt`, a compute-only step, a
+    hand-written mpi4jax step, then raw MPI all-reduce (the floor);
+  * PyTorch (`benchmarks.torch_peer`): DDP over gloo, plain, fp16 hook and
+    PowerSGD, and its own compute-only step. In 2x2 each torch rank
+    trains on both replicas' 128 images (one "node" whose two devices'
+    gradients are summed locally), so the link carries what jdist's 2x2
+    sends across processes.
+
+Sections are skipped with a message, never failed, where this machine
+cannot run them: no root / `ip` / `tc` (shaped links), no netem (links with
+a delay), torch not installed (the peer). Writes network.json, network.md
+and network.png into --out (default docs/benchmarks; --quick: a temporary
+directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+from benchmarks import jobs as jobs_lib
+from benchmarks import netns
+from benchmarks import network_report
+from benchmarks import plots
+from benchmarks import report
+
+TOPOLOGIES = {"2x1": (2, 1), "2x2": (2, 2)}
+QUICK_LINKS = ("1gbit",)
+QUICK_TOPOLOGIES = ("2x1",)
+QUICK_MODES = ("plain", "fp16", "topk1%")
+TORCH_VARIANTS = ("compute", "ddp", "ddp_fp16", "ddp_powersgd")  # benchmarks.torch_peer's
+QUICK_TORCH_VARIANTS = ("compute", "ddp", "ddp_fp16")
+REPEATS = 15
+WARMUP = 3
+JOB_TIMEOUT = 480  # seconds per job; a hang must not block the run
+TORCH_INSTALL_HINT = "pip install -e '.[torch-peer]' (torch==2.13.0, the CPU build)"
+
+
+def torch_missing() -> str | None:
+  """Why the PyTorch peer cannot run here, or None."""
+  if importlib.util.find_spec("torch") is None:
+    return f"torch is not installed: the DDP peer is skipped ({TORCH_INSTALL_HINT})"
+  return None
+
+
+def free_port() -> int:
+  """A TCP port free on this namespace's loopback (for gloo's rendezvous)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    sock.bind(("127.0.0.1", 0))
+    return sock.getsockname()[1]
+
+
+def cell_job(topology: str, link: netns.Link, *, quick: bool, repeats: int,
+             with_torch: bool, modes=None) -> jobs_lib.Job:
+  """The job of one link and topology: jdist's variants and (with torch) DDP's."""
+  processes, devices = TOPOLOGIES[topology]
+  options = {"repeats": repeats, "warmup": WARMUP}
+  if quick or modes:
+    options["modes"] = list(modes or QUICK_MODES)
+  env = ()
+  if with_torch:
+    options["torch"] = list(QUICK_TORCH_VARIANTS if quick else TORCH_VARIANTS)
+    env = (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())),
+           ("GLOO_SOCKET_IFNAME", "lo"))
+  return jobs_lib.Job(f"{topology}@{link.name}", processes, devices, ("network",), env=env,
+                      options=tuple(options.items()))
+
+
+def run_link(link: netns.Link, topologies, *, quick: bool, repeats: int, with_torch: bool,
+             log: Callable[[str], None], modes=None) -> list[dict]:
+  """Every job of `link`, in one namespace (none for shared memory)."""
+  results = []
+  with (netns.shaped_namespace(link) if link.shaped else contextlib.nullcontext()) as name:
+    for topology in topologies:
+      job = cell_job(topology, link, quick=quick, repeats=repeats, with_torch=with_torch,
+                     modes=modes)
+      if name is not None:
+        job = dataclasses.replace(job, prefix=tuple(netns.exec_prefix(name)),
+                                  mpirun_args=netns.MPI_TCP_ARGS)
+      result = jobs_lib.run(job, quick=quick, timeout=JOB_TIMEOUT, log=log)
+      results.append(dict(result, link=link.name, topology_name=topology))
+  return results
+
+
+def environment() -> dict[str, Any]:
+  env = report.environment()
+  try:
+    import torch  # pylint: disable=import-outside-toplevel
+    env["versions"]["torch"] = torch.__version__
+  except ImportError:
+    env["versions"]["torch"] = "not installed"
+  env["kernel"] = platform.release()
+  return env
+
+
+def run_network(links=None, topologies=None, *, quick: bool = False, repeats: int | None = None,
+                modes=None, log: Callable[[str], None] = print) -> dict[str, Any]:
+  """Runs the network section and returns its results (summary included).
+
+  Args:
+    links: link names (default: all of `netns.LINKS`; quick: 1gbit).
+    topologies: "2x1" and/or "2x2" (default both; quick: 2x1).
+    quick: smoke run: few modes, 3 timed rounds.
+    repeats: timed rounds per variant (default `REPEATS`).
+    modes: jdist modes (default every one of `network_steps.MODES`).
+    log: progress lines.
+
+  Returns:
+    `{"command", "environment", "skipped", "jobs", "summary", "wall_s"}`;
+    `skipped` holds one sentence per part this machine could not run.
+  """
+  start = time.perf_counter()
+  names = links or (QUICK_LINKS if quick else [link.name for link in netns.LINKS])
+  topologies = topologies or (QUICK_TOPOLOGIES if quick else tuple(TOPOLOGIES))
+  chosen = [netns.link_named(name) for name in names]
+  skipped = []
+  missing = netns.missing_requirements() if any(l.shaped for l in chosen) else []
+  if missing:
+    skipped.append("shaped links skipped: " + "; ".join(missing))
+    chosen = [l for l in chosen if not l.shaped]
+  if any(l.delay_ms for l in chosen) and not netns.netem_available():
+    skipped.append("links with a delay skipped: this kernel has no netem qdisc (sch_netem); "
+                   "tc cannot add latency here")
+    chosen = [l for l in chosen if not l.delay_ms]
+  torch_reason = torch_missing()
+  if torch_reason:
+    skipped.append(torch_reason)
+  for reason in skipped:
+    log(f"[network] SKIPPED {reason}")
+  netns.remove_stale()
+  results = []
+  for link in chosen:
+    results += run_link(link, topologies, quick=quick, repeats=repeats or REPEATS,
+                        with_torch=torch_reason is None, log=log, modes=modes)
+  environment_info = environment()
+  environment_info["load_average_end"] = list(os.getloadavg())
+  out = {"command": "python -m benchmarks.network" + (" --quick" if quick else ""),
+         "quick": quick, "environment": environment_info, "skipped": skipped, "jobs": results,
+         "links": [dataclasses.asdict(l) for l in chosen], "wall_s": time.perf_counter() - start}
+  out["summary"] = network_report.summarize(out)
+  return out
+
+
+def write_outputs(results: dict, out_dir: str) -> list[str]:
+  """network.json, network.md and the figure; returns the files written."""
+  os.makedirs(out_dir, exist_ok=True)
+  figure = plots.network(results["summary"], out_dir)
+  results["figures"] = [figure] if figure else []
+  with open(os.path.join(out_dir, "network.json"), "w", encoding="utf-8") as f:
+    json.dump(results, f, indent=1)
+  with open(os.path.join(out_dir, "network.md"), "w", encoding="utf-8") as f:
+    f.write(network_report.markdown(results))
+  return ["network.json", "network.md"] + [f"{name}.png" for name in results["figures"]]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.network", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--quick", action="store_true", help="smoke run (about a minute)")
+  parser.add_argument("--out", help="output directory (default docs/benchmarks; --quick: "
+                      "a temporary directory)")
+  parser.add_argument("--links", help="comma-separated, from "
+                      + ",".join(link.name for link in netns.LINKS))
+  parser.add_argument("--topologies", help="comma-separated, from " + ",".join(TOPOLOGIES))
+  parser.add_argument("--repeats", type=int, help=f"timed rounds (default {REPEATS})")
+  parser.add_argument("--render", metavar="JSON", help="measure nothing: re-derive the summary "
+                      "of a network.json and rewrite its network.md and figure into --out")
+  parser.add_argument("--modes", help="comma-separated jdist modes (default all: plain, fp16, "
+                      "bf16, topk1%%, topk1%%-block, threshold, partial4)")
+  args = parser.parse_args(argv)
+  if args.out is None:
+    args.out = (os.path.join(tempfile.gettempdir(), "jdist-network-quick") if args.quick
+                else os.path.join(jobs_lib.REPO, "docs", "benchmarks"))
+  try:
+    args.links = [netns.link_named(n).name for n in args.links.split(",")] if args.links else None
+  except ValueError as err:
+    parser.error(str(err))
+  if args.topologies and set(args.topologies.split(",")) - set(TOPOLOGIES):
+    parser.error(f"--topologies: choose from {list(TOPOLOGIES)}")
+  args.topologies = args.topologies.split(",") if args.topologies else None
+  return args
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  if args.render:
+    with open(args.render, encoding="utf-8") as f:
+      results = json.load(f)
+    results["summary"] = network_report.summarize(results)
+    print(f"Rewrote {', '.join(write_outputs(results, args.out))} into {args.out}.")
+    return 0
+  netns.terminate_on_sigterm()  # so a killed run still deletes its namespace
+  results = run_network(args.links, args.topologies, quick=args.quick, repeats=args.repeats,
+                        modes=args.modes.split(",") if args.modes else None)
+  if argv or len(sys.argv) > 1:
+    results["command"] = "python -m benchmarks.network " + " ".join(
+        argv if argv is not None else sys.argv[1:])
+  written = write_outputs(results, args.out)
+  for target in results["summary"]["targets"]:
+    status = {True: "met", False: "MISSED", None: "not measured"}[target["met"]]
+    print(f"{target['target']} [{target['where']}]: {report.num(target['measured'], 3)} "
+          f"(bound {target['bound']}) {status}")
+  for failure in results["summary"]["failures"]:
+    print(f"FAILURE in job {failure['job']}: {str(failure['error']).splitlines()[0][:200]}",
+          file=sys.stderr)
+  print(f"Wrote {', '.join(written)} into {args.out} in {results['wall_s']:.0f} s.")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
