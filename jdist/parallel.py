@@ -188,10 +188,10 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
   def compiled(*args):
     positions = [i for i in range(len(args)) if i not in static]
     flags = _axis_flags(in_axes, positions)
-    kinds = dict(zip(positions, zip(flags, range(len(positions)))))
-    layout = tuple(("static", args[i]) if i in static else
-                   ("mapped" if kinds[i][0] else "replicated", kinds[i][1])
-                   for i in range(len(args)))
+    index = {position: i for i, position in enumerate(positions)}  # among dynamic args
+    layout = tuple(("static", args[p]) if p in static else
+                   ("mapped" if flags[index[p]] else "replicated", index[p])
+                   for p in range(len(args)))
     mapped_out = (tuple(_spec(axis == 0) for axis in out_axes) if isinstance(out_axes, tuple)
                   else _spec(out_axes == 0))
     return jax.shard_map(
