@@ -166,23 +166,14 @@ def resolve_init_timeout(timeout: float) -> float:
 MIN_HOST_THREADS = 16
 
 
-def _native_route_expected() -> bool:
-  """True when the native exchange library is built and not overridden.
-
-  Decided before JAX creates its backends (NPROC is read then), so it looks
-  for the library only; `jdist.init` warns if the engine then fails to start.
-  """
-  from jdist.collectives import native  # pylint: disable=g-import-not-at-top
-  return (os.path.exists(native.CPU_LIBRARY)
-          and os.environ.get("JDIST_ROUTE", "") != "callback")
-
-
 def _reserve_host_threads() -> None:
   """Gives XLA's CPU client enough threads for blocking cross-process calls.
 
-  Only the callback route needs it (the native route's custom calls return
-  at once and block no thread; with NPROC left alone the 2 x 2 ordering tests
-  pass on a 2-core machine, where the callback route deadlocks). XLA sizes
+  The callback route needs it (the native route's custom calls return at
+  once and block no thread), and even where the native library is built,
+  reductions in jit steps over global arrays take the callback route (see
+  `transport.global_step_exchange`), so every job with several devices per
+  process gets the threads. XLA sizes
   the CPU client's thread pool from the NPROC environment variable, else the
   core count. With several local devices, each device's host callback blocks
   a pool thread inside MPI until its peer on the other process arrives; on a
@@ -191,7 +182,7 @@ def _reserve_host_threads() -> None:
   processes x 2 devices, buffers >= 64K floats). Extra pool threads cost
   nothing while idle.
   """
-  if "NPROC" in os.environ or _native_route_expected():
+  if "NPROC" in os.environ:
     return
   os.environ["NPROC"] = str(max(os.cpu_count() or 1, MIN_HOST_THREADS))
   if jax_internals.backends_initialized():

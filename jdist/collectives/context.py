@@ -30,6 +30,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jdist import errors
 from jdist import topology as topology_lib
+from jdist.collectives import transport
 from jdist.collectives.transport import DATA_AXIS
 
 # Set while a global step's reduction runs per replica: how many distinct
@@ -120,7 +121,8 @@ def per_process(reduce_fn: Callable[[Any], Any], tree: Any, *, first_only: bool 
       values = jax.tree.map(lambda x: jnp.where(first, x, jnp.zeros_like(x)), values)
     token = _PARTICIPANTS.set(participants)
     try:
-      return reduce_fn(values)
+      with transport.global_step_exchange():
+        return reduce_fn(values)
     finally:
       _PARTICIPANTS.reset(token)
 

@@ -83,6 +83,26 @@ def _record(nbytes: float, calls: int) -> None:
     ledger.calls += calls
 
 
+# Set while a global (jit) step's reduction is traced (see `context.per_process`).
+# Such steps are dispatched by the user's own jax.jit, with no bound on the
+# executions in flight; the native engine names an exchange by its ordinal and
+# a per-device call count, which assumes a device runs one execution of a step
+# at a time. Measured: the jit quickstart in 2x2 hung or aborted in 3 of 3 runs
+# on the native route and passed on the callback route, so these take it.
+_global_step_exchange: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "jdist_global_step_exchange", default=False)
+
+
+@contextlib.contextmanager
+def global_step_exchange():
+  """Marks the reductions traced inside as a global (jit) step's."""
+  token = _global_step_exchange.set(True)
+  try:
+    yield
+  finally:
+    _global_step_exchange.reset(token)
+
+
 def route(topo=None) -> str:
   """How buffers cross processes for this topology (see module doc).
 
@@ -105,6 +125,8 @@ def route(topo=None) -> str:
     raise ValueError(f"{ROUTE_ENV}={forced!r}: choose 'native' or 'callback'.")
   if topo.local_device_count == 1:
     return "mpi4jax"
+  if _global_step_exchange.get():
+    return "callback"
   return "native" if native.running() else "callback"
 
 

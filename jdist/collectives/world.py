@@ -168,20 +168,31 @@ class MpiWorld:
     atexit.register(self._await_live_arrays)  # atexit runs last-in first
 
   def _await_live_arrays(self) -> None:
-    """Waits at exit for the computations of every live array, under the deadline.
+    """Waits at exit for the computations of every live array, up to the deadline.
 
     A jit step (global arrays) is dispatched by the user's own `jax.jit`, not
     by `data_parallel`, so the watchdog does not drain it: a rank that ends
     its script with steps still running would finalize Python under their
-    host callbacks and abort the job (seen in 2x2).
+    host callbacks and abort the job (seen in 2x2). Not a host exchange: the
+    watchdog's exchange counts, which peers compare, stay as they are.
     """
     import jax  # pylint: disable=g-import-not-at-top
-    with self.watchdog.waiting("exit: waiting for this rank's dispatched steps"):
+
+    def wait_all():
       for array in jax.live_arrays():
         try:
           array.block_until_ready()
         except Exception:  # pylint: disable=broad-except
           pass  # a failed or deleted computation has nothing left to wait for
+
+    waiter = threading.Thread(target=wait_all, name="jdist-exit-wait", daemon=True)
+    waiter.start()
+    waiter.join(self.timeout)
+    if waiter.is_alive():
+      sys.stderr.write(f"jdist: rank {self.rank}: steps still running {self.timeout:g} s after "
+                       f"the script ended (a peer stopped exchanging); aborting the job.\n")
+      sys.stderr.flush()
+      self.abort(1)
 
   def device_comm(self, local_device: int):
     return self._device_comms[local_device]
