@@ -58,7 +58,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def summarize(results: dict) -> dict[str, Any]:
   """Per-variant step and comm times, ratios against DDP and plain, targets."""
   rows = _rows(results)
-  by_key = {(r["link"], r["topology"], r["variant"]): r for r in rows}
+  by_key = {(r["link"], r["topology"], r["variant"]): r for r in rows}  # raw, then derived
   out = []
   for row in rows:
     own = "torch_compute" if row.get("kind") == "torch" else "compute"
