@@ -132,6 +132,7 @@ def run_network(links=None, topologies=None, *, quick: bool = False, repeats: in
     `skipped` holds one sentence per part this machine could not run.
   """
   start = time.perf_counter()
+  environment_info = environment()  # load average at the start
   names = links or (QUICK_LINKS if quick else [link.name for link in netns.LINKS])
   topologies = topologies or (QUICK_TOPOLOGIES if quick else tuple(TOPOLOGIES))
   chosen = [netns.link_named(name) for name in names]
@@ -154,7 +155,6 @@ def run_network(links=None, topologies=None, *, quick: bool = False, repeats: in
   for link in chosen:
     results += run_link(link, topologies, quick=quick, repeats=repeats or REPEATS,
                         with_torch=torch_reason is None, log=log, modes=modes)
-  environment_info = environment()
   environment_info["load_average_end"] = list(os.getloadavg())
   out = {"command": "python -m benchmarks.network" + (" --quick" if quick else ""),
          "quick": quick, "environment": environment_info, "skipped": skipped, "jobs": results,

@@ -58,7 +58,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def summarize(results: dict) -> dict[str, Any]:
   """Per-variant step and comm times, ratios against DDP and plain, targets."""
   rows = _rows(results)
-  by_key = {(r["link"], r["topology"], r["variant"]): r for r in rows}
+  by_key = {(r["link"], r["topology"], r["variant"]): r for r in rows}  # raw, then derived
   out = []
   for row in rows:
     own = "torch_compute" if row.get("kind") == "torch" else "compute"
@@ -104,7 +104,8 @@ def targets(by_key: dict) -> list[dict]:
         if mine is None:
           continue
         value = _ratio(mine and mine[f"{measure}_s"], theirs and theirs[f"{measure}_s"])
-        target = analysis._target(name, value, bound, f"{topology} {link}")  # pylint: disable=protected-access
+        # pylint: disable-next=protected-access
+        target = analysis._target(name, value, bound, f"{topology} {link}")
         if measure == "step":  # the median of per-round ratios, beside the ratio of medians
           target["paired"] = mine.get(f"paired_vs_{reference}")
         out.append(target)
@@ -157,7 +158,8 @@ def _grid(summary: dict, topology: str) -> list[str]:
     cells = []
     for link in links:
       row = index.get((variant, link))
-      cells.append("-" if row is None else f"{report.ms(row['step_s'])} / {report.ms(row['comm_s'])}")
+      cells.append("-" if row is None
+                   else f"{report.ms(row['step_s'])} / {report.ms(row['comm_s'])}")
     body.append([variant] + cells)
   return report.table(["variant"] + [f"{link}: step / comm ms" for link in links], body)
 

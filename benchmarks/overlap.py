@@ -48,6 +48,7 @@ import sys
 import time
 
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -167,7 +168,6 @@ def _probes(model, params, x, y, comm, stamps: list):
 
 def run(ctx):
   """Yields one row per probe (median seconds), then the timestamp offsets."""
-  import jax.flatten_util  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
   from mpi4py import MPI  # pylint: disable=import-outside-toplevel
   repeats = 3 if ctx.quick else int(ctx.options.get("repeats", 15))
   bench = workload.setup("cnn", PER_REPLICA_BATCH)

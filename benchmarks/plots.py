@@ -102,7 +102,10 @@ def network(summary: dict, out_dir: str) -> str | None:
   topologies = sorted({r["topology"] for r in rows})
   fig, axes = plt.subplots(2, len(topologies), figsize=(6.5 * len(topologies), 8.5),
                            squeeze=False, sharex=True)
+  colors = plt.get_cmap("tab20").colors  # more variants than the default 10 colours
   for column, topology in enumerate(topologies):
+    for ax in axes[:, column]:
+      ax.set_prop_cycle(color=colors)
     mine = [r for r in rows if r["topology"] == topology]
     for variant in dict.fromkeys(r["variant"] for r in mine):
       points = {r["link"]: r for r in mine if r["variant"] == variant}
