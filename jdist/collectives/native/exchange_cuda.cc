@@ -18,27 +18,13 @@
 #include <string>
 
 #include "engine.h"
+#include "ffi_types.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace jdist {
 namespace {
-
-int ElemOf(ffi::DataType type) {
-  switch (type) {
-    case ffi::DataType::F32: return JDIST_F32;
-    case ffi::DataType::F64: return JDIST_F64;
-    case ffi::DataType::S32: return JDIST_I32;
-    case ffi::DataType::S64: return JDIST_I64;
-    case ffi::DataType::U32: return JDIST_U32;
-    case ffi::DataType::F16: return JDIST_F16;
-    case ffi::DataType::BF16: return JDIST_BF16;
-    case ffi::DataType::U8: case ffi::DataType::S8: case ffi::DataType::PRED:
-      return JDIST_U8;
-    default: return -1;
-  }
-}
 
 // Pinned host buffers per device, grown on demand and kept (pinning is slow).
 struct Staging {
