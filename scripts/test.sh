@@ -15,7 +15,8 @@ python="$venv/bin/python"
 # are named test_fault_* / *subprocess* and run only there.
 mpi_selection=(tests --ignore=tests/test_data.py --ignore=tests/test_datasets.py
                --ignore=tests/test_models.py --ignore=tests/test_benchmarks.py
-               --ignore=tests/test_watchdog.py -k "not test_fault and not subprocess"
+               --ignore=tests/test_watchdog.py --ignore=tests/test_network_bench.py
+               -k "not test_fault and not subprocess"
                --capture=sys)
 
 echo "== tests: 1 process x 4 devices"
