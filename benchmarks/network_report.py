@@ -148,40 +148,31 @@ def _link_order(summary: dict) -> list[str]:
   return [link.name for link in netns.LINKS if link.name in present]
 
 
-def _grid(summary: dict, topology: str) -> list[str]:
+def _by_variant_and_link(summary: dict, topology: str, cell, header: str,
+                         kinds: tuple[str, ...] | None = None) -> list[str]:
+  """A table of `cell(row)` with one line per variant and one column per link."""
   links = _link_order(summary)
-  mine = [r for r in summary["rows"] if r["topology"] == topology]
-  variants = list(dict.fromkeys(r["variant"] for r in mine))
+  mine = [r for r in summary["rows"] if r["topology"] == topology
+          and (kinds is None or r.get("kind") in kinds)]
   index = {(r["variant"], r["link"]): r for r in mine}
-  body = []
-  for variant in variants:
-    cells = []
-    for link in links:
-      row = index.get((variant, link))
-      cells.append("-" if row is None
-                   else f"{report.ms(row['step_s'])} / {report.ms(row['comm_s'])}")
-    body.append([variant] + cells)
-  return report.table(["variant"] + [f"{link}: step / comm ms" for link in links], body)
+  body = [[variant] + ["-" if index.get((variant, link)) is None
+                       else cell(index[(variant, link)]) for link in links]
+          for variant in dict.fromkeys(r["variant"] for r in mine)]
+  return report.table(["variant"] + [f"{link}: {header}" for link in links], body)
+
+
+def _grid(summary: dict, topology: str) -> list[str]:
+  return _by_variant_and_link(
+      summary, topology, lambda r: f"{report.ms(r['step_s'])} / {report.ms(r['comm_s'])}",
+      "step / comm ms")
 
 
 def _ratios(summary: dict, topology: str) -> list[str]:
-  links = _link_order(summary)
-  mine = [r for r in summary["rows"] if r["topology"] == topology
-          and r.get("kind") in ("jdist", "handwritten")]
-  variants = list(dict.fromkeys(r["variant"] for r in mine))
-  index = {(r["variant"], r["link"]): r for r in mine}
-  body = []
-  for variant in variants:
-    cells = []
-    for link in links:
-      row = index.get((variant, link))
-      cells.append("-" if row is None else
-                   f"{report.num(row['step_vs_reference'])} / "
-                   f"{report.num(row['comm_vs_reference'])}"
-                   f" / {report.num(row['comm_vs_plain'])}")
-    body.append([variant] + cells)
-  return report.table(["variant"] + [f"{link}: step/DDP, comm/DDP, comm/plain"
-                                     for link in links], body)
+  return _by_variant_and_link(
+      summary, topology,
+      lambda r: (f"{report.num(r['step_vs_reference'])} / "
+                 f"{report.num(r['comm_vs_reference'])} / {report.num(r['comm_vs_plain'])}"),
+      "step/DDP, comm/DDP, comm/plain", kinds=("jdist", "handwritten"))
 
 
 def markdown(results: dict) -> str:
