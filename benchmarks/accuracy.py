@@ -2,7 +2,7 @@
 
     python -m benchmarks.accuracy [--epochs 4] [--dataset auto] [--modes ...]
 
-Trains SINGA's CNN (`jdist.models`) with `jdist.dist_opt(optax.sgd(0.005,
+Trains SINGA's CNN (`jdist.app.models`) with `jdist.dist_opt(optax.sgd(0.005,
 momentum=0.9))` in each mode (plain, fp16, top-K 1% with error feedback,
 top-K 1% with DGC momentum correction (`optax.sgd(0.005)`,
 `momentum_correction=0.9`), partial sync of 4 chunks) on 2 processes (`mpirun -np 2`, one device each),
@@ -37,8 +37,8 @@ import jdist
 from benchmarks import jobs
 from benchmarks import report
 from benchmarks import workload
-from jdist import datasets
-from jdist import models
+from jdist.app import datasets
+from jdist.app import models
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 MODES = {
@@ -72,7 +72,7 @@ def load_data(name: str, limit: int | None):
 
 
 def build_model(data):
-  """SINGA's CNN sized for the data (jdist.models), and its initial parameters."""
+  """SINGA's CNN sized for the data (jdist.app.models), and its initial parameters."""
   shape = data.train_x.shape[1:]
   model = models.create_model("cnn", num_classes=data.num_classes, input_shape=shape)
   params, _ = models.init_model(model, jax.random.key(SEED), shape)

@@ -12,7 +12,7 @@ gloo backend over TCP on the loopback (`GLOO_SOCKET_IFNAME=lo`), rendezvous
 at MASTER_ADDR:MASTER_PORT set by the driver. torch is a benchmark-only
 extra (`pip install -e .[torch-peer]`), never a jdist dependency.
 
-The same model as `jdist.models.CNN` (conv 5x5 20, relu, max-pool 2, conv
+The same model as `jdist.app.models.CNN` (conv 5x5 20, relu, max-pool 2, conv
 5x5 50, relu, max-pool 2, dense 500, relu, dense 10: 431,080 parameters),
 the same synthetic data shape (28x28x1 images, 10 classes) and SGD. Steps
 interleaved round by round, each variant training its own copy:
@@ -56,7 +56,7 @@ POWERSGD_RANK = 1
 
 
 class SingaCNN(nn.Module):
-  """SINGA's MNIST CNN in PyTorch, layer for layer as `jdist.models.CNN`."""
+  """SINGA's MNIST CNN in PyTorch, layer for layer as `jdist.app.models.CNN`."""
 
   def __init__(self, num_classes: int = 10):
     super().__init__()

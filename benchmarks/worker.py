@@ -76,7 +76,7 @@ def init_backend(backend: str | None) -> tuple[jdist.Topology, str | None]:
     when it worked). With Open MPI 5 `jax.distributed.initialize()` cannot
     find the coordinator by itself (it looks for Open MPI 4's
     OMPI_MCA_orte_hnp_uri); passing `cluster_detection_method="mpi4py"`, the
-    change proposed for jdist/topology.py, makes it work.
+    change proposed for jdist/runtime/topology.py, makes it work.
   """
   if backend != "jax":
     return jdist.init(backend=backend), None

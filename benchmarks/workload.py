@@ -1,7 +1,7 @@
 """Models, data and training steps the benchmarks time.
 
 Models are named so every job builds the same one: SINGA's MNIST CNN
-(`jdist.models.CNN`, with a local copy as fallback when that module is not
+(`jdist.app.models.CNN`, with a local copy as fallback when that module is not
 there) and MLPs on 28x28x1 inputs whose widths set the parameter count
 (~1M and ~10M, plus tiny ones for the smoke run).
 
@@ -32,7 +32,7 @@ import jdist
 from benchmarks import timing
 
 try:  # Written alongside the benchmarks; the fallback keeps them usable without it.
-  from jdist import models as jdist_models
+  from jdist.app import models as jdist_models
 except ImportError:  # pragma: no cover
   jdist_models = None
 
@@ -41,7 +41,7 @@ NUM_CLASSES = 10
 
 
 class _SingaCNN(nn.Module):
-  """SINGA's MNIST CNN (431,080 parameters on 28x28x1), if jdist.models is absent."""
+  """SINGA's MNIST CNN (431,080 parameters on 28x28x1), if jdist.app.models is absent."""
 
   @nn.compact
   def __call__(self, x):
@@ -63,7 +63,7 @@ class _MLP(nn.Module):
 
 
 def cnn() -> nn.Module:
-  """SINGA's CNN: jdist.models.CNN when available."""
+  """SINGA's CNN: jdist.app.models.CNN when available."""
   if jdist_models is not None and hasattr(jdist_models, "CNN"):
     return jdist_models.CNN(num_classes=NUM_CLASSES)
   return _SingaCNN()

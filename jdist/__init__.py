@@ -1,28 +1,31 @@
-"""jdist: data-parallel training for JAX on every local device and across MPI processes."""
+"""jdist: data-parallel training for JAX on every local device and across MPI processes.
 
-from jdist import checkpoint
+The library a script imports lives here and in `jdist.runtime` (topology,
+MPI world, watchdog, host exchanges), `jdist.collectives` (reductions inside
+a step), `jdist.compression` and `jdist.transforms` (optax transformations).
+`jdist.app` is the `jdist train` application built on it (command line,
+settings, training loop, model zoo, datasets).
+
+Names whose modules pull in heavy dependencies (orbax, flax) are imported on
+first use, so `import jdist` and `jdist --help` stay light.
+"""
+
+import importlib
+
 from jdist import consistency
 from jdist import data
-from jdist import datasets
 from jdist import errors
 from jdist import metrics
-from jdist import models
-from jdist.checkpoint import CheckpointManager
 from jdist.consistency import ReplicaMismatch
 from jdist.consistency import check_replicas
-from jdist.config import TrainConfig
 from jdist.collectives import DATA_AXIS
 from jdist.collectives import all_gather
-from jdist.collectives import barrier
-from jdist.collectives import broadcast_params
-from jdist.collectives import host_allreduce
 from jdist.collectives import mesh
 from jdist.collectives import pmean
 from jdist.collectives import psum
 from jdist.collectives import replica_index
 from jdist.collectives import replica_key
 from jdist.data import ShardedLoader
-from jdist.flax_nnx import SyncBatchNorm
 from jdist.batches import process_slice
 from jdist.batches import shard_global_batch
 from jdist.batches import shard_batch as shard
@@ -32,9 +35,12 @@ from jdist.parallel import data_parallel
 from jdist.parallel import local_replicas
 from jdist.parallel import replicate
 from jdist.parallel import unreplicate
-from jdist.topology import Topology
-from jdist.topology import init
-from jdist.topology import current as get_topology
+from jdist.runtime.host import barrier
+from jdist.runtime.host import broadcast_params
+from jdist.runtime.host import host_allreduce
+from jdist.runtime.topology import Topology
+from jdist.runtime.topology import init
+from jdist.runtime.topology import current as get_topology
 from jdist.transforms.allreduce import AllReduceState
 from jdist.transforms.allreduce import allreduce
 from jdist.transforms.allreduce import wire_bytes
@@ -50,6 +56,30 @@ from jdist.transforms.partial import partial_sync
 from jdist.transforms.partial import sync_params
 
 __version__ = "0.1.0"
+
+# name -> (module, attribute or None for the module itself), imported on first use.
+_LAZY = {
+    "CheckpointManager": ("jdist.checkpoint", "CheckpointManager"),
+    "SyncBatchNorm": ("jdist.flax_nnx", "SyncBatchNorm"),
+    "TrainConfig": ("jdist.app.config", "TrainConfig"),
+    "checkpoint": ("jdist.checkpoint", None),
+    "datasets": ("jdist.app.datasets", None),
+    "models": ("jdist.app.models", None),
+}
+
+
+def __getattr__(name):
+  if name not in _LAZY:
+    raise AttributeError(f"module 'jdist' has no attribute {name!r}")
+  module_name, attribute = _LAZY[name]
+  module = importlib.import_module(module_name)
+  value = module if attribute is None else getattr(module, attribute)
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_LAZY))
 
 __all__ = (
     "AllReduceState",

@@ -90,7 +90,7 @@ def process_slice(global_batch: Any, topology=None) -> Any:
       leaves disagree on G.
   """
   if topology is None:
-    from jdist import topology as topology_lib  # pylint: disable=g-import-not-at-top
+    from jdist.runtime import topology as topology_lib  # pylint: disable=g-import-not-at-top
     topology = topology_lib.current()
   size = _leading_size(global_batch, "process_slice")
   if size % topology.replica_count:
@@ -125,7 +125,7 @@ def shard_global_batch(global_batch: Any, topology=None) -> Any:
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
   from jdist.collectives import context  # pylint: disable=g-import-not-at-top
   if topology is None:
-    from jdist import topology as topology_lib  # pylint: disable=g-import-not-at-top
+    from jdist.runtime import topology as topology_lib  # pylint: disable=g-import-not-at-top
     topology = topology_lib.current()
   rows = process_slice(global_batch, topology)
   sharding = NamedSharding(context.mesh(), PartitionSpec(context.DATA_AXIS))

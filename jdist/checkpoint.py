@@ -51,9 +51,8 @@ from etils import epath
 
 from jdist import checkpoint_layout as layout
 from jdist import errors
-from jdist import topology as topology_lib
-from jdist.collectives import host
-from jdist.collectives import ops
+from jdist.runtime import topology as topology_lib
+from jdist.runtime import host
 # Re-exported: the record's format and `fingerprint` are part of this module's API.
 from jdist.checkpoint_layout import (  # pylint: disable=unused-import
     FORMAT, FORMAT_VERSION, fingerprint)
@@ -242,7 +241,7 @@ class CheckpointManager:
                  for leaf in leaves]
     host_leaves = [np.asarray(x) for x in jax.device_get(
         [jax.random.key_data(leaf) if layout.is_key(leaf.dtype) else leaf for leaf in leaves])]
-    ops.check_structure(jax.tree.unflatten(jax.tree.structure(state), host_leaves),
+    host.check_structure(jax.tree.unflatten(jax.tree.structure(state), host_leaves),
                         "jdist.CheckpointManager.save")
     user, problem = layout.encode_metadata(metadata)
     if problem is None and topo.is_primary:

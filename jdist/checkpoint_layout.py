@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdist import errors
-from jdist.collectives import host
+from jdist.runtime import host
 from jdist.collectives.transport import DATA_AXIS
 
 FORMAT = "jdist-checkpoint"

@@ -25,9 +25,8 @@ import jax
 import numpy as np
 
 from jdist import errors
-from jdist import topology as topology_lib
-from jdist.collectives import host
-from jdist.collectives import ops
+from jdist.runtime import topology as topology_lib
+from jdist.runtime import host
 
 _SHOWN = 10  # mismatches an error message lists before "... and N more"
 
@@ -116,7 +115,7 @@ def check_replicas(tree: Any, *, raise_on_mismatch: bool = False) -> list[Replic
   devices = topology_lib.current().local_device_count
   plain = jax.tree.map(_plain, tree)
   # First, so that a tree that differs on one process fails on every process.
-  ops.check_structure(plain, "jdist.consistency.check_replicas")
+  host.check_structure(plain, "jdist.consistency.check_replicas")
   with_paths = jax.tree_util.tree_leaves_with_path(plain)
   paths = [jax.tree_util.keystr(path) for path, _ in with_paths]
   copies = [_local_copies(leaf, devices, path) for path, (_, leaf) in zip(paths, with_paths)]

@@ -1,6 +1,6 @@
 """Per-replica data partitioning and a prefetching loader for `jax.pmap`.
 
-Each replica (one local device of one process, see `jdist.topology`) reads its
+Each replica (one local device of one process, see `jdist.runtime.topology`) reads its
 own slice of each epoch, as PyTorch's `DistributedSampler` does: all ranks
 draw the same permutation from `(seed, epoch)` and replica `r` of `R` takes
 `permutation[r::R]`, so no communication is needed to agree on the split.
@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdist import errors
 from jdist.batches import shard_batch  # noqa: F401  (re-exported: jdist.data.shard_batch)
-from jdist.topology import Topology
+from jdist.runtime.topology import Topology
 
 Batch = dict[str, Any]
 

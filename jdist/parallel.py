@@ -23,9 +23,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jdist import errors
-from jdist import topology as topology_lib
+from jdist.runtime import topology as topology_lib
 from jdist.collectives import steps
-from jdist.collectives import world as world_lib
+from jdist.runtime import world as world_lib
 from jdist.collectives.transport import DATA_AXIS
 
 

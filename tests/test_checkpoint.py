@@ -26,7 +26,7 @@ import pytest
 import jdist
 from jdist import errors
 from jdist.checkpoint import CheckpointManager
-from jdist.collectives import host
+from jdist.runtime import host
 from tests import launch
 from tests import reference
 from tests.jobs import ckpt_writer

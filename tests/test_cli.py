@@ -16,9 +16,9 @@ import optax
 import pytest
 
 import jdist
-from jdist import cli
-from jdist import config as config_lib
-from jdist.config import TrainConfig
+from jdist.app import cli
+from jdist.app import config as config_lib
+from jdist.app.config import TrainConfig
 from tests import launch
 
 JDIST = os.path.join(os.path.dirname(sys.executable), "jdist")

@@ -9,7 +9,7 @@ import pytest
 
 import jdist
 from jdist import errors
-from jdist.collectives import fusion
+from jdist import fusion
 from jdist.collectives import ops
 from jdist.collectives import transport
 

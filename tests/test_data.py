@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 
 from jdist import data
 from jdist import errors
-from jdist.topology import Topology
+from jdist.runtime.topology import Topology
 
 SIZES = (101, 37)
 REPLICA_COUNTS = tuple(range(1, 9))

@@ -1,4 +1,4 @@
-"""Tests of jdist.datasets: the IDX reader, dataset lookup and download.
+"""Tests of jdist.app.datasets: the IDX reader, dataset lookup and download.
 
 Nothing here reaches the internet: every test runs with the mirror list
 pointing at a closed local port, the cache in a temporary directory and no
@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jdist import datasets
+from jdist.app import datasets
 from jdist import errors
-from jdist.datasets import DatasetError
+from jdist.app.datasets import DatasetError
 
 REAL_SYSTEM_DIRS = {name: list(dirs) for name, dirs in datasets.SYSTEM_DIRS.items()}
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")

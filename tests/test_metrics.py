@@ -80,7 +80,7 @@ def test_epoch_metrics_equal_numpy_on_global_data(topo, weighted):
   np.testing.assert_allclose(result["accuracy"], expected["accuracy"], rtol=1e-6)
   np.testing.assert_allclose(result["weight"], expected["weight"], rtol=1e-6)
   # Every process reports the same numbers.
-  everyone = jdist.collectives.allgather_object(result)
+  everyone = jdist.runtime.host.allgather_object(result)
   assert all(other == everyone[0] for other in everyone)
 
 

@@ -1,4 +1,4 @@
-"""Tests of jdist.models: shapes, parameter counts, state handling, loss helpers."""
+"""Tests of jdist.app.models: shapes, parameter counts, state handling, loss helpers."""
 
 import functools
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jdist import models
+from jdist.app import models
 
 SHAPES = [(28, 28, 1), (8, 8, 1), (32, 32, 3)]
 

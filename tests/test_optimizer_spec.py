@@ -1,4 +1,4 @@
-"""`jdist.optimizer_spec`: every optimizer flag of `jdist train` reaches the optimizer that runs.
+"""`jdist.app.optimizer_spec`: every optimizer flag of `jdist train` reaches the optimizer that runs.
 
 The check goes through the real path: flags -> `cli.parse_train_args` ->
 `TrainConfig.optimizer_spec` -> the trainer's cached `_program(...).tx`, then
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 import jdist
-from jdist import cli
-from jdist import config as config_lib
-from jdist import optimizer_spec
-from jdist import train as train_lib
-from jdist.optimizer_spec import OptimizerSpec
+from jdist.app import cli
+from jdist.app import config as config_lib
+from jdist.app import optimizer_spec
+from jdist.app import train as train_lib
+from jdist.app.optimizer_spec import OptimizerSpec
 
 # Each optimizer flag of `jdist train`: (arguments without it, arguments with it).
 FLAG_CASES = {

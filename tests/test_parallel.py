@@ -99,7 +99,7 @@ def test_decorating_initializes_nothing_subprocess():
   script = textwrap.dedent("""
       import numpy as np
       import jdist
-      from jdist import topology
+      from jdist.runtime import topology
 
       @jdist.data_parallel
       def step(x):

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import jdist
-from jdist.collectives import fusion
+from jdist import fusion
 from jdist.transforms import partial as partial_lib
 from tests import reference
 

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 import jdist
-from jdist import topology as topology_lib
+from jdist.runtime import topology as topology_lib
 from tests import launch
 
 

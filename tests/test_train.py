@@ -1,4 +1,4 @@
-"""`jdist.train.train`: real (tiny) training runs, logs, resume bit for bit.
+"""`jdist.app.train.train`: real (tiny) training runs, logs, resume bit for bit.
 
 Every rank runs each test (under mpirun too): `train` is collective. Runs
 keep the global batch fixed (64 examples per step whatever the topology) and
@@ -18,15 +18,15 @@ import pytest
 import jdist
 from jdist import checkpoint_layout
 from jdist import consistency
-from jdist import datasets
-from jdist import train as train_module
-from jdist import train_guard
-from jdist.collectives import host
-from jdist.config import ConfigError
-from jdist.config import TrainConfig
-from jdist.config import force_cpu_devices
-from jdist.train import TrainError
-from jdist.train import train
+from jdist.app import datasets
+from jdist.app import train as train_module
+from jdist.app import train_guard
+from jdist.runtime import host
+from jdist.app.config import ConfigError
+from jdist.app.config import TrainConfig
+from jdist.app.config import force_cpu_devices
+from jdist.app.train import TrainError
+from jdist.app.train import train
 
 GLOBAL_BATCH = 64
 

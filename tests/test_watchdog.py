@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import pytest
 
 import jdist
-from jdist.collectives import watchdog
+from jdist.runtime import watchdog
 from tests.jobs import faults
 
 
@@ -205,7 +205,7 @@ def test_divergence_needs_a_step_and_a_host_exchange_that_exclude_each_other():
 
 
 def test_where_in_jdist_train_is_the_training_loop_not_the_console_script():
-  from jdist import train_loop  # pylint: disable=import-outside-toplevel
+  from jdist.app import train_loop  # pylint: disable=import-outside-toplevel
 
   class Code:
     def __init__(self, path, name):
@@ -219,7 +219,7 @@ def test_where_in_jdist_train_is_the_training_loop_not_the_console_script():
   outer = Frame(train_loop.__file__.replace("train_loop", "train"), 190, "train", script)
   loop = Frame(train_loop.__file__, 240, "run_epoch", outer)
   inner = Frame(watchdog.__file__, 30, "waiting", loop)
-  assert watchdog.user_location(inner).endswith("jdist/train_loop.py:240 in run_epoch")
+  assert watchdog.user_location(inner).endswith("jdist/app/train_loop.py:240 in run_epoch")
 
 
 def test_compile_grace_has_a_bound():

@@ -29,7 +29,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from jdist import errors
-from jdist import topology as topology_lib
+from jdist.runtime import topology as topology_lib
 from jdist.collectives import transport
 from jdist.collectives.transport import DATA_AXIS
 

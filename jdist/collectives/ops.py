@@ -18,7 +18,6 @@ instead of a hang or silently mixed buffers.
 from __future__ import annotations
 
 import functools
-import hashlib
 from typing import Any
 
 import jax
@@ -27,10 +26,10 @@ from jax import lax
 
 from jdist import errors
 from jdist.collectives import context
-from jdist.collectives import fusion
+from jdist import fusion
 from jdist.collectives import payloads
 from jdist.collectives import transport
-from jdist.collectives import world as world_lib
+from jdist.runtime import host
 from jdist.collectives.transport import DATA_AXIS
 
 
@@ -43,48 +42,6 @@ def require_data_parallel(what: str) -> None:
   context.in_global_step(what)
 
 
-def _signature(tree: Any) -> list[tuple[str, tuple[int, ...], str]]:
-  leaves = jax.tree_util.tree_leaves_with_path(tree)
-  return [(jax.tree_util.keystr(path), tuple(leaf.shape), str(jnp.dtype(leaf.dtype)))
-          for path, leaf in leaves]
-
-
-def check_structure(tree: Any, what: str) -> None:
-  """Checks that every process holds a pytree of the same signature.
-
-  Host side (call at trace time or outside jit). A no-op in one process.
-
-  Raises:
-    StructureMismatchError: on every rank, naming the first differing leaf.
-  """
-  world = world_lib.get()
-  if world is None or world.size == 1:
-    return
-  signature = _signature(tree)
-  digest = hashlib.sha256(repr(signature).encode()).hexdigest()
-  digests = world.allgather_object(digest, f"structure check of {what}")
-  if len(set(digests)) == 1:
-    return
-  signatures = world.allgather_object(signature, f"structure check of {what}")
-  raise errors.StructureMismatchError(_describe_mismatch(signatures, what))
-
-
-def _describe_mismatch(signatures: list[list[tuple]], what: str) -> str:
-  reference = signatures[0]
-  for rank, other in enumerate(signatures[1:], start=1):
-    for index in range(max(len(reference), len(other))):
-      mine = reference[index] if index < len(reference) else None
-      theirs = other[index] if index < len(other) else None
-      if mine != theirs:
-        def show(entry):
-          return "no leaf" if entry is None else f"{entry[0]} shape={entry[1]} dtype={entry[2]}"
-        return (f"{what}: processes hold different pytrees, so they cannot be "
-                f"reduced together. First difference at leaf #{index}: rank 0 has "
-                f"{show(mine)}, rank {rank} has {show(theirs)}. Every process must "
-                f"build the same model and optimizer (same shapes and dtypes).")
-  return f"{what}: processes hold different pytree structures ({len(reference)} leaves on rank 0)."
-
-
 def _fused(tree: Any, what: str, reduce_buffer, bucket_bytes: int,
            fuse_local: bool = False) -> Any:
   """Applies `reduce_buffer` to the tree's leaves, fused into buckets.
@@ -94,7 +51,7 @@ def _fused(tree: Any, what: str, reduce_buffer, bucket_bytes: int,
   """
   if transport.route() == "local" and not fuse_local:
     return jax.tree.map(lambda leaf: reduce_buffer(leaf.reshape(-1)).reshape(leaf.shape), tree)
-  check_structure(tree, what)
+  host.check_structure(tree, what)
   leaves, treedef = jax.tree.flatten(tree)
   shapes = [leaf.shape for leaf in leaves]
   out = {}

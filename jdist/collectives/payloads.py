@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdist.collectives.fusion import FlatSpec
+from jdist.fusion import FlatSpec
 
 HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 

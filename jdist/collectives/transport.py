@@ -43,11 +43,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdist import topology as topology_lib
+from jdist.runtime import topology as topology_lib
 from jdist.collectives import native
 from jdist.collectives import payloads
 from jdist.collectives import steps
-from jdist.collectives import world as world_lib
+from jdist.runtime import world as world_lib
 
 DATA_AXIS = "data"
 ROUTE_ENV = "JDIST_ROUTE"  # force "callback" or "native" (benchmarks)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from jdist import collectives
-from jdist.collectives import fusion
+from jdist import fusion
 
 
 class AllReduceState(NamedTuple):

@@ -34,8 +34,8 @@ import numpy as np
 import optax
 from jax import lax
 
-from jdist import topology as topology_lib
-from jdist.collectives import fusion
+from jdist.runtime import topology as topology_lib
+from jdist import fusion
 from jdist.collectives import payloads
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import jax.numpy as jnp
 import optax
 
-from jdist.collectives import fusion
+from jdist import fusion
 from jdist.transforms import compress
 from jdist.transforms.allreduce import allreduce
 from jdist.transforms.partial import partial_sync

@@ -153,7 +153,7 @@ def main(argv=None):
   args = parse_args(argv)
   faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on demand, for debugging
   early = {kind for kind, _ in args.fault} & {"preinit", "prempi"}
-  if early and jdist.topology.launcher_rank() == args.rank:
+  if early and jdist.runtime.topology.launcher_rank() == args.rank:
     if "preinit" in early:
       from mpi4py import MPI  # pylint: disable=unused-import,import-outside-toplevel
     mark(args.rank, f"sleeping {args.sleep:g} s before jdist.init")

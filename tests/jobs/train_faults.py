@@ -67,7 +67,7 @@ def main(argv=None):
   parser.add_argument("--drift", action="store_true")
   args = parser.parse_args(argv[:split])
   train_argv = argv[split + 1:]
-  from jdist import topology  # pylint: disable=import-outside-toplevel
+  from jdist.runtime import topology  # pylint: disable=import-outside-toplevel
   me = topology.launcher_rank()
   if me == args.rank:
     if args.rank_args:
@@ -79,7 +79,7 @@ def main(argv=None):
       poison(me, args.nan_at, args.nan_at)
     if args.drift:
       drift(me)
-  from jdist import cli  # pylint: disable=import-outside-toplevel
+  from jdist.app import cli  # pylint: disable=import-outside-toplevel
   return cli.train_main(train_argv)
 
 

@@ -49,14 +49,14 @@ import threading
 import time
 from typing import Any
 
-from jdist.collectives.stall_report import describe_departure
-from jdist.collectives.stall_report import describe_divergence  # re-exported
-from jdist.collectives.stall_report import find_divergence  # re-exported
-from jdist.collectives.stall_report import trace_signature
-from jdist.collectives.stall_report import describe_stall  # re-exported
-from jdist.collectives.stall_report import in_jax_compiler
-from jdist.collectives.stall_report import is_missing
-from jdist.collectives.stall_report import user_location
+from jdist.runtime.stall_report import describe_departure
+from jdist.runtime.stall_report import describe_divergence  # re-exported
+from jdist.runtime.stall_report import find_divergence  # re-exported
+from jdist.runtime.stall_report import trace_signature
+from jdist.runtime.stall_report import describe_stall  # re-exported
+from jdist.runtime.stall_report import in_jax_compiler
+from jdist.runtime.stall_report import is_missing
+from jdist.runtime.stall_report import user_location
 
 _QUERY_TAG = 7401
 _REPLY_TAG = 7402

@@ -1,6 +1,6 @@
 """What rank 0 tells the user about a training run: lines, a bar, a JSON-lines log.
 
-`jdist.train.train` reports through a `RunOutput`: one plain-text line per
+`jdist.app.train.train` reports through a `RunOutput`: one plain-text line per
 epoch on stdout (readable in any log, with or without the bar), a tqdm
 progress bar on stderr, and a JSON-lines file with one record per epoch and
 a final summary. Only the primary process (rank 0) speaks; on the others
@@ -15,7 +15,7 @@ import math
 import os
 import sys
 
-from jdist.config import TrainConfig
+from jdist.app.config import TrainConfig
 
 
 def human_bytes(count: float) -> str:

@@ -1,6 +1,6 @@
 """What `jdist train` checks so that nothing goes silently wrong or gets lost.
 
-`jdist.train` calls these at start, around checkpoints and while training:
+`jdist.app.train` calls these at start, around checkpoints and while training:
 
   * `settings_problem`: every process was started with the same settings,
     data and devices (compared once, at start; a rank with another optimizer,
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdist.collectives import host
+from jdist.runtime import host
 
 # Settings that may differ per rank without changing what is trained.
 PER_RANK_SETTINGS = ("progress", "log_file", "data_dir", "download", "cpu_devices", "timeout")

@@ -1,6 +1,6 @@
 """One training run's loop: epochs, checkpoints, resume, and its guards.
 
-`jdist.train.train` builds the program and the data, then hands them to a
+`jdist.app.train.train` builds the program and the data, then hands them to a
 `Run`. Every method of `Run` is collective: every process calls it alike.
 Besides training, a run makes sure nothing goes silently wrong or gets lost
 (see docs/reliability.md, "jdist train's guards"):
@@ -28,9 +28,9 @@ import numpy as np
 
 import jdist
 from jdist import errors
-from jdist import train_guard
-from jdist.collectives import host
-from jdist.config import resume_conflicts
+from jdist.app import train_guard
+from jdist.runtime import host
+from jdist.app.config import resume_conflicts
 
 _IN_FLIGHT = 2  # train steps dispatched ahead of the host before it waits
 MAX_ROLLBACKS = 3  # --on-nonfinite rollback gives up (stops) after this many

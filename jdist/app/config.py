@@ -1,7 +1,7 @@
 """The training job's settings: one dataclass, checked before anything runs.
 
-`TrainConfig` holds everything `jdist.train.train` needs; `jdist train` (see
-`jdist.cli`) fills it from the command line. `validate` checks every value
+`TrainConfig` holds everything `jdist.app.train.train` needs; `jdist train` (see
+`jdist.app.cli`) fills it from the command line. `validate` checks every value
 and combination up front and raises `ConfigError` naming the setting (and
 its command-line flag) and how to fix it, so a bad value never reaches JAX.
 """
@@ -13,17 +13,17 @@ import math
 import os
 from typing import Any
 
-from jdist import optimizer_spec
-from jdist.optimizer_spec import HALF_CHOICES
-from jdist.optimizer_spec import OPTIMIZERS
-from jdist.optimizer_spec import OptimizerSpec
+from jdist.app import optimizer_spec
+from jdist.app.optimizer_spec import HALF_CHOICES
+from jdist.app.optimizer_spec import OPTIMIZERS
+from jdist.app.optimizer_spec import OptimizerSpec
 
 BACKENDS = ("auto", "mpi", "jax", "none")
 ON_NONFINITE = ("stop", "rollback")
 CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 # Settings that shape the trained state or the data order: a resumed run must
 # use the checkpoint's values, or it would not continue the same run. The
-# optimizer's come from its spec (`jdist.optimizer_spec`).
+# optimizer's come from its spec (`jdist.app.optimizer_spec`).
 RESUME_MUST_MATCH = (("model", "dataset", "batch_size", "train_limit", "seed")
                      + optimizer_spec.MUST_MATCH_ON_RESUME)
 # Settings that may change on resume but make it differ from an uninterrupted run.
@@ -39,8 +39,8 @@ class TrainConfig:
   """Settings of one data-parallel training run.
 
   Attributes:
-    model: a name in `jdist.models.MODELS` ("cnn", "mlp", "resnet20", ...).
-    dataset: a name in `jdist.datasets.NAMES` ("digits" needs no files).
+    model: a name in `jdist.app.models.MODELS` ("cnn", "mlp", "resnet20", ...).
+    dataset: a name in `jdist.app.datasets.NAMES` ("digits" needs no files).
     data_dir: directory searched first for MNIST-format files.
     download: allow downloading MNIST-format datasets that are not found.
     epochs: passes over the training set (>= 1).
@@ -166,8 +166,8 @@ def validate(config: TrainConfig) -> TrainConfig:
     ConfigError: the first bad setting, named with its flag and the fix.
   """
   # Imported here: these pull in JAX and Flax, which `jdist --help` need not.
-  from jdist import datasets
-  from jdist import models
+  from jdist.app import datasets
+  from jdist.app import models
 
   if config.model not in models.MODELS:
     raise ConfigError(f"model (--model)={config.model!r} is unknown; choose one of "

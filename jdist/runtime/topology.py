@@ -289,7 +289,7 @@ def init(*, timeout: float | None = None, backend: str | None = None,
     else:
       _reserve_host_threads()
       # The collective layer owns MPI; it raises MissingMPIError if absent.
-      from jdist.collectives import world
+      from jdist.runtime import world
       mpi_world = world.start(resolved_timeout, resolve_init_timeout(resolved_timeout),
                               launcher_rank())
       local_rank = _launcher_local_rank()

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from jdist import errors
-from jdist.collectives import watchdog as watchdog_lib
+from jdist.runtime import watchdog as watchdog_lib
 
 _MISSING_MPI_HELP = (
     "This process was started by an MPI launcher (mpirun/mpiexec) with several "

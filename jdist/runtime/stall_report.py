@@ -1,6 +1,6 @@
 """What the watchdog reports: where a rank is, and who stalled a wait.
 
-Pure helpers of `jdist.collectives.watchdog`: reading a thread's frames
+Pure helpers of `jdist.runtime.watchdog`: reading a thread's frames
 (tracing/compiling with JAX, the user's own line) and turning the peers'
 answers into the message printed before the job is aborted.
 """

@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-from jdist import config as config_lib
+from jdist.app import config as config_lib
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -28,7 +28,7 @@ class _Parser(argparse.ArgumentParser):
 
   def error(self, message: str):
     # Under mpirun every rank parses the same flags: one copy of the message.
-    from jdist import topology  # pylint: disable=g-import-not-at-top
+    from jdist.runtime import topology  # pylint: disable=g-import-not-at-top
     text = f"{self.prog}: error: {message} (see {self.prog} --help)\n"
     self.exit(EXIT_USAGE, text if topology.launcher_rank() == 0 else None)
 
@@ -139,7 +139,7 @@ def parse_train_args(argv, prog: str = "jdist train") -> tuple[config_lib.TrainC
 def _collective_errors() -> tuple[type, ...]:
   """Errors raised on every process alike: each can exit without aborting the others."""
   from jdist import errors  # pylint: disable=g-import-not-at-top
-  from jdist import train as train_lib  # pylint: disable=g-import-not-at-top
+  from jdist.app import train as train_lib  # pylint: disable=g-import-not-at-top
   kinds = [config_lib.ConfigError, train_lib.TrainError, errors.CheckpointError,
            errors.StructureMismatchError, errors.WorldMismatchError]
   try:
@@ -152,8 +152,8 @@ def _collective_errors() -> tuple[type, ...]:
 
 def _report_failure(prog: str, err: BaseException) -> int:
   """Prints one error line (rank 0 for collective errors) and ends this process's part."""
-  from jdist import topology  # pylint: disable=g-import-not-at-top
-  from jdist.collectives import world as world_lib  # pylint: disable=g-import-not-at-top
+  from jdist.runtime import topology  # pylint: disable=g-import-not-at-top
+  from jdist.runtime import world as world_lib  # pylint: disable=g-import-not-at-top
   topo = topology.current() if topology.is_initialized() else None
   text = str(err) or type(err).__name__
   if isinstance(err, _collective_errors()):
@@ -173,7 +173,7 @@ def _report_failure(prog: str, err: BaseException) -> int:
 def train_main(argv=None, prog: str = "jdist train") -> int:
   """`jdist train`: parse, validate, train; returns the exit status."""
   config, debug = parse_train_args(sys.argv[1:] if argv is None else argv, prog)
-  from jdist import train as train_lib  # pylint: disable=g-import-not-at-top
+  from jdist.app import train as train_lib  # pylint: disable=g-import-not-at-top
   try:
     train_lib.train(config)
   except KeyboardInterrupt:
@@ -202,7 +202,7 @@ def info_main(argv=None) -> int:
       config_lib.force_cpu_devices(args.cpu_devices)
     import jax  # pylint: disable=g-import-not-at-top
     import jdist  # pylint: disable=g-import-not-at-top
-    from jdist.collectives import host, world  # pylint: disable=g-import-not-at-top
+    from jdist.runtime import host, world  # pylint: disable=g-import-not-at-top
     topo = jdist.init()
   except Exception as err:  # pylint: disable=broad-except
     return _report_failure("jdist info", err)

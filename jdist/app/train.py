@@ -1,9 +1,9 @@
 """The training job: `train(config)` runs a whole data-parallel training run.
 
-It is what `jdist train` runs (see `jdist.cli`), and a library function:
+It is what `jdist train` runs (see `jdist.app.cli`), and a library function:
 
-    from jdist.config import TrainConfig
-    from jdist.train import train
+    from jdist.app.config import TrainConfig
+    from jdist.app.train import train
     summary = train(TrainConfig(model="cnn", dataset="digits", epochs=3))
 
 The same call works in one process (every local device a replica) and
@@ -16,9 +16,9 @@ progress bar and writes a JSON-lines log and the checkpoints; a resumed run
 continues bit for bit where the checkpoint left off. The loop itself and the
 guards that keep a run from going silently wrong (settings compared across
 ranks, no NaN checkpointed, replica checksums, resume checks) are in
-`jdist.train_loop` and `jdist.train_guard`.
+`jdist.app.train_loop` and `jdist.app.train_guard`.
 
-Command line: `python -m jdist.train --help` (the same as `jdist train`).
+Command line: `python -m jdist.app.train --help` (the same as `jdist train`).
 """
 
 from __future__ import annotations
@@ -35,20 +35,20 @@ import optax
 
 import jdist
 from jdist import collectives
-from jdist import datasets
+from jdist.app import datasets
 from jdist import errors
-from jdist import models
-from jdist import runlog
-from jdist import train_guard
-from jdist.config import TrainConfig
-from jdist.config import force_cpu_devices
-from jdist.optimizer_spec import OptimizerSpec
-from jdist.config import validate
+from jdist.app import models
+from jdist.app import runlog
+from jdist.app import train_guard
+from jdist.app.config import TrainConfig
+from jdist.app.config import force_cpu_devices
+from jdist.app.optimizer_spec import OptimizerSpec
+from jdist.app.config import validate
 # The loop and its guards live in train_loop; these names stay importable here.
-from jdist.train_loop import Run as _Run
-from jdist.train_loop import TrainError  # pylint: disable=unused-import
-from jdist.train_loop import agree as _agree
-from jdist.train_loop import reached
+from jdist.app.train_loop import Run as _Run
+from jdist.app.train_loop import TrainError  # pylint: disable=unused-import
+from jdist.app.train_loop import agree as _agree
+from jdist.app.train_loop import reached
 
 
 def _load_data(config: TrainConfig):
@@ -121,7 +121,7 @@ def train(config: TrainConfig, *, return_state: bool = False) -> dict[str, Any]:
   Collective: under mpirun every process calls it with the same config.
 
   Args:
-    config: the run's settings; checked with `jdist.config.validate`.
+    config: the run's settings; checked with `jdist.app.config.validate`.
     return_state: add "state" to the summary: host copies of the final
       {"params", "model_state"} of the first local replica.
 
@@ -221,8 +221,8 @@ def train(config: TrainConfig, *, return_state: bool = False) -> dict[str, Any]:
 
 
 def main(argv=None) -> int:
-  from jdist import cli  # pylint: disable=g-import-not-at-top
-  return cli.train_main(argv, prog="python -m jdist.train")
+  from jdist.app import cli  # pylint: disable=g-import-not-at-top
+  return cli.train_main(argv, prog="python -m jdist.app.train")
 
 
 if __name__ == "__main__":
