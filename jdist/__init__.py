@@ -34,6 +34,7 @@ from jdist.metrics import metric_sums
 from jdist.parallel import data_parallel
 from jdist.parallel import local_replicas
 from jdist.parallel import replicate
+from jdist.parallel import sync_params
 from jdist.parallel import unreplicate
 from jdist.runtime.host import barrier
 from jdist.runtime.host import broadcast_params
@@ -53,7 +54,6 @@ from jdist.transforms.finite import SkipNonFiniteState
 from jdist.transforms.finite import skip_nonfinite
 from jdist.transforms.partial import PartialSyncState
 from jdist.transforms.partial import partial_sync
-from jdist.transforms.partial import sync_params
 
 __version__ = "0.1.0"
 

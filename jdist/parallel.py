@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from jdist import errors
 from jdist.runtime import topology as topology_lib
+from jdist.collectives import ops
 from jdist.collectives import steps
 from jdist.runtime import world as world_lib
 from jdist.collectives.transport import DATA_AXIS
@@ -271,3 +272,24 @@ def local_replicas(tree: Any) -> list[Any]:
   host = jax.device_get(tree)
   count = topology_lib.current().local_device_count
   return [jax.tree.map(lambda x, i=i: x[i], host) for i in range(count)]
+
+
+@functools.lru_cache(maxsize=None)
+def _pmean_step():
+  # Built on first use: decorating needs no jdist.init().
+  return data_parallel(ops.pmean)
+
+
+def sync_params(params: Any) -> Any:
+  """Averages replicated parameters over every replica, all at once.
+
+  Host side, between steps: before evaluation or a checkpoint under partial
+  synchronization. Afterwards every replica holds identical values.
+
+  Args:
+    params: parameters replicated on the local devices (leading device axis).
+
+  Returns:
+    The averaged parameters, replicated the same way.
+  """
+  return _pmean_step()(params)

@@ -26,7 +26,6 @@ import optax
 from jax import lax
 
 from jdist import collectives
-from jdist import parallel
 
 
 def chunk_plan(sizes: list[int], num_chunks: int) -> list[list[tuple[int, int, int]]]:
@@ -128,23 +127,3 @@ def partial_sync(num_chunks: int) -> optax.GradientTransformation:
             PartialSyncState(state.step + 1, jnp.asarray(ledger.bytes, jnp.float32)))
 
   return optax.GradientTransformation(init_fn, update_fn)
-
-
-@functools.lru_cache(maxsize=None)
-def _pmean_step():
-  return parallel.data_parallel(collectives.pmean)
-
-
-def sync_params(params: Any) -> Any:
-  """Averages replicated parameters over every replica, all at once.
-
-  Host side, between steps: before evaluation or a checkpoint under partial
-  synchronization. Afterwards every replica holds identical values.
-
-  Args:
-    params: parameters replicated on the local devices (leading device axis).
-
-  Returns:
-    The averaged parameters, replicated the same way.
-  """
-  return _pmean_step()(params)
