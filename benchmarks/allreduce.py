@@ -62,21 +62,14 @@ def chained(reduce: Callable, times: int = CHAIN) -> Callable:
 
 @contextlib.contextmanager
 def forced_route(route: str | None):
-  """Traces jdist collectives with `JDIST_ROUTE=route` (read at trace time)."""
+  """Traces jdist collectives on `route` (as `JDIST_ROUTE=route` does for a job)."""
   if route is None:
     yield
     return
-  previous = os.environ.get(collectives.transport.ROUTE_ENV)
-  os.environ[collectives.transport.ROUTE_ENV] = route
-  try:
+  with collectives.transport.forced_route(route):
     if collectives.route() != route:
-      raise RuntimeError(f"JDIST_ROUTE={route} did not select the {route!r} route.")
+      raise RuntimeError(f"forced_route({route!r}) did not select the {route!r} route.")
     yield
-  finally:
-    if previous is None:
-      del os.environ[collectives.transport.ROUTE_ENV]
-    else:
-      os.environ[collectives.transport.ROUTE_ENV] = previous
 
 
 def jdist_mean(dtype=None) -> Callable:

@@ -40,7 +40,7 @@ from jdist.runtime.host import barrier
 from jdist.runtime.host import broadcast_params
 from jdist.runtime.host import host_allreduce
 from jdist.runtime.topology import Topology
-from jdist.runtime.topology import init
+from jdist.collectives.start import init
 from jdist.runtime.topology import current as get_topology
 from jdist.transforms.allreduce import AllReduceState
 from jdist.transforms.allreduce import allreduce

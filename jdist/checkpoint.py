@@ -51,6 +51,7 @@ from etils import epath
 
 from jdist import checkpoint_layout as layout
 from jdist import errors
+from jdist.collectives import start as start_lib
 from jdist.runtime import topology as topology_lib
 from jdist.runtime import host
 # Re-exported: the record's format and `fingerprint` are part of this module's API.
@@ -106,8 +107,8 @@ class CheckpointManager:
     self.directory = epath.Path(os.path.abspath(os.fspath(directory))) if isinstance(
         directory, (str, os.PathLike)) else epath.Path(directory)
     self.keep = keep
-    self.topology = topology or topology_lib.init()
-    real = topology_lib.init()
+    self.topology = topology or start_lib.init()
+    real = start_lib.init()
     if (self.topology.process_count, self.topology.process_index) != (
         real.process_count, real.process_index) or (
             self.topology.local_device_count > jax.local_device_count()):

@@ -23,10 +23,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jdist import errors
+from jdist.runtime import host
 from jdist.runtime import topology as topology_lib
 from jdist.collectives import ops
+from jdist.collectives import start
 from jdist.collectives import steps
-from jdist.runtime import world as world_lib
 from jdist.collectives.transport import DATA_AXIS
 
 
@@ -65,6 +66,7 @@ def check_mapped_inputs(args: Sequence[Any], positions: Sequence[int], devices: 
 # for a device whose execution never gets a thread (a rendezvous timeout and
 # abort after 40 s), in one process as in several. Waiting for step n-8
 # before dispatching step n keeps the queue short and costs nothing on GPUs.
+# One queue for every step: XLA's limit is per device, shared by all of them.
 MAX_INFLIGHT_STEPS = 8
 _inflight: collections.deque = collections.deque()
 _inflight_lock = threading.Lock()
@@ -169,9 +171,7 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
         args.append(jax.tree.map(lambda x: x[0], dynamic[item]))
       else:
         args.append(dynamic[item])
-    world = world_lib.get()
-    if world is not None and world.size > 1:  # runs only while tracing: a re-trace's
-      world.watchdog.note_trace(name, args)   # shapes, for a divergence report
+    host.note_step_trace(name, args)
     with steps.step_scope(name):  # numbers the step's exchanges (the native route's names)
       out = fn(*args)
     if isinstance(out_axes, tuple):
@@ -202,9 +202,7 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
         check_vma=False)(*[args[i] for i in positions])
 
   def with_marker(*args):
-    world = world_lib.get()
-    if world is not None and world.size > 1:
-      world.watchdog.note_trace(name, args)
+    host.note_step_trace(name, args)
     with steps.step_scope(name):
       return fn(*args), jnp.zeros((), jnp.int8)
 
@@ -218,7 +216,7 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
   def step(*args):
     # Looked up per call, not at decoration: a module-level @data_parallel
     # must leave the user's later jdist.init(...) free to set the job up.
-    topo = topology_lib.current()
+    topo = start.ensure_initialized()
     if check_inputs:
       check_mapped_inputs(args, _mapped_positions(in_axes, len(args), static),
                           topo.local_device_count, name)
@@ -230,9 +228,7 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
         args = _commit_to_mesh(list(args), positions, _axis_flags(in_axes, positions))
       outputs, marker = compiled(*args)
     _limit_inflight(marker)
-    world = world_lib.get()
-    if world is not None and world.size > 1:
-      world.watchdog.step_dispatched(marker, name)
+    host.note_step_dispatched(marker, name)
     return outputs
 
   step.compiled = compiled

@@ -10,8 +10,11 @@ import pytest
 import jdist
 from jdist import errors
 from jdist import fusion
+from jdist.collectives import native
 from jdist.collectives import ops
+from jdist.collectives import routes
 from jdist.collectives import transport
+from jdist.runtime import host
 
 
 def _replica_ids(topo):
@@ -95,10 +98,39 @@ def test_host_allreduce_sums_over_processes(topo):
   np.testing.assert_array_equal(mean["n"], [2.0])
 
 
+def test_the_started_route_is_an_object_named_like_the_topology(topo):
+  route = transport.active()
+  assert isinstance(route, routes.Route)
+  assert route.name == transport.route() == topo.route
+  with transport.global_step_exchange():  # the native route's jit steps take callbacks
+    assert transport.route() == ("callback" if topo.route == "native" else topo.route)
+
+
+def test_route_selection():
+  def fake(processes, devices, backend="mpi"):
+    return jdist.Topology(0, processes, devices, backend=backend)
+
+  assert isinstance(routes.select(fake(1, 4, "none")), routes.LocalRoute)
+  assert routes.select(fake(2, 2, "jax"), "callback").name == "local"
+  assert routes.select(fake(2, 1)).name == "mpi4jax"
+  assert routes.select(fake(2, 1), "callback").name == "callback"
+  assert routes.select(fake(2, 2), "callback").name == "callback"
+  with pytest.raises(ValueError, match="JDIST_ROUTE='ring': choose 'native' or 'callback'"):
+    routes.select(fake(2, 2), "ring")
+  if not native.running():
+    assert routes.select(fake(2, 2)).name == "callback"
+    with pytest.raises(ValueError, match="JDIST_ROUTE=native, but the native exchange"):
+      routes.select(fake(2, 2), "native")
+  else:
+    chosen = routes.select(fake(2, 2))
+    assert chosen.name == "native" and chosen.global_step_route.name == "callback"
+    assert routes.select(fake(2, 2), "native").global_step_route.name == "native"
+
+
 def test_structure_mismatch_message_names_first_leaf():
-  a = ops._signature({"w": jnp.ones((2, 3)), "b": jnp.ones(3)})
-  b = ops._signature({"w": jnp.ones((2, 4)), "b": jnp.ones(3)})
-  message = ops._describe_mismatch([a, b], "jdist.psum")
+  a = host._signature({"w": jnp.ones((2, 3)), "b": jnp.ones(3)})
+  b = host._signature({"w": jnp.ones((2, 4)), "b": jnp.ones(3)})
+  message = host._describe_mismatch([a, b], "jdist.psum")
   assert "['w']" in message and "(2, 3)" in message and "(2, 4)" in message and "rank 1" in message
 
 
@@ -138,8 +170,8 @@ def test_host_exchanges_of_a_step_are_chained_in_trace_order():
 
   def exchange(x):  # shaped like transport.gather_all on the callback route
     spec = jax.ShapeDtypeStruct((3,), jnp.float32)
-    ready = transport._after_previous_exchange(x)
-    return transport._exchange_done(transport._callback(lambda v, d: v, spec, ready))
+    ready = routes.after_previous_exchange(x)
+    return routes.exchange_done(routes.host_callback(lambda v, d: v, spec, ready))
 
   def step(a, b, c):
     return exchange(a), exchange(b), exchange(c)

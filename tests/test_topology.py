@@ -86,3 +86,36 @@ def test_subprocess_jax_backend_trains_like_one_device():
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
   assert result.stdout.count("OK rank") == 2
   assert "backend jax" in result.stdout
+
+
+_GETTER = (
+    "import sys\n"
+    "import jdist\n"
+    "from jdist.runtime import topology\n"
+    "try:\n"
+    "  topo = jdist.get_topology()\n"
+    "  print('TOPO', topo.process_count, topo.local_device_count, topo.route,\n"
+    "        topology.is_initialized())\n"
+    "except jdist.errors.JdistError as err:\n"
+    "  print('ERROR:', err)\n"
+    "print('MPI STARTED:', 'mpi4py.MPI' in sys.modules)\n")
+
+
+def test_getter_in_a_plain_process_is_one_process_without_mpi():
+  result = launch.python(["-c", _GETTER], env=launch.clean_env(2), timeout=120)
+  assert result.returncode == 0, result.stderr
+  assert "TOPO 1 2 local False" in result.stdout  # nothing initialized
+  assert "MPI STARTED: False" in result.stdout
+
+
+def test_getter_under_an_mpi_launcher_names_init_and_starts_nothing():
+  env = launch.clean_env(1, OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK="0")
+  result = launch.python(["-c", _GETTER], env=env, timeout=120)
+  assert result.returncode == 0, result.stderr
+  assert "ERROR:" in result.stdout and "jdist.init()" in result.stdout
+  assert "MPI STARTED: False" in result.stdout
+
+
+def test_topology_names_the_started_route(topo):
+  assert topo.route == jdist.collectives.route()
+  assert f"route {topo.route}" in str(topo)

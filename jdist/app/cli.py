@@ -202,7 +202,7 @@ def info_main(argv=None) -> int:
       config_lib.force_cpu_devices(args.cpu_devices)
     import jax  # pylint: disable=g-import-not-at-top
     import jdist  # pylint: disable=g-import-not-at-top
-    from jdist.runtime import host, world  # pylint: disable=g-import-not-at-top
+    from jdist.runtime import host  # pylint: disable=g-import-not-at-top
     topo = jdist.init()
   except Exception as err:  # pylint: disable=broad-except
     return _report_failure("jdist info", err)
@@ -223,10 +223,9 @@ def info_main(argv=None) -> int:
   print(f"jdist {jdist.__version__} (python {platform.python_version()}, "
         f"{platform.system()} {platform.machine()})")
   print("packages: " + ", ".join(versions))
-  mpi_world = world.get()
-  if mpi_world is not None:
-    library = mpi_world.MPI.Get_library_version().strip().splitlines()[0]
-    print(f"MPI: {library} (thread multiple: {mpi_world.thread_multiple})")
+  mpi = host.mpi_description()
+  if mpi is not None:
+    print(f"MPI: {mpi}")
   print(f"topology: {topo}; timeout {topo.timeout:g} s")
   from jdist.collectives import native  # pylint: disable=g-import-not-at-top
   if native.unavailable_reason():

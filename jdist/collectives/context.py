@@ -30,6 +30,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jdist import errors
 from jdist.runtime import topology as topology_lib
+from jdist.collectives import start
 from jdist.collectives import transport
 from jdist.collectives.transport import DATA_AXIS
 
@@ -46,9 +47,10 @@ def mesh() -> Mesh:
   multi-process runtime), every device of every process. Use it as
   `with jax.set_mesh(jdist.mesh()):` around the jitted step and for the
   step's shardings: `NamedSharding(mesh, P(jdist.DATA_AXIS))` for batches,
-  `NamedSharding(mesh, P())` for parameters.
+  `NamedSharding(mesh, P())` for parameters. Sets the job up (`jdist.init()`
+  with defaults) where nothing has: a jit script starts here.
   """
-  topo = topology_lib.current()
+  topo = start.ensure_initialized()
   devices = jax.devices() if topo.backend == "jax" else jax.local_devices()
   return Mesh(devices, (DATA_AXIS,))
 

@@ -17,12 +17,60 @@ import numpy as np
 
 from jdist import errors
 from jdist import fusion
+from jdist.runtime import topology as topology_lib
 from jdist.runtime import world as world_lib
 
 
 def _world():
+  """The MPI world of a job of several processes, else None.
+
+  Under an MPI launcher before `jdist.init()`, raises (see
+  `jdist.runtime.topology.current`) rather than exchanging nothing.
+  """
   world = world_lib.get()
+  if world is None and topology_lib.launched_by_mpi():
+    topology_lib.current()  # before jdist.init(): raises, naming it
   return world if world is not None and world.size > 1 else None
+
+
+def is_multiprocess() -> bool:
+  """True when this process exchanges with others over MPI."""
+  world = world_lib.get()
+  return world is not None and world.size > 1
+
+
+def abort(code: int = 1) -> None:
+  """Ends the whole MPI job (the other ranks may be waiting for this one).
+
+  A no-op outside a job of several MPI processes.
+  """
+  world = world_lib.get()
+  if world is not None and world.size > 1:
+    world.abort(code)
+
+
+def mpi_description() -> str | None:
+  """The MPI library and its thread level, once MPI is started; else None."""
+  world = world_lib.get()
+  if world is None:
+    return None
+  library = world.MPI.Get_library_version().strip().splitlines()[0]
+  return f"{library} (thread multiple: {world.thread_multiple})"
+
+
+def note_step_trace(name: str, args: Any) -> None:
+  """Tells the watchdog a step is traced, with its arguments' shapes.
+
+  Runs only while tracing: a re-trace's shapes, for a divergence report.
+  """
+  if is_multiprocess():
+    world_lib.get().watchdog.note_trace(name, args)
+
+
+def note_step_dispatched(marker: Any, name: str) -> None:
+  """Tells the watchdog a step was dispatched; `marker` is ready when it ends."""
+  if is_multiprocess():
+    world_lib.get().watchdog.step_dispatched(marker, name)
 
 
 def _per_bucket(tree: Any, exchange) -> Any:

@@ -1,9 +1,11 @@
 """Who is where: processes, local devices and replicas.
 
-`init()` is the one entry point. Launched by `mpirun` (an MPI environment with
-more than one process) it sets up the MPI world through the collective layer;
-launched as a plain `python` process it needs no MPI at all. Either way it
-returns the same `Topology` object on every later call.
+`init_world()` is the runtime's half of `jdist.init()` (the collective layer's
+`jdist.collectives.start.init` calls it, then starts its route). Launched by
+`mpirun` (an MPI environment with more than one process) it starts the MPI
+world; launched as a plain `python` process it needs no MPI at all. Either
+way it returns the same `Topology` object on every later call. `current()`
+is a getter and starts nothing.
 
 A *replica* is one device of one process: the unit of data parallelism. The
 global replica index of local device `d` on process `p` is
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+from typing import Callable
 import warnings
 
 import jax
@@ -182,6 +185,7 @@ def _reserve_host_threads() -> None:
   processes x 2 devices, buffers >= 64K floats). Extra pool threads cost
   nothing while idle.
   """
+  # Process-wide by necessity: XLA reads NPROC once, when it creates the CPU client.
   if "NPROC" in os.environ:
     return
   os.environ["NPROC"] = str(max(os.cpu_count() or 1, MIN_HOST_THREADS))
@@ -191,20 +195,6 @@ def _reserve_host_threads() -> None:
         "keeps its size and several devices per process may deadlock in "
         "cross-process exchanges. Call jdist.init() before any JAX computation, or "
         f"set NPROC={MIN_HOST_THREADS} in the environment.", RuntimeWarning, stacklevel=3)
-
-
-def _start_route(mpi_world, topology: Topology) -> str:
-  """Starts the native exchange engine where it serves; returns the route."""
-  from jdist.collectives import native, transport  # pylint: disable=g-import-not-at-top
-  if topology.backend == "mpi" and topology.process_count > 1:
-    why_not = native.start(mpi_world, topology.local_device_count, topology.timeout)
-    if why_not and topology.local_device_count > 1:
-      warnings.warn(
-          f"jdist: the native cross-process exchange is not available ({why_not}); "
-          f"using the slower callback route. Build it with `python -m "
-          f"jdist.collectives.native.build` (scripts/install.sh does).", RuntimeWarning,
-          stacklevel=3)
-  return transport.route(topology)
 
 
 def _start_jax_distributed(mpi_world) -> None:
@@ -234,32 +224,73 @@ def _bind_local_gpu(local_rank: int) -> None:
     jax.config.update("jax_cuda_visible_devices", str(local_rank))
 
 
-def init(*, timeout: float | None = None, backend: str | None = None,
-         bind_gpu: bool | None = None) -> Topology:
-  """Sets up the data-parallel world and returns this process's `Topology`.
+def _single_process(timeout: float, bind_gpu: bool | None) -> Topology:
+  del bind_gpu  # one process drives every visible device
+  return Topology(0, 1, jax.local_device_count(), backend="none", timeout=timeout)
 
-  Idempotent: later calls return the first call's object (arguments of later
-  calls must agree with it or be left out).
+
+def _mpi_processes(backend: str):
+  """The starter of a job of several processes launched by MPI, for `backend`."""
+
+  def start(timeout: float, bind_gpu: bool | None) -> Topology:
+    _reserve_host_threads()
+    from jdist.runtime import world  # pylint: disable=g-import-not-at-top
+    # Raises MissingMPIError if mpi4py is absent.
+    mpi_world = world.start(timeout, resolve_init_timeout(timeout), launcher_rank())
+    local_rank = _launcher_local_rank()
+    if local_rank is None:
+      local_rank = mpi_world.local_rank
+    if bind_gpu is None:
+      bind_gpu = mpi_world.local_size > 1
+    if bind_gpu:
+      _bind_local_gpu(local_rank)
+    if backend == "jax":
+      _start_jax_distributed(mpi_world)
+    topology = Topology(
+        process_index=mpi_world.rank,
+        process_count=mpi_world.size,
+        local_device_count=jax.local_device_count(),
+        local_rank=local_rank,
+        local_process_count=mpi_world.local_size,
+        backend=backend,
+        timeout=timeout,
+    )
+    mpi_world.attach(topology)
+    return topology
+
+  return start
+
+
+# backend -> its starter: (timeout, bind_gpu) -> Topology.
+_BACKENDS = {"mpi": _mpi_processes("mpi"), "jax": _mpi_processes("jax"),
+             "none": _single_process}
+
+
+def init_world(*, timeout: float | None = None, backend: str | None = None,
+               bind_gpu: bool | None = None,
+               finish: Callable[[Topology], Topology] | None = None) -> Topology:
+  """Discovers and starts the processes' world; returns this process's `Topology`.
+
+  The runtime's half of `jdist.init` (see its documentation for the
+  arguments, errors and idempotence): it starts MPI and, for backend "jax",
+  JAX's multi-process runtime, and knows nothing of how steps exchange
+  buffers. The collective layer passes `finish`, which starts its route.
 
   Args:
-    timeout: seconds a cross-process exchange may wait before the watchdog
-      aborts the job, naming the missing ranks. Default: the `JDIST_TIMEOUT`
-      environment variable, else 300.
-    backend: "mpi" (default under mpirun: mpi4py/mpi4jax), "jax" (JAX's own
-      multi-process collectives, via `jax.distributed.initialize`), or "none"
-      (one process). Default: "mpi" when launched by an MPI launcher with
-      more than one process, else "none".
-    bind_gpu: under mpirun on GPUs, bind GPU `local_rank` to this process
-      (SINGA's `rank_in_local`). Default: True when several processes share
-      a node and CUDA_VISIBLE_DEVICES is unset.
+    timeout: see `jdist.init`.
+    backend: see `jdist.init`.
+    bind_gpu: see `jdist.init`.
+    finish: called once, under the initialization lock, with the new
+      topology; what it returns is published (e.g. with its `route` named).
 
   Returns:
-    The `Topology` of this process.
+    The `Topology` of this process: the first call's on every later call.
 
   Raises:
     jdist.errors.MissingMPIError: launched by mpirun but mpi4py/mpi4jax are
       not installed.
-    ValueError: an unknown backend or a bad timeout.
+    ValueError: an unknown backend or a bad timeout, or arguments that
+      disagree with the first call's.
   """
   global _topology
   with _lock:
@@ -276,49 +307,45 @@ def init(*, timeout: float | None = None, backend: str | None = None,
     resolved_timeout = _resolve_timeout(timeout)
     if backend is None:
       backend = "mpi" if launched_by_mpi() else "none"
-    if backend not in ("mpi", "jax", "none"):
+    if backend not in _BACKENDS:
       raise ValueError(f"backend={backend!r} is not one of 'mpi', 'jax', 'none'.")
     if backend == "none" and launched_by_mpi():
       raise ValueError(
           "backend='none' but this process was started by mpirun with several "
           "processes; use backend='mpi' (the default) or 'jax'.")
-
-    if backend == "none":
-      topology = Topology(0, 1, jax.local_device_count(), backend="none",
-                          timeout=resolved_timeout)
-    else:
-      _reserve_host_threads()
-      # The collective layer owns MPI; it raises MissingMPIError if absent.
-      from jdist.runtime import world
-      mpi_world = world.start(resolved_timeout, resolve_init_timeout(resolved_timeout),
-                              launcher_rank())
-      local_rank = _launcher_local_rank()
-      if local_rank is None:
-        local_rank = mpi_world.local_rank
-      if bind_gpu is None:
-        bind_gpu = mpi_world.local_size > 1
-      if bind_gpu:
-        _bind_local_gpu(local_rank)
-      if backend == "jax":
-        _start_jax_distributed(mpi_world)
-      topology = Topology(
-          process_index=mpi_world.rank,
-          process_count=mpi_world.size,
-          local_device_count=jax.local_device_count(),
-          local_rank=local_rank,
-          local_process_count=mpi_world.local_size,
-          backend=backend,
-          timeout=resolved_timeout,
-      )
-      mpi_world.attach(topology)
-      topology = dataclasses.replace(topology, route=_start_route(mpi_world, topology))
+    topology = _BACKENDS[backend](resolved_timeout, bind_gpu)
+    if finish is not None:
+      topology = finish(topology)
     _topology = topology
     return topology
 
 
+_one_process: Topology | None = None
+
+
 def current() -> Topology:
-  """The current `Topology`, initializing with defaults if needed."""
-  return _topology if _topology is not None else init()
+  """The initialized `Topology`; a getter: it never starts MPI.
+
+  Before `jdist.init()`, a plain single process gets the one-process
+  topology (nothing is initialized: a later `jdist.init(...)` still sets the
+  job up).
+
+  Raises:
+    jdist.errors.JdistError: not initialized in a process that an MPI
+      launcher started with several processes.
+  """
+  global _one_process
+  if _topology is not None:
+    return _topology
+  if launched_by_mpi():
+    raise errors.JdistError(
+        "jdist is not initialized, but this process was started by an MPI launcher "
+        "with several processes: call jdist.init() first, on every process, before "
+        "anything that needs the job's topology (jdist.get_topology(), jdist.mesh(), "
+        "jdist.broadcast_params, reductions).")
+  if _one_process is None:
+    _one_process = _single_process(_resolve_timeout(None), None)
+  return _one_process
 
 
 def is_initialized() -> bool:

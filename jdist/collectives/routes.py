@@ -1,0 +1,369 @@
+"""Routes: how 1-D buffers cross every replica inside a step, one object each.
+
+Every route offers three primitives over all replicas (local devices, then
+processes): `sum_all` (full precision), `sum_all_16bit` (16-bit payload,
+float32 accumulation) and `gather_all` (replica-ordered all-gather), and
+records the bytes they send across processes (`jdist.collectives.wire`).
+
+  * `LocalRoute` ("local"): one process, or backend "jax" (JAX's
+    multi-process runtime): XLA collectives over `DATA_AXIS` already span
+    every replica.
+  * `Mpi4jaxRoute` ("mpi4jax"): one device per process: mpi4jax collectives
+    inside the step (zero-copy on CPU; mpi4jax's ordered effects allow only
+    one device).
+  * `NativeRoute` ("native"): several devices per process: one XLA FFI
+    custom call per exchange and device into jdist's C++ engine, which
+    reduces the local devices' parts and runs MPI across processes without
+    blocking any XLA thread (see `jdist.collectives.native`).
+  * `CallbackRoute` ("callback"): the fallback for several devices where the
+    native library is not built. Hierarchical: the devices first
+    reduce-scatter the buffer locally (XLA), then device d of every process
+    exchanges its 1/D shard on its own communicator through a host callback
+    running mpi4py, then the devices all-gather the shards.
+
+`start(topology)` picks the route once, when `jdist.init()` runs;
+`JDIST_ROUTE=callback|native` forces one (checked then). 16-bit buffers
+cross processes as uint16 bit patterns (MPI has no float16 sum): a
+reduce-scatter, float32 accumulation, an all-gather.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+
+from jdist.collectives import native
+from jdist.collectives import payloads
+from jdist.collectives import steps
+from jdist.collectives import wire
+from jdist.collectives.wire import DATA_AXIS
+from jdist.runtime import world as world_lib
+
+ROUTE_ENV = "JDIST_ROUTE"  # force "callback" or "native" (benchmarks)
+ROUTES = ("local", "mpi4jax", "native", "callback")
+
+
+def pad_to(buffer: jax.Array, multiple: int) -> jax.Array:
+  extra = -buffer.shape[0] % multiple
+  return jnp.pad(buffer, (0, extra)) if extra else buffer
+
+
+def bits(x: jax.Array) -> jax.Array:
+  return lax.bitcast_convert_type(x, jnp.uint16)
+
+
+def from_bits(x: jax.Array, dtype) -> jax.Array:
+  return lax.bitcast_convert_type(x, dtype)
+
+
+def add_rows(rows: jax.Array) -> jax.Array:
+  """Float32 sum of the rows of a small [P, m] array.
+
+  Row by row rather than `.sum(axis=0)`: XLA:CPU runs the latter as a strided
+  column reduction, measured 80x slower at 16 MB (benchmarks/proposals.py).
+  """
+  return functools.reduce(jnp.add, [rows[i].astype(jnp.float32) for i in range(rows.shape[0])])
+
+
+def local_sum16(buffer: jax.Array, axis_size: int) -> jax.Array:
+  """Reduce-scatter of 16-bit values over DATA_AXIS, accumulated in float32."""
+  chunks = buffer.reshape(axis_size, -1)
+  return add_rows(lax.all_to_all(chunks, DATA_AXIS, 0, 0))
+
+
+class Route:
+  """How buffers cross processes: the three primitives and their wire bytes.
+
+  Subclasses implement `_sum`, `_sum16` and `_gather` for their transport.
+
+  Attributes:
+    name: the route's name, one of `ROUTES`.
+    processes: processes in the job.
+    devices: local devices per process.
+    global_step_route: the route a global (jit) step's reductions take
+      (see `jdist.collectives.transport.global_step_exchange`): this one,
+      except for the native route chosen by default.
+  """
+
+  name = ""
+
+  def __init__(self, topology):
+    self.processes = topology.process_count
+    self.devices = topology.local_device_count
+    self.global_step_route: Route = self
+
+  def __repr__(self) -> str:
+    return f"{type(self).__name__}({self.processes} x {self.devices})"
+
+  def sum_all(self, buffer: jax.Array) -> jax.Array:
+    """Sum of a 1-D buffer over every replica, in the buffer's dtype."""
+    if buffer.dtype in payloads.HALF_DTYPES:
+      return self.sum_all_16bit(buffer)  # MPI has no 16-bit float sum
+    wire.record(2 * (self.processes - 1) / self.processes * buffer.nbytes, 1)
+    return self._sum(buffer)
+
+  def sum_all_16bit(self, buffer: jax.Array) -> jax.Array:
+    """Sum over every replica of a float16/bfloat16 buffer.
+
+    Every hop carries 16 bits per value; sums are accumulated in float32 and
+    rounded once per hop. The caller pre-divides to keep sums in range.
+    """
+    if self.processes > 1:
+      wire.record(2 * (self.processes - 1) / self.processes * buffer.nbytes, 2)
+    return self._sum16(buffer)
+
+  def gather_all(self, buffer: jax.Array) -> jax.Array:
+    """Every replica's 1-D buffer, stacked in global replica order: [R, n]."""
+    if self.processes > 1:
+      wire.record((self.processes - 1) * self.devices * buffer.nbytes, 1)
+    return self._gather(buffer)
+
+  def _sum(self, buffer: jax.Array) -> jax.Array:
+    raise NotImplementedError
+
+  def _sum16(self, buffer: jax.Array) -> jax.Array:
+    raise NotImplementedError
+
+  def _gather(self, buffer: jax.Array) -> jax.Array:
+    raise NotImplementedError
+
+
+class LocalRoute(Route):
+  """XLA collectives over `DATA_AXIS`, which span every replica."""
+
+  name = "local"
+
+  def sum_all(self, buffer: jax.Array) -> jax.Array:
+    if self.processes > 1:  # backend "jax": XLA's collectives cross processes
+      wire.record(2 * (self.processes - 1) / self.processes * buffer.nbytes, 1)
+    return lax.psum(buffer, DATA_AXIS)
+
+  def _sum16(self, buffer: jax.Array) -> jax.Array:
+    axis_size = lax.axis_size(DATA_AXIS)
+    if axis_size == 1:
+      return buffer
+    padded = pad_to(buffer, axis_size)
+    shard = local_sum16(padded, axis_size).astype(buffer.dtype)
+    return lax.all_gather(shard, DATA_AXIS, tiled=True)[:buffer.shape[0]]
+
+  def _gather(self, buffer: jax.Array) -> jax.Array:
+    return lax.all_gather(buffer, DATA_AXIS)
+
+
+class Mpi4jaxRoute(Route):
+  """mpi4jax collectives on the world's device communicator 0 (one device each)."""
+
+  name = "mpi4jax"
+
+  def __init__(self, topology, world):
+    super().__init__(topology)
+    self.world = world
+
+  def _comm(self):
+    return self.world.device_comm(0)
+
+  def _sum(self, buffer: jax.Array) -> jax.Array:
+    mpi4jax = world_lib.import_mpi4jax()
+    return mpi4jax.allreduce(buffer, op=self.world.MPI.SUM, comm=self._comm())
+
+  def _sum16(self, buffer: jax.Array) -> jax.Array:
+    mpi4jax = world_lib.import_mpi4jax()
+    dtype, processes = buffer.dtype, self.processes
+    chunks = bits(pad_to(buffer, processes).reshape(processes, -1))
+    received = mpi4jax.alltoall(chunks, comm=self._comm())
+    mine = add_rows(from_bits(received, dtype)).astype(dtype)
+    gathered = mpi4jax.allgather(bits(mine), comm=self._comm())
+    return from_bits(gathered, dtype).reshape(-1)[:buffer.shape[0]]
+
+  def _gather(self, buffer: jax.Array) -> jax.Array:
+    return world_lib.import_mpi4jax().allgather(buffer, comm=self._comm())
+
+
+class NativeRoute(Route):
+  """jdist's C++ engine, one FFI custom call per exchange and device."""
+
+  name = "native"
+
+  def _call(self, kind: int, buffer: jax.Array, result: jax.ShapeDtypeStruct) -> jax.Array:
+    return native.call(kind, buffer, result, steps.next_ordinal(), DATA_AXIS)
+
+  def _sum(self, buffer: jax.Array) -> jax.Array:
+    """Any numeric dtype: those the engine sums directly, others through them."""
+    dtype = buffer.dtype
+    if buffer.size == 0:
+      return buffer
+    if np.dtype(dtype) in native.SUM_DTYPES:
+      return self._call(native.SUM, buffer, jax.ShapeDtypeStruct(buffer.shape, dtype))
+    if jnp.issubdtype(dtype, jnp.complexfloating):  # a sum of (real, imag) pairs
+      parts = jnp.stack([buffer.real, buffer.imag], axis=-1).reshape(-1)
+      summed = self._sum(parts).reshape(-1, 2)
+      return lax.complex(summed[:, 0], summed[:, 1]).astype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating):  # float8 and friends: in float32
+      return self._sum(buffer.astype(jnp.float32)).astype(dtype)
+    wide = jnp.int64 if jnp.dtype(dtype).itemsize == 8 else jnp.int32
+    return self._sum(buffer.astype(wide)).astype(dtype)  # bools, small ints
+
+  def _sum16(self, buffer: jax.Array) -> jax.Array:
+    if buffer.shape[0] == 0:
+      return buffer
+    return self._call(native.SUM16, buffer, jax.ShapeDtypeStruct(buffer.shape, buffer.dtype))
+
+  def _gather(self, buffer: jax.Array) -> jax.Array:
+    rows = self.processes * self.devices
+    return self._call(native.GATHER, buffer,
+                      jax.ShapeDtypeStruct((rows,) + buffer.shape, buffer.dtype))
+
+
+# On the callback route each device's host callback blocks an XLA thread in
+# MPI, so the exchanges of one step must run in one order on every device of
+# every process: XLA:CPU runs independent operations in whatever order they
+# become ready, and device 0 of process A waiting in exchange X's local
+# all-gather for device 1, itself in exchange Y's MPI call waiting for process
+# B, where the roles are swapped, is a deadlock (seen in 2x2 with a flag
+# all-reduce beside a top-K all-gather). `steps.chain_input` makes each
+# exchange's input depend on the previous exchange's output in the trace.
+after_previous_exchange = steps.chain_input
+exchange_done = steps.chain_output
+
+
+def host_callback(host_fn, result: jax.ShapeDtypeStruct, *args):
+  """`host_fn(*args, device)` on the host, per device, inside the step."""
+  device = lax.axis_index(DATA_AXIS)
+
+  def on_host(*arrays):
+    # pure_callback passes jax.Arrays; any JAX op on them (even a reshape)
+    # would start a computation from inside this step and can deadlock.
+    return host_fn(*(np.asarray(a) for a in arrays))
+
+  return jax.pure_callback(on_host, result, *args, device, vmap_method="sequential")
+
+
+class CallbackRoute(Route):
+  """Host callbacks running mpi4py, device d of every process on `device_comm(d)`.
+
+  The host side runs on XLA's device threads, one per local device, each on
+  its own communicator.
+  """
+
+  name = "callback"
+
+  def __init__(self, topology, world):
+    super().__init__(topology)
+    self.world = world
+
+  def _host_allreduce(self, shard: np.ndarray, device: np.ndarray) -> np.ndarray:
+    out = np.empty_like(shard)
+    self.world.device_comm(int(device)).Allreduce(np.ascontiguousarray(shard), out,
+                                                  op=self.world.MPI.SUM)
+    return out
+
+  def _host_allgather(self, piece: np.ndarray, device: np.ndarray) -> np.ndarray:
+    out = np.empty((self.world.size,) + piece.shape, piece.dtype)
+    self.world.device_comm(int(device)).Allgather(np.ascontiguousarray(piece), out)
+    return out
+
+  def _host_sum16(self, coded: np.ndarray, is_bf16: np.ndarray,
+                  device: np.ndarray) -> np.ndarray:
+    """Sums uint16-coded 16-bit floats over processes, accumulating in float32."""
+    comm = self.world.device_comm(int(device))
+    dtype = np.dtype(jnp.bfloat16) if int(is_bf16) else np.dtype(np.float16)
+    chunks = coded.reshape(self.world.size, -1)
+    received = np.empty_like(chunks)
+    comm.Alltoall(np.ascontiguousarray(chunks), received)
+    mine = received.view(dtype).astype(np.float32).sum(axis=0).astype(dtype).view(np.uint16)
+    out = np.empty_like(chunks)
+    comm.Allgather(mine, out)
+    return out.reshape(coded.shape)
+
+  def _sum(self, buffer: jax.Array) -> jax.Array:
+    devices, size = self.devices, buffer.shape[0]
+    shard = pad_to(after_previous_exchange(buffer), devices)
+    if devices > 1:
+      shard = lax.psum_scatter(shard, DATA_AXIS, tiled=True)
+    shard = host_callback(self._host_allreduce,
+                          jax.ShapeDtypeStruct(shard.shape, shard.dtype), shard)
+    if devices > 1:
+      shard = lax.all_gather(shard, DATA_AXIS, tiled=True)
+    return exchange_done(shard[:size])
+
+  def _sum16(self, buffer: jax.Array) -> jax.Array:
+    dtype, devices, size = buffer.dtype, self.devices, buffer.shape[0]
+    padded = pad_to(after_previous_exchange(buffer), devices * self.processes)
+    shard = local_sum16(padded, devices).astype(dtype) if devices > 1 else padded
+    is_bf16 = np.int32(dtype == jnp.bfloat16)
+    shard_bits = host_callback(self._host_sum16,
+                               jax.ShapeDtypeStruct(shard.shape, jnp.uint16),
+                               bits(shard), is_bf16)
+    shard = from_bits(shard_bits, dtype)
+    if devices > 1:
+      shard = lax.all_gather(shard, DATA_AXIS, tiled=True)
+    return exchange_done(shard[:size])
+
+  def _gather(self, buffer: jax.Array) -> jax.Array:
+    processes, devices = self.processes, self.devices
+    per_process = host_callback(
+        self._host_allgather, jax.ShapeDtypeStruct((processes,) + buffer.shape, buffer.dtype),
+        after_previous_exchange(buffer))
+    if devices == 1:
+      return exchange_done(per_process)
+    stacked = lax.all_gather(per_process, DATA_AXIS)  # [D, P, n]
+    return exchange_done(
+        jnp.swapaxes(stacked, 0, 1).reshape((processes * devices,) + buffer.shape))
+
+
+def _start_native(topology, world) -> None:
+  """Starts the native engine where it serves (collective: every process alike)."""
+  why_not = native.start(world, topology.local_device_count, topology.timeout)
+  if why_not and topology.local_device_count > 1:
+    warnings.warn(
+        f"jdist: the native cross-process exchange is not available ({why_not}); "
+        f"using the slower callback route. Build it with `python -m "
+        f"jdist.collectives.native.build` (scripts/install.sh does).", RuntimeWarning,
+        stacklevel=4)
+
+
+def select(topology, forced: str | None = None) -> Route:
+  """The route for `topology`; `forced` ("native"/"callback") overrides the choice.
+
+  Raises:
+    ValueError: `forced` names an unknown route, or "native" where the
+      native engine is not running.
+  """
+  if topology.process_count == 1 or topology.backend == "jax":
+    return LocalRoute(topology)
+  world = world_lib.get()
+  if forced == "callback":
+    return CallbackRoute(topology, world)
+  if forced == "native":
+    if not native.running():
+      raise ValueError(f"{ROUTE_ENV}=native, but the native exchange is not available: "
+                       f"{native.unavailable_reason() or 'jdist.init() did not start it'}")
+    return NativeRoute(topology)
+  if forced not in (None, ""):
+    raise ValueError(f"{ROUTE_ENV}={forced!r}: choose 'native' or 'callback'.")
+  if topology.local_device_count == 1:
+    return Mpi4jaxRoute(topology, world)
+  fallback = CallbackRoute(topology, world)
+  if not native.running():
+    return fallback
+  route = NativeRoute(topology)
+  # Measured: the jit quickstart in 2x2 hung or aborted in 3 of 3 runs on the
+  # native route and passed on the callback route (see `global_step_exchange`).
+  route.global_step_route = fallback
+  return route
+
+
+def start(topology) -> Route:
+  """Starts the route for an initialized `topology` (from `jdist.init`, once).
+
+  Reads `JDIST_ROUTE` here, once; starts the native engine under MPI.
+  """
+  if topology.backend == "mpi" and topology.process_count > 1:
+    _start_native(topology, world_lib.get())
+  return select(topology, os.environ.get(ROUTE_ENV))
