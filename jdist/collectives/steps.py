@@ -24,6 +24,7 @@ import itertools
 from typing import Any
 
 import jax
+import jax.extend.core  # not loaded by `import jax`; a script importing nothing else would fail
 import jax.numpy as jnp
 
 # Outside any step scope (a user's own pmap over DATA_AXIS) ordinals come from
