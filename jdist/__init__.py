@@ -45,10 +45,12 @@ from jdist.runtime.topology import current as get_topology
 from jdist.transforms.allreduce import AllReduceState
 from jdist.transforms.allreduce import allreduce
 from jdist.transforms.allreduce import wire_bytes
-from jdist.transforms.compress import SparsifyState
-from jdist.transforms.compress import cast
-from jdist.transforms.compress import threshold
-from jdist.transforms.compress import topk
+from jdist.compression.half import cast
+from jdist.compression.powersgd import PowerSGDState
+from jdist.compression.powersgd import powersgd
+from jdist.compression.sparse import SparsifyState
+from jdist.compression.sparse import threshold
+from jdist.compression.sparse import topk
 from jdist.transforms.dist_opt import dist_opt
 from jdist.transforms.finite import SkipNonFiniteState
 from jdist.transforms.finite import skip_nonfinite
@@ -90,6 +92,7 @@ __all__ = (
     "TrainConfig",
     "DATA_AXIS",
     "PartialSyncState",
+    "PowerSGDState",
     "ReplicaMismatch",
     "SparsifyState",
     "SyncBatchNorm",
@@ -117,6 +120,7 @@ __all__ = (
     "models",
     "partial_sync",
     "pmean",
+    "powersgd",
     "process_slice",
     "psum",
     "replica_index",

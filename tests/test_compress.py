@@ -7,8 +7,9 @@ import optax
 import pytest
 
 import jdist
-from jdist.collectives import payloads
-from jdist.transforms import compress
+from jdist.compression import half
+from jdist.compression import protocol
+from jdist.compression import sparse
 from tests import reference
 
 PER_REPLICA = 4
@@ -135,9 +136,9 @@ def test_topk_momentum_correction_matches_dgc_reference(topo):
 
 def test_block_topk_takes_each_blocks_largest_entry():
   x = jnp.array([0.1, -3.0, 0.2, 0.5, 0.4, -0.1, 2.0, 0.0, 1.0, -1.5])
-  indices = compress._block_maxima(x, 4)  # blocks of 3: [0:3] [3:6] [6:9] [9:10]
+  indices = sparse._block_maxima(x, 4)  # blocks of 3: [0:3] [3:6] [6:9] [9:10]
   np.testing.assert_array_equal(indices, [1, 3, 6, 9])
-  full = compress._block_maxima(x, 10)
+  full = sparse._block_maxima(x, 10)
   np.testing.assert_array_equal(full, np.arange(10))
 
 
@@ -229,4 +230,6 @@ def test_payload_order_is_checked(topo):
     _reduce(optax.chain(jdist.cast(jnp.float16), jdist.topk(0.1), jdist.allreduce()), grads)
   with pytest.raises(ValueError, match="applied twice"):
     _reduce(optax.chain(jdist.cast(jnp.float16), jdist.cast(jnp.float16), jdist.allreduce()), grads)
-  assert payloads.is_payload(payloads.to_half({"a": jnp.ones(2)}, jnp.float16, 1.0))
+  assert isinstance(half.to_half({"a": jnp.ones(2)}, jnp.float16, 1.0), protocol.WirePayload)
+  with pytest.raises(ValueError, match="must come before jdist.cast"):
+    _reduce(optax.chain(jdist.topk(0.1), jdist.topk(0.1), jdist.allreduce()), grads)

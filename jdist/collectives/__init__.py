@@ -1,7 +1,7 @@
 """The collective layer: the only part of jdist that knows about MPI.
 
 Everything else asks it to reduce a pytree: inside a step with `psum`,
-`pmean`, `all_gather` and `reduce_payload`. Host-side exchanges between
+`pmean`, `all_gather`, `reduce_payload` and `exchange`. Host-side exchanges between
 steps (`broadcast_params`, `host_allreduce`, `barrier`) are in
 `jdist.runtime.host`.
 """
@@ -10,6 +10,7 @@ from jdist.collectives.context import mesh
 from jdist.collectives.context import replica_index
 from jdist.collectives.context import replica_key
 from jdist.collectives.ops import all_gather
+from jdist.collectives.ops import exchange
 from jdist.collectives.ops import pmean
 from jdist.collectives.ops import psum
 from jdist.collectives.ops import reduce_payload

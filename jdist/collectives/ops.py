@@ -6,8 +6,10 @@ processes (see `transport`). Across processes a pytree travels fused: one
 flat buffer per dtype and bucket, not one MPI call per leaf.
 
 `reduce_payload` is what `jdist.allreduce` calls: it accepts the gradient
-tree itself or a compressed payload (`payloads.HalfPayload`,
-`payloads.SparsePayload`) and picks the wire format from its type.
+tree itself (a dense all-reduce) or a compressed payload, which reduces
+itself through a `ReplicaExchange` (see `jdist.compression.protocol`): this
+layer knows no compression format. `exchange` runs any such reduction, in
+either kind of step.
 
 Before a pytree first crosses processes, its structure, shapes and dtypes are
 compared across processes (at trace time, one small host exchange), so a
@@ -22,12 +24,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jdist import errors
 from jdist.collectives import context
 from jdist import fusion
-from jdist.collectives import payloads
+from jdist.collectives import routes
 from jdist.collectives import transport
 from jdist.runtime import host
 from jdist.collectives.transport import DATA_AXIS
@@ -93,35 +94,59 @@ def all_gather(tree: Any) -> Any:
       lambda leaf: transport.gather_all(leaf.reshape(-1)).reshape((-1,) + leaf.shape), tree)
 
 
-def _to_bytes(x: jax.Array) -> jax.Array:
-  return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+class ReplicaExchange:
+  """The reductions over every replica a compressed payload may use.
+
+  Implements `jdist.compression.protocol.Exchange` on `transport`'s
+  primitives, with tensor fusion across processes.
+  """
+
+  def __init__(self, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES,
+               what: str = "jdist.allreduce"):
+    self.bucket_bytes = bucket_bytes
+    self.what = what
+
+  @property
+  def replicas(self) -> int:
+    return context.participant_count()
+
+  def sum(self, tree: Any) -> Any:
+    if not jax.tree.leaves(tree):
+      return tree
+    return _fused(tree, self.what, transport.sum_all, self.bucket_bytes)
+
+  def sum_16bit(self, tree: Any) -> Any:
+    if not jax.tree.leaves(tree):
+      return tree
+    return _fused(tree, f"{self.what} (16-bit)",
+                  lambda b: transport.sum_all_16bit(b) if b.dtype in routes.HALF_DTYPES
+                  else transport.sum_all(b), self.bucket_bytes, fuse_local=True)
+
+  def gather(self, buffer: jax.Array) -> jax.Array:
+    return transport.gather_all(buffer)
 
 
-def _from_bytes(x: jax.Array, dtype, count: int) -> jax.Array:
-  width = jnp.dtype(dtype).itemsize
-  return lax.bitcast_convert_type(x.reshape(count, width), dtype)
+def exchange(reduce_fn, tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES,
+             what: str = "jdist.allreduce") -> Any:
+  """Runs `reduce_fn(exchange, tree)` where it reduces over every replica.
 
+  In a `jdist.data_parallel` step, directly; in a global (jit) step, once per
+  process (see `context.per_process`: other devices than the mesh's first
+  see zeros, so every sum counts each process once).
 
-def _reduce_sparse(payload: payloads.SparsePayload, factor: float) -> Any:
-  """All-gathers every replica's (values, indices) as one byte buffer; scatter-adds."""
-  values, indices = payload.values, payload.indices.astype(jnp.int32)
-  count = values.shape[0]
-  wire = jnp.concatenate([_to_bytes(values), _to_bytes(indices)])
-  everyone = transport.gather_all(wire)  # [R, bytes]
-  value_bytes = count * values.dtype.itemsize
-  all_values = jax.vmap(lambda b: _from_bytes(b[:value_bytes], values.dtype, count))(everyone)
-  all_indices = jax.vmap(lambda b: _from_bytes(b[value_bytes:], jnp.int32, count))(everyone)
-  # Scale the R*k gathered values, not the n dense entries: one pass fewer.
-  scaled = all_values.reshape(-1).astype(jnp.float32) * (factor / payload.ctx.scale)
-  dense = jnp.zeros((payload.ctx.spec.size,), jnp.float32).at[all_indices.reshape(-1)].add(scaled)
-  return fusion.unravel(dense, payload.ctx.spec)
+  Args:
+    reduce_fn: (`ReplicaExchange`, tree) -> result, the same on every replica.
+    tree: the step's values.
+    bucket_bytes: fusion bucket size of the exchange's sums.
+    what: named in errors (mismatched trees across processes, wrong context).
 
-
-def _reduce_half(payload: payloads.HalfPayload, factor: float, bucket_bytes: int) -> Any:
-  summed = _fused(payload.tree, "jdist.allreduce (16-bit)",
-                  lambda b: transport.sum_all_16bit(b) if b.dtype in payloads.HALF_DTYPES
-                  else transport.sum_all(b), bucket_bytes, fuse_local=True)
-  return payloads.from_half(summed, payload.ctx, factor)
+  Returns:
+    `reduce_fn`'s result.
+  """
+  run = lambda values: reduce_fn(ReplicaExchange(bucket_bytes, what), values)
+  if context.in_global_step(what):
+    return context.per_process(run, tree)
+  return run(tree)
 
 
 def reduce_payload(updates: Any, *, mean: bool = True,
@@ -129,22 +154,22 @@ def reduce_payload(updates: Any, *, mean: bool = True,
   """Sum or mean over every replica of a gradient tree or a compressed payload.
 
   Args:
-    updates: a pytree of arrays, a `HalfPayload` or a `SparsePayload`.
+    updates: a pytree of arrays, or a payload with a `reduce_over_replicas`
+      method (`jdist.compression.protocol.WirePayload`).
     mean: divide by the replica count (else sum).
     bucket_bytes: fusion bucket size for dense and 16-bit exchanges.
 
   Returns:
     The reduced gradient tree, leaves in their original dtypes.
   """
-  if context.in_global_step("jdist.allreduce"):
-    return context.per_process(
-        functools.partial(reduce_payload, mean=mean, bucket_bytes=bucket_bytes), updates)
-  factor = 1.0 / context.participant_count() if mean else 1.0
-  if isinstance(updates, payloads.SparsePayload):
-    return _reduce_sparse(updates, factor)
-  if isinstance(updates, payloads.HalfPayload):
-    return _reduce_half(updates, factor, bucket_bytes)
-  summed = psum(updates, bucket_bytes=bucket_bytes)
-  if not mean:
-    return summed
-  return jax.tree.map(lambda x: (x * factor).astype(x.dtype), summed)
+
+  def reduce(replicas: ReplicaExchange, values: Any) -> Any:
+    factor = 1.0 / replicas.replicas if mean else 1.0
+    if callable(getattr(type(values), "reduce_over_replicas", None)):
+      return values.reduce_over_replicas(replicas, factor)
+    summed = replicas.sum(values)
+    if not mean:
+      return summed
+    return jax.tree.map(lambda x: (x * factor).astype(x.dtype), summed)
+
+  return exchange(reduce, updates, bucket_bytes=bucket_bytes)

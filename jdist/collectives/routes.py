@@ -39,7 +39,6 @@ from jax import lax
 import numpy as np
 
 from jdist.collectives import native
-from jdist.collectives import payloads
 from jdist.collectives import steps
 from jdist.collectives import wire
 from jdist.collectives.wire import DATA_AXIS
@@ -47,6 +46,8 @@ from jdist.runtime import world as world_lib
 
 ROUTE_ENV = "JDIST_ROUTE"  # force "callback" or "native" (benchmarks)
 ROUTES = ("local", "mpi4jax", "native", "callback")
+# The floats MPI cannot sum: they cross processes as uint16 bit patterns.
+HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 
 def pad_to(buffer: jax.Array, multiple: int) -> jax.Array:
@@ -103,7 +104,7 @@ class Route:
 
   def sum_all(self, buffer: jax.Array) -> jax.Array:
     """Sum of a 1-D buffer over every replica, in the buffer's dtype."""
-    if buffer.dtype in payloads.HALF_DTYPES:
+    if buffer.dtype in HALF_DTYPES:
       return self.sum_all_16bit(buffer)  # MPI has no 16-bit float sum
     wire.record(2 * (self.processes - 1) / self.processes * buffer.nbytes, 1)
     return self._sum(buffer)

@@ -10,8 +10,10 @@ import optax
 
 from jdist import collectives
 from jdist import fusion
+from jdist.compression import protocol
 
 
+@protocol.register_wire_state
 class AllReduceState(NamedTuple):
   """State of `allreduce`.
 
@@ -27,7 +29,8 @@ def allreduce(mean: bool = True, *,
   """Sums or averages gradients over every replica (devices and processes).
 
   Put it after any compressor (`jdist.topk`, `jdist.threshold`, `jdist.cast`)
-  and before the optimizer. Runs inside a `jdist.data_parallel` step.
+  and before the optimizer: it asks their payload to reduce itself. Runs
+  inside a `jdist.data_parallel` step. (`jdist.powersgd` replaces it.)
 
   Args:
     mean: average (True) or sum (False) over replicas, like nnabla's
@@ -59,22 +62,14 @@ def allreduce(mean: bool = True, *,
 
 
 def wire_bytes(opt_state: Any) -> jax.Array:
-  """Bytes sent across processes in the last step by every jdist
-  transformation whose state is in `opt_state` (one replica's state)."""
-  found = []
+  """Bytes sent across processes in the last step by every jdist transformation
+  whose state is in `opt_state` (one replica's state).
 
-  def visit(node):
-    if isinstance(node, tuple) and hasattr(node, "_fields") and "wire_bytes" in node._fields:
-      found.append(jnp.asarray(node.wire_bytes, jnp.float32))
-    elif isinstance(node, (tuple, list)):
-      for child in node:
-        visit(child)
-    elif isinstance(node, dict):
-      for child in node.values():
-        visit(child)
-    elif hasattr(node, "__dict__") and not isinstance(node, jax.Array):
-      for child in vars(node).values():
-        visit(child)
-
-  visit(opt_state)
+  Counts the states registered with
+  `jdist.compression.protocol.register_wire_state` (`AllReduceState`,
+  `PartialSyncState`, `PowerSGDState`), wherever they sit in the state.
+  """
+  found = [jnp.asarray(state.wire_bytes, jnp.float32)
+           for state in jax.tree.leaves(opt_state, is_leaf=protocol.is_wire_state)
+           if protocol.is_wire_state(state)]
   return sum(found, jnp.zeros([], jnp.float32))

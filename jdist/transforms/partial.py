@@ -26,6 +26,7 @@ import optax
 from jax import lax
 
 from jdist import collectives
+from jdist.compression import protocol
 
 
 def chunk_plan(sizes: list[int], num_chunks: int) -> list[list[tuple[int, int, int]]]:
@@ -50,6 +51,7 @@ def chunk_plan(sizes: list[int], num_chunks: int) -> list[list[tuple[int, int, i
   return plan
 
 
+@protocol.register_wire_state
 class PartialSyncState(NamedTuple):
   """State of `partial_sync`.
 

@@ -1,14 +1,13 @@
-"""Compressors: transformations that shrink what the next `allreduce` sends.
+"""Sparse gradients on the wire: `topk`, `threshold`, their state and `SparsePayload`.
 
-Each hands `jdist.allreduce` a payload (see `jdist.collectives.payloads`)
-instead of the gradient tree; `allreduce` turns it back into gradients.
-
-* `cast(dtype)`: 16-bit values on the wire, pre-divided by the replica count
-  (Horovod's predivide) so sums cannot overflow, accumulated in float32.
 * `topk(ratio)`: the k = ceil(ratio * n) largest-magnitude entries of the
   whole flattened gradient (selection over the fused vector, as SINGA does
   per fused buffer), sent as values + int32 indices by all-gather.
 * `threshold(value)`: entries with |x| >= value, up to a static `capacity`.
+
+The payload is an all-gather of every replica's [values | indices] bytes,
+scatter-added into a dense buffer: its bytes per process grow with the
+replica count (PowerSGD's summed factors do not).
 
 With error feedback (SINGA's `corr`, Deep Gradient Compression), what is not
 sent stays in a per-replica residual added to the next step's gradient, so
@@ -25,56 +24,134 @@ about 4 points of accuracy on the digits benchmark (docs/benchmarks).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
-from jdist.runtime import topology as topology_lib
 from jdist import fusion
-from jdist.collectives import payloads
+from jdist.compression import protocol
+
+SPARSIFY_KINDS = ("topk", "topk_block", "threshold")
 
 
-def _check_dtype(dtype) -> np.dtype:
-  try:
-    dtype = np.dtype(dtype)
-  except TypeError:
-    dtype = None
-  if dtype not in payloads.HALF_DTYPES:
-    raise ValueError(f"dtype={dtype!r} is not a 16-bit float; use jnp.float16 or jnp.bfloat16.")
-  return dtype
+@dataclasses.dataclass(frozen=True)
+class SparseCtx:
+  """How a `SparsePayload` turns back into a gradient tree."""
+  spec: fusion.FlatSpec  # the dense tree, as one flat vector
+  scale: float  # values were multiplied by `scale` before sending
 
 
-def cast(dtype: Any = jnp.float16) -> optax.GradientTransformation:
-  """What the next `jdist.allreduce` sends travels in `dtype` (16 bits).
+def _to_bytes(x: jax.Array) -> jax.Array:
+  return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
 
-  The reduced gradients come back in their own dtype. Values are divided by
-  the replica count before the cast (no overflow as replicas grow) and sums
-  are accumulated in float32.
+
+def _from_bytes(x: jax.Array, dtype, count: int) -> jax.Array:
+  width = jnp.dtype(dtype).itemsize
+  return lax.bitcast_convert_type(x.reshape(count, width), dtype)
+
+
+@jax.tree_util.register_pytree_node_class
+class SparsePayload(protocol.WirePayload):
+  """Selected entries of the flattened gradient: `values` at `indices`.
+
+  Shapes are static: `values` and `indices` have the same length k on every
+  replica (unused slots hold value 0 at index 0, which adds nothing).
+  """
+
+  def __init__(self, values: jax.Array, indices: jax.Array, ctx: SparseCtx):
+    self.values = values
+    self.indices = indices
+    self.ctx = ctx
+
+  def tree_flatten(self):
+    return (self.values, self.indices), self.ctx
+
+  @classmethod
+  def tree_unflatten(cls, ctx, children):
+    return cls(children[0], children[1], ctx)
+
+  def to_16bit(self, dtype: Any, scale: float) -> "SparsePayload":
+    values = (self.values * scale).astype(dtype)
+    return SparsePayload(values, self.indices,
+                         dataclasses.replace(self.ctx, scale=self.ctx.scale * scale))
+
+  def reduce_over_replicas(self, exchange: protocol.Exchange, factor: float) -> Any:
+    """All-gathers every replica's (values, indices) as one byte buffer; scatter-adds."""
+    values, indices = self.values, self.indices.astype(jnp.int32)
+    count = values.shape[0]
+    everyone = exchange.gather(jnp.concatenate([_to_bytes(values), _to_bytes(indices)]))
+    value_bytes = count * values.dtype.itemsize
+    all_values = jax.vmap(lambda b: _from_bytes(b[:value_bytes], values.dtype, count))(everyone)
+    all_indices = jax.vmap(lambda b: _from_bytes(b[value_bytes:], jnp.int32, count))(everyone)
+    # Scale the R*k gathered values, not the n dense entries: one pass fewer.
+    scaled = all_values.reshape(-1).astype(jnp.float32) * (factor / self.ctx.scale)
+    dense = jnp.zeros((self.ctx.spec.size,), jnp.float32).at[all_indices.reshape(-1)].add(scaled)
+    return fusion.unravel(dense, self.ctx.spec)
+
+  def __repr__(self):
+    return f"SparsePayload(k={self.values.shape[-1]}, n={self.ctx.spec.size})"
+
+
+def parse_sparsify(sparsify: Any) -> tuple[str, float] | None:
+  """The one reader of a sparsify setting, for `dist_opt` and `jdist train` alike.
 
   Args:
-    dtype: jnp.float16 or jnp.bfloat16.
+    sparsify: None, a (kind, number) tuple such as ("topk", 0.01), or the
+      command-line form "topk:0.01" / "topk_block:0.01" / "threshold:1e-3".
+
+  Returns:
+    None, or (kind, number) with kind in `SPARSIFY_KINDS`.
 
   Raises:
-    ValueError: dtype is not a 16-bit float.
+    ValueError: an unknown kind, a missing or malformed number, a top-k ratio
+      outside (0, 1] or a threshold that is not a positive magnitude.
   """
-  dtype = _check_dtype(dtype)
+  if sparsify is None:
+    return None
+  kind, number = None, None
+  if isinstance(sparsify, str):
+    kind, colon, text = sparsify.partition(":")
+    try:
+      number = float(text) if colon else None
+    except ValueError:
+      number = None
+  elif isinstance(sparsify, (tuple, list)) and len(sparsify) == 2:
+    kind, number = sparsify
+  if isinstance(kind, str):
+    kind = kind.strip().lower()
+  if (kind not in SPARSIFY_KINDS or isinstance(number, bool)
+      or not isinstance(number, (int, float))):
+    raise ValueError(
+        f"sparsify={sparsify!r} is not understood: use 'topk:RATIO' (e.g. 'topk:0.01'), "
+        f"'topk_block:RATIO' (approximate, one pass) or 'threshold:VALUE' (e.g. "
+        f"'threshold:0.001'), or a (kind, number) tuple.")
+  number = float(number)
+  if kind == "threshold" and not (math.isfinite(number) and number > 0):
+    raise ValueError(f"sparsify={sparsify!r}: the threshold {number:g} must be a positive "
+                     f"magnitude (e.g. 'threshold:0.001').")
+  if kind != "threshold" and not (math.isfinite(number) and 0 < number <= 1):
+    raise ValueError(f"sparsify={sparsify!r}: the top-k ratio {number:g} must be in (0, 1], "
+                     f"the fraction of entries sent (e.g. 'topk:0.01' for 1%).")
+  return kind, number
 
-  def update_fn(updates, state, params=None):
-    del params
-    scale = 1.0 / topology_lib.current().replica_count
-    if isinstance(updates, payloads.HalfPayload):
-      raise ValueError("jdist.cast is applied twice: keep one cast before jdist.allreduce.")
-    if isinstance(updates, payloads.SparsePayload):
-      values = (updates.values * scale).astype(dtype)
-      return updates.with_values(values, updates.ctx.scale * scale), state
-    return payloads.to_half(updates, dtype, scale), state
 
-  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+def sparsify(setting: Any, *, error_feedback: bool = True, capacity: float | int = 0.05,
+             momentum: float = 0.0) -> optax.GradientTransformation:
+  """The compressor a `parse_sparsify` setting names (what `dist_opt(sparsify=...)` builds).
+
+  Raises:
+    ValueError: the setting is not understood (see `parse_sparsify`).
+  """
+  kind, number = parse_sparsify(setting)
+  if kind == "threshold":
+    return threshold(number, error_feedback, capacity=capacity, momentum=momentum)
+  return topk(number, error_feedback, method="block" if kind == "topk_block" else "exact",
+              momentum=momentum)
 
 
 class SparsifyState(NamedTuple):
@@ -119,7 +196,7 @@ def _init(error_feedback: bool, momentum: float):
 def _accumulate(updates, state: SparsifyState, name: str, error_feedback: bool,
                 momentum: float):
   """(spec, x, velocity): the flat vector to select from, and the new velocity."""
-  if payloads.is_payload(updates):
+  if isinstance(updates, protocol.WirePayload):
     raise ValueError(f"{name} must come before jdist.cast and jdist.allreduce in the "
                      f"chain: it selects entries of the dense gradient.")
   spec = fusion.flat_spec(updates)
@@ -195,7 +272,7 @@ def topk(ratio: float, error_feedback: bool = True, *, method: str = "exact",
     values = x[indices]
     residual, velocity = _after_send(x, velocity, indices, values, error_feedback, momentum,
                                      state)
-    payload = payloads.SparsePayload(values, indices, payloads.SparseCtx(spec, 1.0))
+    payload = SparsePayload(values, indices, SparseCtx(spec, 1.0))
     return payload, SparsifyState(residual, velocity, jnp.asarray(indices.shape[0], jnp.int32),
                                   jnp.zeros([], jnp.int32), state.step + 1)
 
@@ -248,7 +325,7 @@ def threshold(value: float, error_feedback: bool = True, *, capacity: float | in
     # Invalid slots carry index 0 and value 0: adding 0 leaves entry 0 alone.
     residual, velocity = _after_send(x, velocity, indices, values, error_feedback, momentum,
                                      state)
-    payload = payloads.SparsePayload(values, indices, payloads.SparseCtx(spec, 1.0))
+    payload = SparsePayload(values, indices, SparseCtx(spec, 1.0))
     sent = jnp.minimum(passed, slots)
     return payload, SparsifyState(residual, velocity, sent, passed - sent, state.step + 1)
 

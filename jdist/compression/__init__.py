@@ -1,0 +1,12 @@
+"""Gradient compression schemes, one module each (see `protocol`).
+
+* `half`: `cast` (16-bit values on the wire) and `HalfPayload`.
+* `sparse`: `topk`, `threshold` (selected entries, all-gathered) and
+  `SparsePayload`.
+* `powersgd`: `powersgd` (low-rank factors, summed), which replaces
+  `jdist.allreduce` in the chain.
+
+The public names are exported by `jdist` itself (`jdist.cast`,
+`jdist.topk`, `jdist.powersgd`, ...); this package imports nothing, so
+`jdist.compression.powersgd` stays the module.
+"""

@@ -1,0 +1,106 @@
+"""What a compression scheme is: a wire payload that reduces itself.
+
+A scheme is one module of `jdist.compression` that owns three things: its
+transformation (what a replica sends), its payload class (the registered
+pytree node that carries it, with its decoding context as static aux data)
+and how that payload is reduced over the replicas and decoded. The
+collective layer knows no format: `jdist.allreduce` hands the payload an
+`Exchange` and calls `payload.reduce_over_replicas(exchange, factor)`; a plain
+pytree of arrays is the dense all-reduce.
+
+Adding a scheme is one file here (a `WirePayload` subclass and the
+transformation that emits it) and one line in `jdist.transforms.dist_opt.MODES`.
+
+Schemes whose reduction changes their own state (PowerSGD keeps the
+error-feedback residual of what came back) cannot hand a payload on, since a
+payload's reduction cannot write the compressor's state: such a scheme
+replaces `jdist.allreduce` and runs its reduction itself through
+`jdist.collectives.exchange`, with the same `Exchange`.
+
+Transformations that exchange bytes across processes report them in a state
+field `wire_bytes`; their state types are registered with
+`register_wire_state`, and `jdist.wire_bytes(opt_state)` sums exactly those.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+
+from jdist.collectives.routes import HALF_DTYPES  # noqa: F401  (re-exported for schemes)
+
+
+class Exchange(Protocol):
+  """The reductions a payload may use, over every replica of the step.
+
+  The collective layer builds it (`jdist.collectives.ops.ReplicaExchange`);
+  everything crosses devices and processes through it.
+  """
+
+  @property
+  def replicas(self) -> int:
+    """How many values a reduction combines (the divisor of a mean)."""
+
+  def sum(self, tree: Any) -> Any:
+    """Sum of a pytree, full precision, fused into a few buffers."""
+
+  def sum_16bit(self, tree: Any) -> Any:
+    """Sum of a pytree whose 16-bit float leaves travel in 16 bits
+    (accumulated in float32), the rest at full precision; fused."""
+
+  def gather(self, buffer: jax.Array) -> jax.Array:
+    """Every replica's 1-D buffer, stacked in global replica order: [R, n]."""
+
+
+class WirePayload:
+  """Base of the payloads a compressor hands to `jdist.allreduce`.
+
+  Subclasses are registered pytree nodes (they pass through jit, pmap and
+  `optax.chain` like a gradient tree) and implement `reduce_over_replicas`.
+  """
+
+  def reduce_over_replicas(self, exchange: Exchange, factor: float) -> Any:
+    """Reduces this payload over every replica and decodes it.
+
+    Args:
+      exchange: the collective layer's reductions.
+      factor: multiply the sum by this (1 / replicas for a mean, else 1).
+
+    Returns:
+      The reduced gradient tree, leaves in their original dtypes.
+    """
+    raise NotImplementedError
+
+  def to_16bit(self, dtype: Any, scale: float) -> "WirePayload":
+    """This payload with its values scaled by `scale` and cast to `dtype`.
+
+    `jdist.cast` calls it when it follows another compressor.
+
+    Raises:
+      ValueError: the scheme's values cannot travel in 16 bits.
+    """
+    raise ValueError(f"jdist.cast cannot follow {type(self).__name__}: its values do not "
+                     f"travel as 16-bit floats. Remove jdist.cast from the chain.")
+
+
+_WIRE_STATES: set[type] = set()
+
+
+def register_wire_state(cls: type) -> type:
+  """Marks a state type whose `wire_bytes` field counts bytes sent across processes.
+
+  Usable as a class decorator; returns `cls`.
+
+  Raises:
+    ValueError: `cls` has no `wire_bytes` field.
+  """
+  if "wire_bytes" not in getattr(cls, "_fields", ()):
+    raise ValueError(f"{cls.__name__} has no wire_bytes field to report.")
+  _WIRE_STATES.add(cls)
+  return cls
+
+
+def is_wire_state(node: Any) -> bool:
+  """True for an instance of a registered wire state type."""
+  return type(node) in _WIRE_STATES
