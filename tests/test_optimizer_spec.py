@@ -31,6 +31,7 @@ FLAG_CASES = {
     "--momentum-correction": (["--sparsify", "topk:0.5"],
                               ["--sparsify", "topk:0.5", "--momentum-correction"]),
     "--partial": ([], ["--partial", "2"]),
+    "--powersgd": ([], ["--powersgd", "2"]),
     "--skip-nonfinite": ([], ["--skip-nonfinite"]),
 }
 # Flags of the same argument groups that do not build the optimizer.

@@ -80,6 +80,9 @@ def build_train_parser(prog: str = "jdist train") -> argparse.ArgumentParser:
   group.add_argument("--partial", type=int, metavar="CHUNKS",
                      help="SINGA's partial update: local steps, one of CHUNKS parameter "
                      "chunks averaged per step (not with --half/--sparsify)")
+  group.add_argument("--powersgd", type=int, metavar="RANK",
+                     help="PowerSGD: gradient matrices cross replicas as rank-RANK factors, "
+                     "with error feedback (not with --half/--sparsify/--partial)")
   group.add_argument("--skip-nonfinite", action="store_true",
                      help="every replica skips steps whose gradients hold NaN or Inf")
   group.add_argument("--check-replicas-every", type=int,

@@ -60,6 +60,8 @@ class TrainConfig:
       optimizer after the exchange.
     partial: None or a number of chunks >= 1: SINGA's partial update (local
       steps, one rotating chunk of parameters averaged per step).
+    powersgd: None or a rank >= 1: gradient matrices cross replicas as
+      rank-r factors (PowerSGD, with error feedback).
     skip_nonfinite: every replica skips steps whose gradients hold NaN/Inf.
     seed: seed of the initial parameters and of the data order (>= 0).
     train_limit, test_limit: use only the first N examples of each split.
@@ -100,6 +102,7 @@ class TrainConfig:
   sparsify: str | None = OptimizerSpec.sparsify
   momentum_correction: bool = OptimizerSpec.momentum_correction
   partial: int | None = OptimizerSpec.partial
+  powersgd: int | None = OptimizerSpec.powersgd
   skip_nonfinite: bool = OptimizerSpec.skip_nonfinite
   seed: int = 0
   train_limit: int | None = None
@@ -190,6 +193,7 @@ def validate(config: TrainConfig) -> TrainConfig:
   _int(config, "check_replicas_every", 0)
   _int(config, "cpu_devices", 1, optional=True)
   _int(config, "partial", 1, optional=True)
+  _int(config, "powersgd", 1, optional=True)
   _number(config, "lr", 0.0, math.inf, low_open=True, high_open=True,
           hint="the learning rate must be positive, e.g. 0.05")
   _number(config, "momentum", 0.0, 1.0, low_open=False, high_open=True,
@@ -220,6 +224,11 @@ def validate(config: TrainConfig) -> TrainConfig:
     raise ConfigError(
         "--partial averages parameters in full precision and cannot be combined with "
         "--half or --sparsify (which compress gradients); choose one communication mode.")
+  if config.powersgd is not None and (config.half is not None or config.sparsify is not None
+                                      or config.partial is not None):
+    raise ConfigError(
+        "--powersgd sends low-rank factors of the gradients and cannot be combined with "
+        "--half, --sparsify or --partial; choose one communication mode.")
   if config.on_nonfinite not in ON_NONFINITE:
     raise ConfigError(f"on_nonfinite (--on-nonfinite)={config.on_nonfinite!r} is unknown; "
                       f"choose one of {', '.join(ON_NONFINITE)}.")

@@ -46,6 +46,8 @@ class OptimizerSpec:
     momentum_correction: with sparsify and sgd, the momentum is applied
       before the selection (Deep Gradient Compression).
     partial: None or a number of chunks (SINGA's partial update).
+    powersgd: None or a rank: gradient matrices cross replicas as rank-r
+      factors (PowerSGD, with error feedback).
     skip_nonfinite: every replica skips steps whose gradients hold NaN/Inf.
   """
 
@@ -57,6 +59,7 @@ class OptimizerSpec:
   sparsify: str | None = dataclasses.field(default=None, metadata=_STATE)
   momentum_correction: bool = dataclasses.field(default=False, metadata=_STATE)
   partial: int | None = dataclasses.field(default=None, metadata=_STATE)
+  powersgd: int | None = dataclasses.field(default=None, metadata=_STATE)
   skip_nonfinite: bool = dataclasses.field(default=False, metadata=_STATE)
 
   @classmethod
@@ -90,7 +93,7 @@ class OptimizerSpec:
       raise ValueError(f"optimizer={self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}.")
     half = {None: False, "fp16": jnp.float16, "bf16": jnp.bfloat16}[self.half]
     tx = dist_opt(inner, half=half, sparsify=self.sparsify, partial=self.partial,
-                  momentum_correction=correction)
+                  momentum_correction=correction, powersgd=self.powersgd)
     return skip_nonfinite(tx) if self.skip_nonfinite else tx
 
   def describe(self) -> str:
@@ -100,6 +103,7 @@ class OptimizerSpec:
       parts.append(f"sparsify {self.sparsify}"
                    + (" with momentum correction" if self.momentum_correction else ""))
     parts += [f"partial {self.partial}"] if self.partial else []
+    parts += [f"powersgd rank {self.powersgd}"] if self.powersgd else []
     parts += ["skip non-finite"] if self.skip_nonfinite else []
     return ", ".join(parts) or "plain all-reduce"
 

@@ -122,8 +122,10 @@ def powersgd(rank: int, *, error_feedback: bool = True, mean: bool = True,
   def init_fn(params):
     plan = _plan(jax.tree.leaves(params), rank, rate)
     key = jax.random.key(seed)
-    q = tuple(jax.random.normal(jax.random.fold_in(key, index), (m, r), jnp.float32)
-              for index, _, m, r in plan)
+    # Orthonormal columns: P = x Q then keeps x's conditioning (a raw
+    # Gaussian Q measured 1e-4 off the exact average at full rank).
+    q = tuple(_orthonormal(jax.random.normal(jax.random.fold_in(key, index), (m, r),
+                                             jnp.float32)) for index, _, m, r in plan)
     residual = tuple(jnp.zeros((n, m), jnp.float32) for _, n, m, _ in plan) if (
         error_feedback) else ()
     return PowerSGDState(q, residual, jnp.zeros([], jnp.int32), jnp.zeros([], jnp.float32))
