@@ -38,6 +38,7 @@ MODES = {
     "topk0.1%": {"sparsify": ("topk", 0.001)},
     "threshold": None,
     "partial4": {"partial": 4},
+    "powersgd4": {"powersgd": 4},  # rank-4 factors of each matrix
     "topk1%-block": {"sparsify": "topk_block:0.01"},  # one-pass block selection
     "plain-4MB": {"bucket_bytes": 4 << 20},  # proposal: smaller fusion buckets
 }

@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jdist
 from tests import reference
@@ -142,3 +144,22 @@ def test_a_small_model_trains_through_dist_opt(topo):
   loss = lambda p: float(np.mean([reference.loss_fn(model, p, x, y) for x, y in batches]))
   assert loss(replicas[0]) < 0.8 * loss(params)
   assert len(jdist.unreplicate(opt_state)[0].q) == 2  # both Dense kernels factored
+
+
+def test_full_rank_in_a_global_jit_step_trains_like_one_device(topo):
+  """The same reduction in a jit step over global arrays (one value per process)."""
+  model = reference.TinyMLP()
+  batches = [reference.global_batch(topo.replica_count, PER_REPLICA, seed=s) for s in range(2)]
+  params = model.init(jax.random.key(0), batches[0][0][:1])
+  expected = reference.train_reference(model, params, optax.sgd(0.1), batches, 3)
+  tx = optax.chain(jdist.powersgd(64, min_compression_rate=0), optax.sgd(0.1))
+  mesh = jdist.mesh()
+  replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(jdist.DATA_AXIS))
+  step = jax.jit(reference.train_step_fn(model, tx))
+  with jax.set_mesh(mesh):
+    trained = jax.device_put(params, replicated)
+    opt_state = jax.device_put(tx.init(trained), replicated)
+    for i in range(3):
+      x, y = jax.device_put(jdist.process_slice(batches[i % 2]), sharded)
+      trained, opt_state = step(trained, opt_state, x, y)
+  reference.assert_trees_close(trained, expected, rtol=1e-4, atol=1e-5)
