@@ -29,8 +29,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 
 import jdist
@@ -81,8 +79,8 @@ def build_model(data):
 
 def epoch_batches(num_examples: int, replicas: int, batch: int, epoch: int):
   """Per step, every replica's example indices: the same order on every rank."""
-  order = np.random.default_rng((SEED, epoch)).permutation(num_examples)
-  steps = num_examples // (replicas * batch)
+  order = jdist.data.epoch_permutation(num_examples, epoch=epoch, seed=SEED)
+  steps = jdist.data.batches_per_epoch(num_examples, batch_size=batch, replica_count=replicas)
   return order[:steps * replicas * batch].reshape(steps, replicas, batch)
 
 
@@ -91,7 +89,7 @@ def make_evaluate(model, data):
 
   @jax.jit
   def correct(params, x, y):
-    return jnp.sum(jnp.argmax(model.apply({"params": params}, x), -1) == y)
+    return models.correct_count(model.apply({"params": params}, x), y)
 
   def evaluate(params) -> float:
     hits = sum(int(correct(params, data.test_x[i:i + 1000], data.test_y[i:i + 1000]))

@@ -56,6 +56,7 @@ import optax
 import jdist
 from benchmarks import timing
 from benchmarks import workload
+from jdist.app import models
 
 PER_REPLICA_BATCH = 64
 DENSE_LAYERS = ("Dense_0", "Dense_1")
@@ -149,7 +150,7 @@ def _probes(model, params, x, y, comm, stamps: list):
       return jax.tree.map(lambda p_, g: p_ - 0.01 * g, p, averaged)
     return jax.jit(step_async)
 
-  buffer = jnp.ones(workload.param_count(params), jnp.float32)
+  buffer = jnp.ones(models.param_count(params), jnp.float32)
   return {
       "step_async": step_async_with(AsyncAllreduce(comm.Dup(), stamps)),
       "step_async_poll": step_async_with(AsyncAllreduce(comm.Dup(), stamps, poll_s=2e-4)),

@@ -1,9 +1,9 @@
 """Models, data and training steps the benchmarks time.
 
 Models are named so every job builds the same one: SINGA's MNIST CNN
-(`jdist.app.models.CNN`, with a local copy as fallback when that module is not
-there) and MLPs on 28x28x1 inputs whose widths set the parameter count
-(~1M and ~10M, plus tiny ones for the smoke run).
+(`jdist.app.models.CNN`) and MLPs (`jdist.app.models.MLP`) on 28x28x1 inputs
+whose widths set the parameter count (~1M and ~10M, plus tiny ones for the
+smoke run).
 
 Three steps on the same model and data:
   * `jdist_step`: `jdist.data_parallel` + the transformation given (usually
@@ -19,7 +19,7 @@ Three steps on the same model and data:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -30,43 +30,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jdist
 from benchmarks import timing
-
-try:  # Written alongside the benchmarks; the fallback keeps them usable without it.
-  from jdist.app import models as jdist_models
-except ImportError:  # pragma: no cover
-  jdist_models = None
+from jdist.app import models
 
 IMAGE_SHAPE = (28, 28, 1)
 NUM_CLASSES = 10
-
-
-class _SingaCNN(nn.Module):
-  """SINGA's MNIST CNN (431,080 parameters on 28x28x1), if jdist.app.models is absent."""
-
-  @nn.compact
-  def __call__(self, x):
-    for features in (20, 50):
-      x = nn.max_pool(nn.relu(nn.Conv(features, (5, 5), padding="VALID")(x)), (2, 2), (2, 2))
-    x = nn.relu(nn.Dense(500)(x.reshape((x.shape[0], -1))))
-    return nn.Dense(NUM_CLASSES)(x)
-
-
-class _MLP(nn.Module):
-  widths: Sequence[int]
-
-  @nn.compact
-  def __call__(self, x):
-    x = x.reshape((x.shape[0], -1))
-    for width in self.widths:
-      x = nn.relu(nn.Dense(width)(x))
-    return nn.Dense(NUM_CLASSES)(x)
-
-
-def cnn() -> nn.Module:
-  """SINGA's CNN: jdist.app.models.CNN when available."""
-  if jdist_models is not None and hasattr(jdist_models, "CNN"):
-    return jdist_models.CNN(num_classes=NUM_CLASSES)
-  return _SingaCNN()
 
 
 # name -> hidden widths of an MLP on 784 inputs, or None for the CNN.
@@ -84,16 +51,14 @@ def build(name: str) -> nn.Module:
   if name not in MODELS:
     raise ValueError(f"Unknown benchmark model {name!r}; choose from {sorted(MODELS)}.")
   widths = MODELS[name]
-  return cnn() if widths is None else _MLP(widths)
+  if widths is None:
+    return models.CNN(num_classes=NUM_CLASSES)  # SINGA's, 431,080 parameters on 28x28x1
+  return models.MLP(features=widths, num_classes=NUM_CLASSES)
 
 
 def init_params(model: nn.Module, seed: int = 0) -> Any:
   dummy = jnp.zeros((1,) + IMAGE_SHAPE, jnp.float32)
   return jax.jit(model.init)(jax.random.key(seed), dummy)["params"]
-
-
-def param_count(params: Any) -> int:
-  return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(params))
 
 
 def local_batch(devices: int, per_replica: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -106,8 +71,7 @@ def local_batch(devices: int, per_replica: int, seed: int) -> tuple[np.ndarray, 
 
 def loss_and_grads(model: nn.Module, params, x, y):
   def loss_fn(p):
-    logits = model.apply({"params": p}, x)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return models.cross_entropy_loss(model.apply({"params": p}, x), y)
   loss, grads = jax.value_and_grad(loss_fn)(params)
   return loss, grads
 
@@ -190,7 +154,8 @@ def setup(name: str, per_replica: int, seed: int = 0) -> Setup:
   model = build(name)
   params = init_params(model, seed)
   x, y = local_batch(topo.local_device_count, per_replica, seed + 1 + topo.process_index)
-  return Setup(name, model, jdist.replicate(params), (shard(x), shard(y)), param_count(params))
+  return Setup(name, model, jdist.replicate(params), (shard(x), shard(y)),
+               models.param_count(params))
 
 
 def shard(array: np.ndarray) -> jax.Array:

@@ -142,11 +142,9 @@ class CheckpointManager:
         error, kind = str(err), type(err)
       except Exception as err:  # pylint: disable=broad-except
         error = f"{self.directory}: {type(err).__name__}: {err}"
-    result, error, corrupt = host.allgather_object(
-        (result, error, kind is errors.CheckpointCorruptError), label)[0]
-    if error is not None:
-      raise (errors.CheckpointCorruptError if corrupt else errors.CheckpointError)(error)
-    return result
+    problem = None if error is None else (error, kind)
+    return host.agree(problem, label, lambda rank, problems: problems[rank][1](problems[rank][0]),
+                      payload=result)[0]
 
   def all_steps(self) -> list[int]:
     """Steps of complete checkpoints, oldest first (as rank 0 sees them)."""
@@ -251,14 +249,12 @@ class CheckpointManager:
       except errors.CheckpointError as err:
         problem = str(err)
     summaries = [layout.local_summary(x, digest=topo.multi_process) for x in host_leaves]
-    everyone = host.allgather_object((summaries, problem), "jdist checkpoint: save check")
-    for rank, (_, rank_problem) in enumerate(everyone):
-      if rank_problem is not None:
-        raise errors.CheckpointError(f"Checkpoint step {step} not saved (rank {rank}): "
-                                     f"{rank_problem}")
+    everyone = host.agree(
+        problem, "jdist checkpoint: save check", lambda rank, problems: errors.CheckpointError(
+            f"Checkpoint step {step} not saved (rank {rank}): {problems[rank]}"),
+        payload=summaries)
     # Stored once if equal on every replica of every process, else per replica.
-    per_replica = [None in column or len(set(column)) > 1
-                   for column in zip(*(rank_summaries for rank_summaries, _ in everyone))]
+    per_replica = [None in column or len(set(column)) > 1 for column in zip(*everyone)]
     gathered = layout.gather_to_rank0(
         host_leaves, [i for i, p in enumerate(per_replica) if p], topo)
 
@@ -274,10 +270,9 @@ class CheckpointManager:
       except Exception as err:  # pylint: disable=broad-except
         failure = f"{type(err).__name__}: {err}"
     # Doubles as the barrier after the write: nobody runs ahead of rank 0.
-    failure = host.allgather_object(failure, "jdist checkpoint: rank 0 writes")[0]
-    if failure is not None:
-      raise errors.CheckpointError(
-          f"Rank 0 could not write checkpoint step {step} to {self.directory}: {failure}")
+    host.agree(failure, "jdist checkpoint: rank 0 writes", lambda rank, failures: (
+        errors.CheckpointError(f"Rank 0 could not write checkpoint step {step} to "
+                               f"{self.directory}: {failures[rank]}")))
 
   def _write(self, step: int, arrays: dict, record: dict) -> None:
     self.directory.mkdir(parents=True, exist_ok=True)
@@ -333,18 +328,16 @@ class CheckpointManager:
     except Exception as err:  # pylint: disable=broad-except
       problem, corrupt = (f"{path} could not be read: its files are damaged, truncated or "
                           f"partly deleted ({_first_line(err)})."), True
-    # Everyone learns whether everyone succeeded: a rank that cannot read the
-    # files must not leave the others running into the next collective alone.
-    problems = host.allgather_object((problem, corrupt), "jdist checkpoint: restore")
-    kind = (errors.CheckpointCorruptError if any(c for _, c in problems)
-            else errors.CheckpointError)
-    for rank, (rank_problem, _) in enumerate(problems):
-      if rank_problem is not None and rank_problem == problem:
-        raise kind(problem)
-      if rank_problem is not None:
-        raise kind(
-            f"Rank {rank} could not restore: {rank_problem} (the checkpoint directory "
-            f"must be on a filesystem every process reads).")
+    def restore_error(rank: int, problems: list) -> errors.CheckpointError:
+      kind = (errors.CheckpointCorruptError if any(p and p[1] for p in problems)
+              else errors.CheckpointError)
+      if problems[rank][0] == problem:
+        return kind(problem)
+      return kind(f"Rank {rank} could not restore: {problems[rank][0]} (the checkpoint "
+                  f"directory must be on a filesystem every process reads).")
+
+    host.agree(None if problem is None else (problem, corrupt), "jdist checkpoint: restore",
+               restore_error)
     if topo.is_primary and record["replica_count"] != topo.replica_count:
       log.warning("Restored %s, written by %d replicas (%d x %d), into %d replicas (%s): "
                   "every leaf was equal on all replicas, so replica 0's copy was taken.",

@@ -17,7 +17,6 @@ import pytest
 
 import jdist
 from jdist.app import cli
-from jdist.app import config as config_lib
 from jdist.app.config import TrainConfig
 from tests import launch
 
@@ -168,14 +167,14 @@ def test_momentum_correction_moves_the_momentum_into_the_compressor():
   params = {"w": np.zeros((4, 5), np.float32)}
   config, _ = cli.parse_train_args(["--sparsify", "topk:0.1", "--momentum-correction",
                                     "--momentum", "0.8"])
-  states = jax.tree.leaves(config_lib.build_optimizer(config).init(params),
+  states = jax.tree.leaves(config.optimizer_spec.build().init(params),
                            is_leaf=lambda x: isinstance(x, jdist.SparsifyState))
   sparsify = [s for s in states if isinstance(s, jdist.SparsifyState)]
   assert len(sparsify) == 1 and sparsify[0].velocity.shape == (20,)
   # Only the compressor keeps a velocity: sgd's own momentum trace is gone.
   assert not any(isinstance(s, optax.TraceState) for s in states)
   plain, _ = cli.parse_train_args(["--sparsify", "topk:0.1", "--momentum", "0.8"])
-  states = jax.tree.leaves(config_lib.build_optimizer(plain).init(params),
+  states = jax.tree.leaves(plain.optimizer_spec.build().init(params),
                            is_leaf=lambda x: isinstance(x, (jdist.SparsifyState, optax.TraceState)))
   assert any(isinstance(s, optax.TraceState) for s in states)
 

@@ -17,6 +17,7 @@ import jdist
 from jdist.app import cli
 from jdist.app import config as config_lib
 from jdist.app import optimizer_spec
+from jdist.app import resume_policy
 from jdist.app import train as train_lib
 from jdist.app.optimizer_spec import OptimizerSpec
 
@@ -65,9 +66,9 @@ def test_every_optimizer_flag_is_a_spec_field_with_a_case():
 def test_spec_defaults_and_resume_lists_derive_from_the_spec():
   assert config_lib.TrainConfig().optimizer_spec == OptimizerSpec()
   for name in optimizer_spec.FIELDS:
-    assert name in config_lib.RESUME_MUST_MATCH + config_lib.RESUME_MAY_DIFFER, name
-  assert "momentum_correction" in config_lib.RESUME_MUST_MATCH
-  assert {"lr", "momentum", "weight_decay"} == set(config_lib.RESUME_MAY_DIFFER)
+    assert name in resume_policy.RESUME_MUST_MATCH + resume_policy.RESUME_MAY_DIFFER, name
+  assert "momentum_correction" in resume_policy.RESUME_MUST_MATCH
+  assert {"lr", "momentum", "weight_decay"} == set(resume_policy.RESUME_MAY_DIFFER)
   spec = OptimizerSpec(half="bf16", sparsify="topk:0.01", momentum_correction=True)
   assert spec.describe() == "half bf16, sparsify topk:0.01 with momentum correction"
   assert hash(spec) == hash(dataclasses.replace(spec))  # the cache key

@@ -19,12 +19,11 @@ import jdist
 from jdist import checkpoint_layout
 from jdist import consistency
 from jdist.app import datasets
-from jdist.app import train as train_module
 from jdist.app import train_guard
 from jdist.runtime import host
 from jdist.app.config import ConfigError
 from jdist.app.config import TrainConfig
-from jdist.app.config import force_cpu_devices
+from jdist.app.cpu_devices import force_cpu_devices
 from jdist.app.train import TrainError
 from jdist.app.train import train
 

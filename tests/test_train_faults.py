@@ -92,18 +92,19 @@ def _corrupt_latest(tmp):
       "entries": sorted(os.listdir(ckpt))}
 
 
+def _one_epoch(fault, *flags):
+  """A job training one epoch with `fault` on rank 1."""
+  return lambda tmp: (_train(tmp, fault=fault, flags=["--epochs", "1", *flags]), {})
+
+
 _JOBS = {
     "nan_stop_2x1": lambda tmp: _nan_stop(tmp, 1),
     "nan_stop_2x2": lambda tmp: _nan_stop(tmp, 2),
     "nan_rollback": _nan_rollback,
-    "other_optimizer": lambda tmp: (_train(tmp, fault=["--rank-args", "--optimizer adam"],
-                                           flags=["--epochs", "1"]), {}),
-    "other_train_limit": lambda tmp: (_train(tmp, fault=["--rank-args", "--train-limit 200"],
-                                             flags=["--epochs", "1"]), {}),
-    "other_devices": lambda tmp: (_train(tmp, fault=["--rank-args", "--cpu-devices 2"],
-                                         flags=["--epochs", "1"]), {}),
-    "drift": lambda tmp: (_train(tmp, fault=["--drift"],
-                                 flags=["--epochs", "1", "--check-replicas-every", "3"]), {}),
+    "other_optimizer": _one_epoch(["--rank-args", "--optimizer adam"]),
+    "other_train_limit": _one_epoch(["--rank-args", "--train-limit 200"]),
+    "other_devices": _one_epoch(["--rank-args", "--cpu-devices 2"]),
+    "drift": _one_epoch(["--drift"], "--check-replicas-every", "3"),
     "unwritable": _unwritable,
     "resume_other_world": _resume_other_world,
     "corrupt_latest": _corrupt_latest,
@@ -181,28 +182,18 @@ def test_fault_nan_spike_rolls_back_to_the_last_checkpoint(jobs, job):
 
 
 @pytest.mark.parametrize("job, message", [
+    # Ranks started differently are stopped at the start.
     ("other_optimizer", "--optimizer: rank 0 'sgd', rank 1 'adam'"),
     ("other_train_limit", "--train-limit: rank 0 256, rank 1 200"),
     ("other_devices", "different numbers of local devices (rank 0 has 1, rank 1 has 2)"),
+    # Replicas drifting apart end the run, naming the leaf.
+    ("drift", "replicas diverged by step 3: the first differing leaf is ['params']"),
+    # An unwritable checkpoint directory fails before training.
+    ("unwritable", "cannot be written"),
 ])
-def test_fault_ranks_started_differently_are_stopped_at_start(jobs, job, message):
+def test_fault_run_fails_promptly_before_its_first_epoch(jobs, job, message):
   result, _ = _result(jobs, job)
   _assert_failed_promptly(result, message)
-  assert "epoch 1/" not in result.stdout, _explain(result)
-
-
-@pytest.mark.parametrize("job", ["drift"])
-def test_fault_replicas_drifting_apart_end_the_run_naming_the_leaf(jobs, job):
-  result, _ = _result(jobs, job)
-  _assert_failed_promptly(result, "replicas diverged by step 3: the first differing leaf is "
-                                  "['params']")
-  assert "epoch 1/" not in result.stdout, _explain(result)
-
-
-@pytest.mark.parametrize("job", ["unwritable"])
-def test_fault_unwritable_checkpoint_dir_fails_before_training(jobs, job):
-  result, _ = _result(jobs, job)
-  _assert_failed_promptly(result, "cannot be written")
   assert "epoch 1/" not in result.stdout, _explain(result)
 
 

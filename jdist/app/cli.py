@@ -13,10 +13,23 @@ a traceback from inside JAX unless `--debug` asks for one.
 from __future__ import annotations
 
 import argparse
+from importlib import metadata
 import os
+import platform
+import socket
 import sys
 
+import jax
+
+import jdist
+from jdist import errors
 from jdist.app import config as config_lib
+from jdist.app import cpu_devices
+from jdist.app.train_loop import TrainError
+from jdist.collectives import native
+from jdist.consistency import ReplicaMismatchError
+from jdist.runtime import host
+from jdist.runtime import topology
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -28,7 +41,6 @@ class _Parser(argparse.ArgumentParser):
 
   def error(self, message: str):
     # Under mpirun every rank parses the same flags: one copy of the message.
-    from jdist.runtime import topology  # pylint: disable=g-import-not-at-top
     text = f"{self.prog}: error: {message} (see {self.prog} --help)\n"
     self.exit(EXIT_USAGE, text if topology.launcher_rank() == 0 else None)
 
@@ -141,22 +153,12 @@ def parse_train_args(argv, prog: str = "jdist train") -> tuple[config_lib.TrainC
 
 def _collective_errors() -> tuple[type, ...]:
   """Errors raised on every process alike: each can exit without aborting the others."""
-  from jdist import errors  # pylint: disable=g-import-not-at-top
-  from jdist.app import train as train_lib  # pylint: disable=g-import-not-at-top
-  kinds = [config_lib.ConfigError, train_lib.TrainError, errors.CheckpointError,
-           errors.StructureMismatchError, errors.WorldMismatchError]
-  try:
-    from jdist.consistency import ReplicaMismatchError  # pylint: disable=g-import-not-at-top
-    kinds.append(ReplicaMismatchError)
-  except ImportError:
-    pass
-  return tuple(kinds)
+  return (config_lib.ConfigError, TrainError, errors.CheckpointError,
+          errors.StructureMismatchError, errors.WorldMismatchError, ReplicaMismatchError)
 
 
 def _report_failure(prog: str, err: BaseException) -> int:
   """Prints one error line (rank 0 for collective errors) and ends this process's part."""
-  from jdist.runtime import topology  # pylint: disable=g-import-not-at-top
-  from jdist.runtime import world as world_lib  # pylint: disable=g-import-not-at-top
   topo = topology.current() if topology.is_initialized() else None
   text = str(err) or type(err).__name__
   if isinstance(err, _collective_errors()):
@@ -167,15 +169,14 @@ def _report_failure(prog: str, err: BaseException) -> int:
   sys.stderr.write(f"{prog}: error{rank}: {type(err).__name__}: {text}\n"
                    f"{prog}: run with --debug for the traceback.\n")
   sys.stderr.flush()
-  world = world_lib.get()
-  if world is not None and world.size > 1:
-    world.abort(EXIT_FAILURE)  # the other ranks may be waiting for this one
+  host.abort(EXIT_FAILURE)  # the other ranks may be waiting for this one
   return EXIT_FAILURE
 
 
 def train_main(argv=None, prog: str = "jdist train") -> int:
   """`jdist train`: parse, validate, train; returns the exit status."""
   config, debug = parse_train_args(sys.argv[1:] if argv is None else argv, prog)
+  # Imported here: the trainer loads the models (Flax), which `--help` need not.
   from jdist.app import train as train_lib  # pylint: disable=g-import-not-at-top
   try:
     train_lib.train(config)
@@ -197,15 +198,9 @@ def info_main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.cpu_devices is not None and args.cpu_devices < 1:
     parser.error(f"--cpu-devices={args.cpu_devices} must be an integer >= 1.")
-  from importlib import metadata  # pylint: disable=g-import-not-at-top
-  import platform  # pylint: disable=g-import-not-at-top
-  import socket  # pylint: disable=g-import-not-at-top
   try:
     if args.cpu_devices:
-      config_lib.force_cpu_devices(args.cpu_devices)
-    import jax  # pylint: disable=g-import-not-at-top
-    import jdist  # pylint: disable=g-import-not-at-top
-    from jdist.runtime import host  # pylint: disable=g-import-not-at-top
+      cpu_devices.force_cpu_devices(args.cpu_devices)
     topo = jdist.init()
   except Exception as err:  # pylint: disable=broad-except
     return _report_failure("jdist info", err)
@@ -230,7 +225,6 @@ def info_main(argv=None) -> int:
   if mpi is not None:
     print(f"MPI: {mpi}")
   print(f"topology: {topo}; timeout {topo.timeout:g} s")
-  from jdist.collectives import native  # pylint: disable=g-import-not-at-top
   if native.unavailable_reason():
     print(f"  native exchange unavailable: {native.unavailable_reason()}")
   for line in everyone:
@@ -243,6 +237,7 @@ def info_main(argv=None) -> int:
 
 def bench_main(argv=None) -> int:
   """`jdist bench`: runs the benchmark suite (`python -m benchmarks`) of a source checkout."""
+  # Imported here: the benchmarks ship with source checkouts only.
   try:
     import benchmarks.__main__ as bench  # pylint: disable=g-import-not-at-top
   except ImportError:
@@ -284,7 +279,6 @@ def main(argv=None) -> int:
 
 def _version() -> str:
   try:
-    from importlib import metadata  # pylint: disable=g-import-not-at-top
     return f"jdist {metadata.version('jdist')}"
   except Exception:  # pylint: disable=broad-except
     return "jdist (version unknown)"

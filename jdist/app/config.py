@@ -4,30 +4,24 @@
 `jdist.app.cli`) fills it from the command line. `validate` checks every value
 and combination up front and raises `ConfigError` naming the setting (and
 its command-line flag) and how to fix it, so a bad value never reaches JAX.
+What a resumed run must keep is in `jdist.app.resume_policy`; the optimizer's
+settings are built by `jdist.app.optimizer_spec`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Any
 
-from jdist.app import optimizer_spec
+from jdist.app import datasets
 from jdist.app.optimizer_spec import HALF_CHOICES
 from jdist.app.optimizer_spec import OPTIMIZERS
 from jdist.app.optimizer_spec import OptimizerSpec
+from jdist.transforms.dist_opt import parse_sparsify
 
 BACKENDS = ("auto", "mpi", "jax", "none")
 ON_NONFINITE = ("stop", "rollback")
-CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"
-# Settings that shape the trained state or the data order: a resumed run must
-# use the checkpoint's values, or it would not continue the same run. The
-# optimizer's come from its spec (`jdist.app.optimizer_spec`).
-RESUME_MUST_MATCH = (("model", "dataset", "batch_size", "train_limit", "seed")
-                     + optimizer_spec.MUST_MATCH_ON_RESUME)
-# Settings that may change on resume but make it differ from an uninterrupted run.
-RESUME_MAY_DIFFER = optimizer_spec.MAY_DIFFER_ON_RESUME
 
 
 class ConfigError(ValueError):
@@ -133,7 +127,8 @@ class TrainConfig:
     return self.eval_batch_size or max(self.batch_size, 128)
 
 
-def _flag(name: str) -> str:
+def flag(name: str) -> str:
+  """A setting's name with its command-line flag, for messages: `lr (--lr)`."""
   return f"{name} (--{name.replace('_', '-')})"
 
 
@@ -142,7 +137,7 @@ def _int(config: TrainConfig, name: str, minimum: int, optional: bool = False) -
   if optional and value is None:
     return
   if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-    raise ConfigError(f"{_flag(name)}={value!r} must be an integer >= {minimum}.")
+    raise ConfigError(f"{flag(name)}={value!r} must be an integer >= {minimum}.")
 
 
 def _number(config: TrainConfig, name: str, low: float, high: float, *,
@@ -154,12 +149,7 @@ def _number(config: TrainConfig, name: str, low: float, high: float, *,
         and (value < high if high_open else value <= high))
   if not ok:
     interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-    raise ConfigError(f"{_flag(name)}={value!r} must be a number in {interval}; {hint}.")
-
-
-
-def normalize_dataset(name: str) -> str:
-  return str(name).strip().lower().replace("-", "_")
+    raise ConfigError(f"{flag(name)}={value!r} must be a number in {interval}; {hint}.")
 
 
 def validate(config: TrainConfig) -> TrainConfig:
@@ -168,14 +158,13 @@ def validate(config: TrainConfig) -> TrainConfig:
   Raises:
     ConfigError: the first bad setting, named with its flag and the fix.
   """
-  # Imported here: these pull in JAX and Flax, which `jdist --help` need not.
-  from jdist.app import datasets
-  from jdist.app import models
+  # Imported here: the models pull in Flax, which `jdist --help` need not load.
+  from jdist.app import models  # pylint: disable=g-import-not-at-top
 
   if config.model not in models.MODELS:
     raise ConfigError(f"model (--model)={config.model!r} is unknown; choose one of "
                       f"{', '.join(sorted(models.MODELS))}.")
-  if normalize_dataset(config.dataset) not in datasets.NAMES:
+  if datasets.normalize_name(config.dataset) not in datasets.NAMES:
     raise ConfigError(f"dataset (--dataset)={config.dataset!r} is unknown; choose one of "
                       f"{', '.join(datasets.NAMES)}.")
   if config.optimizer not in OPTIMIZERS:
@@ -207,7 +196,6 @@ def validate(config: TrainConfig) -> TrainConfig:
     raise ConfigError(f"half (--half)={config.half!r} is unknown; choose one of "
                       f"{', '.join(HALF_CHOICES)} (or leave it out for 32-bit gradients).")
   if config.sparsify is not None:
-    from jdist.transforms.dist_opt import parse_sparsify  # pylint: disable=g-import-not-at-top
     try:
       parse_sparsify(config.sparsify)
     except ValueError as err:
@@ -240,55 +228,3 @@ def validate(config: TrainConfig) -> TrainConfig:
   if config.checkpoint_every and not config.checkpoint_dir:
     raise ConfigError("--checkpoint-every needs --checkpoint-dir DIR: where to write them.")
   return config
-
-
-def resume_conflicts(saved: dict[str, Any], config: TrainConfig) -> tuple[list[str], list[str]]:
-  """Compares a checkpoint's stored config with this run's.
-
-  Returns:
-    (errors, notes): settings that must match but differ, and settings that
-    differ harmlessly but make the run differ from an uninterrupted one;
-    each a "name: checkpoint X, this run Y" string.
-  """
-  def differ(names):
-    out = []
-    for name in names:
-      # A setting newer than the checkpoint had its default then.
-      old, new = saved.get(name, getattr(TrainConfig(), name)), getattr(config, name)
-      if name == "dataset" and old is not None:
-        old, new = normalize_dataset(old), normalize_dataset(new)
-      if old != new:
-        out.append(f"{_flag(name)}: checkpoint {old!r}, this run {new!r}")
-    return out
-  return differ(RESUME_MUST_MATCH), differ(RESUME_MAY_DIFFER)
-
-
-def build_optimizer(config: TrainConfig):
-  """The data-parallel optax chain the config asks for (see `OptimizerSpec.build`)."""
-  return config.optimizer_spec.build()
-
-
-def force_cpu_devices(count: int) -> None:
-  """Makes JAX create `count` CPU devices in this process (CPU testing only).
-
-  Sets `XLA_FLAGS=--xla_force_host_platform_device_count=count` and JAX's
-  platform to "cpu". XLA reads the flag when JAX creates its backends, so
-  this must run before the first JAX computation.
-
-  Raises:
-    ConfigError: JAX's backends already exist with another device count.
-  """
-  import jax  # pylint: disable=g-import-not-at-top
-  from jdist import jax_internals  # pylint: disable=g-import-not-at-top
-  if jax_internals.backends_initialized():
-    if jax.default_backend() != "cpu" or jax.local_device_count() != count:
-      raise ConfigError(
-          f"cpu_devices (--cpu-devices)={count}: JAX is already running with "
-          f"{jax.local_device_count()} {jax.default_backend()} devices, so the device "
-          f"count can no longer change. Set it before any JAX computation, or set "
-          f"XLA_FLAGS={CPU_DEVICES_FLAG}={count} JAX_PLATFORMS=cpu in the environment.")
-    return
-  flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
-           if not flag.startswith(CPU_DEVICES_FLAG)]
-  os.environ["XLA_FLAGS"] = " ".join(flags + [f"{CPU_DEVICES_FLAG}={count}"])
-  jax.config.update("jax_platforms", "cpu")

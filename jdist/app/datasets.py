@@ -11,35 +11,30 @@ they are distributed in), looked for in this order:
 4. a download from `MIRRORS` into the cache, if `download=True`.
 
 Every loader returns a `Dataset` of float32 images `[N, H, W, C]` in [0, 1]
-and int32 labels.
+and int32 labels. The IDX reader and writer are in `jdist.app.idx_format`
+(and importable from here).
 """
 
 from __future__ import annotations
 
-import contextlib
-import gzip as gzip_lib
 import http.client
 import logging
-import math
 import os
 import shutil
-import struct
-import tempfile
 import urllib.request
-import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import BinaryIO, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
-from jdist import errors
+# Re-exported: the IDX reader and writer and their error are part of this module's API.
+from jdist.app.idx_format import DatasetError  # pylint: disable=unused-import
+from jdist.app.idx_format import atomic_file
+from jdist.app.idx_format import read_idx
+from jdist.app.idx_format import write_idx  # pylint: disable=unused-import
 
 log = logging.getLogger(__name__)
-
-
-class DatasetError(errors.JdistError, ValueError):
-  """A dataset file is missing, corrupt or truncated."""
 
 
 class Dataset(NamedTuple):
@@ -50,118 +45,6 @@ class Dataset(NamedTuple):
   test_y: np.ndarray
   num_classes: int
   name: str
-
-
-# IDX dtype codes (third magic byte). Data is stored big-endian.
-_IDX_DTYPES = {
-    0x08: np.dtype(">u1"), 0x09: np.dtype(">i1"), 0x0B: np.dtype(">i2"),
-    0x0C: np.dtype(">i4"), 0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8"),
-}
-_IDX_CODES = {dtype.newbyteorder("="): code for code, dtype in _IDX_DTYPES.items()}
-_IDX_MAX_NDIM = 4
-_KNOWN_DTYPES = ", ".join(f"0x{code:02X} {dtype.name}" for code, dtype in _IDX_DTYPES.items())
-_GZIP_MAGIC = b"\x1f\x8b"
-
-
-def read_idx(path: str | os.PathLike) -> np.ndarray:
-  """Reads an IDX file (MNIST format), raw or gzip-compressed.
-
-  Args:
-    path: the file; gzip is detected by its magic bytes, not its name.
-
-  Returns:
-    The array, in native byte order, with the shape the header gives.
-
-  Raises:
-    DatasetError: the file cannot be read or is not a complete, valid IDX
-      file; the message names the file and the problem.
-  """
-  try:
-    raw = Path(path).read_bytes()
-  except OSError as error:
-    raise DatasetError(f"{path}: cannot read: {error.strerror or error}.") from None
-  if raw[:2] == _GZIP_MAGIC:  # An IDX file itself starts with 00 00.
-    try:
-      raw = gzip_lib.decompress(raw)
-    except (OSError, EOFError, zlib.error) as error:
-      raise DatasetError(f"{path}: corrupt or truncated gzip data ({error}); "
-                         f"delete the file and fetch it again.") from None
-  if len(raw) < 4:
-    raise DatasetError(f"{path}: {len(raw)} bytes is too short for an IDX "
-                       f"header (4 magic bytes 00 00 <dtype> <ndim>).")
-  code, ndim = raw[2], raw[3]
-  if raw[:2] != b"\0\0":
-    raise DatasetError(f"{path}: bad magic {raw[:4].hex(' ')}: an IDX file "
-                       f"starts with 00 00 <dtype> <ndim>; this is not an IDX file.")
-  if code not in _IDX_DTYPES:
-    raise DatasetError(f"{path}: unknown IDX dtype code 0x{code:02X} (known: {_KNOWN_DTYPES}).")
-  if not 1 <= ndim <= _IDX_MAX_NDIM:
-    raise DatasetError(f"{path}: IDX header says ndim={ndim}; only 1 to "
-                       f"{_IDX_MAX_NDIM} dimensions are supported.")
-  header_size = 4 + 4 * ndim
-  if len(raw) < header_size:
-    raise DatasetError(f"{path}: truncated header: {ndim} dimensions need "
-                       f"{header_size} header bytes but the file has {len(raw)}.")
-  shape = struct.unpack(f">{ndim}I", raw[4:header_size])
-  dtype = _IDX_DTYPES[code]
-  # Python ints: a corrupt header cannot overflow the expected size.
-  expected = math.prod(shape) * dtype.itemsize
-  found = len(raw) - header_size
-  if found != expected:
-    problem = "truncated payload" if found < expected else (
-        f"{found - expected} extra bytes after the payload")
-    raise DatasetError(f"{path}: {problem}: shape {shape} of {dtype.name} "
-                       f"needs {expected} data bytes, found {found}.")
-  array = np.frombuffer(raw, dtype, count=math.prod(shape), offset=header_size)
-  return array.reshape(shape).astype(dtype.newbyteorder("="))
-
-
-@contextlib.contextmanager
-def _atomic_file(path: Path) -> Iterator[tuple[BinaryIO, Path]]:
-  """Yields `(stream, temp_path)`, then renames the temp file to `path`.
-
-  Readers, and other ranks writing the same file at once, see either no file
-  or a whole one; on an exception the temp file is removed instead.
-  """
-  descriptor, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-  try:
-    with os.fdopen(descriptor, "wb") as stream:
-      yield stream, Path(temp)
-    os.replace(temp, path)
-  finally:
-    Path(temp).unlink(missing_ok=True)
-
-
-def write_idx(path: str | os.PathLike, array: np.ndarray, gzip: bool = True) -> Path:
-  """Writes `array` as an IDX file (atomically), gzip-compressed by default.
-
-  Args:
-    path: destination file.
-    array: uint8, int8, int16, int32, float32 or float64; 1 to 4 dimensions.
-    gzip: compress the file (deterministically: no timestamp).
-
-  Returns:
-    The path written.
-
-  Raises:
-    ValueError: the dtype or number of dimensions has no IDX encoding.
-  """
-  array = np.asarray(array)
-  code = _IDX_CODES.get(array.dtype.newbyteorder("="))
-  if code is None:
-    raise ValueError(f"write_idx: dtype {array.dtype} has no IDX code; use one "
-                     f"of {_KNOWN_DTYPES}.")
-  if not 1 <= array.ndim <= _IDX_MAX_NDIM or max(array.shape) >= 2**32:
-    raise ValueError(f"write_idx: shape {array.shape} cannot be written; IDX "
-                     f"takes 1 to {_IDX_MAX_NDIM} dimensions, each < 2**32.")
-  header = bytes([0, 0, code, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
-  data = header + array.astype(_IDX_DTYPES[code]).tobytes()
-  if gzip:
-    data = gzip_lib.compress(data, mtime=0)
-  path = Path(path)
-  with _atomic_file(path) as (stream, _):
-    stream.write(data)
-  return path
 
 
 # --- MNIST-format datasets ----------------------------------------------------
@@ -232,7 +115,7 @@ def _complete(directory: Path) -> dict[str, Path] | None:
 
 def _fetch(url: str, target: Path, ndim: int) -> None:
   """Downloads one IDX file to `target`, checking it before it appears there."""
-  with _atomic_file(target) as (stream, temp), \
+  with atomic_file(target) as (stream, temp), \
        urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
     shutil.copyfileobj(response, stream)
     stream.flush()
@@ -368,8 +251,8 @@ def load_digits(*, test_size: int = 360, seed: int = 0) -> Dataset:
     The `Dataset`, named "digits", images `[N, 8, 8, 1]`.
   """
   # Imported here: scikit-learn is slow to import and only this loader needs it.
-  from sklearn import datasets as sk_datasets
-  from sklearn import model_selection
+  from sklearn import datasets as sk_datasets  # pylint: disable=g-import-not-at-top
+  from sklearn import model_selection  # pylint: disable=g-import-not-at-top
 
   digits = sk_datasets.load_digits()
   images = (digits.images / 16.0).astype(np.float32)[..., None]  # Pixels are 0..16.
@@ -413,6 +296,11 @@ def synthetic(num_train: int = 2048, num_test: int = 512, *,
 NAMES = ("digits", "mnist", "fashion_mnist", "synthetic")
 
 
+def normalize_name(name: str) -> str:
+  """The spelling of a dataset name in `NAMES` ("Fashion-MNIST" -> "fashion_mnist")."""
+  return str(name).strip().lower().replace("-", "_")
+
+
 def load(name: str, data_dir: str | os.PathLike | None = None, *,
          download: bool = True) -> Dataset:
   """Loads a dataset by name.
@@ -429,7 +317,7 @@ def load(name: str, data_dir: str | os.PathLike | None = None, *,
     ValueError: an unknown name.
     DatasetError: the files cannot be found or are corrupt.
   """
-  key = name.strip().lower().replace("-", "_")
+  key = normalize_name(name)
   if key == "digits":
     return load_digits()
   if key == "synthetic":

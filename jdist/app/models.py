@@ -266,6 +266,25 @@ def _weights_or_ones(labels: jax.Array, weights: jax.Array | None) -> jax.Array:
   return jnp.ones(labels.shape) if weights is None else jnp.asarray(weights, jnp.float32)
 
 
+def example_losses(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Softmax cross-entropy of every example, computed in float32.
+
+  Args:
+    logits: `[N, num_classes]`.
+    labels: `[N]` integer class indices.
+
+  Returns:
+    A float32 `[N]` array.
+  """
+  return optax.softmax_cross_entropy_with_integer_labels(jnp.asarray(logits, jnp.float32),
+                                                         labels)
+
+
+def example_correct(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Whether each example's top logit is its label: a bool `[N]` array."""
+  return jnp.argmax(logits, axis=-1) == labels
+
+
 def cross_entropy_loss(logits: jax.Array, labels: jax.Array,
                        weights: jax.Array | None = None) -> jax.Array:
   """Weighted mean softmax cross-entropy over the batch.
@@ -280,8 +299,7 @@ def cross_entropy_loss(logits: jax.Array, labels: jax.Array,
     A float32 scalar: `sum(weights * losses) / sum(weights)`, or 0 when all
     weights are 0.
   """
-  logits = jnp.asarray(logits, jnp.float32)
-  losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  losses = example_losses(logits, labels)
   weights = _weights_or_ones(labels, weights)
   total = jnp.sum(weights)
   # A safe denominator rather than jnp.where on the quotient: the latter would
@@ -302,5 +320,5 @@ def correct_count(logits: jax.Array, labels: jax.Array,
     A float32 scalar; divide by `sum(weights)` (summed over replicas) for
     the accuracy.
   """
-  correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
+  correct = example_correct(logits, labels).astype(jnp.float32)
   return jnp.sum(_weights_or_ones(labels, weights) * correct)

@@ -15,6 +15,8 @@ import math
 import os
 import sys
 
+from tqdm import tqdm
+
 from jdist.app.config import TrainConfig
 
 
@@ -51,7 +53,6 @@ class RunOutput:
   def bar(self, epoch: int, total: int, initial: int):
     if not (self.primary and self.config.progress):
       return contextlib.nullcontext(None)
-    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
     return tqdm(total=total, initial=initial, desc=f"epoch {epoch + 1}/{self.config.epochs}",
                 unit="step", leave=False, dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
 

@@ -18,13 +18,12 @@ guards that keep a run from going silently wrong (settings compared across
 ranks, no NaN checkpointed, replica checksums, resume checks) are in
 `jdist.app.train_loop` and `jdist.app.train_guard`.
 
-Command line: `python -m jdist.app.train --help` (the same as `jdist train`).
+Command line: `jdist train --help` (or `python -m jdist.app.cli train --help`).
 """
 
 from __future__ import annotations
 
 import functools
-import sys
 import time
 import types
 from typing import Any
@@ -36,12 +35,11 @@ import optax
 import jdist
 from jdist import collectives
 from jdist.app import datasets
-from jdist import errors
 from jdist.app import models
 from jdist.app import runlog
 from jdist.app import train_guard
 from jdist.app.config import TrainConfig
-from jdist.app.config import force_cpu_devices
+from jdist.app.cpu_devices import force_cpu_devices
 from jdist.app.optimizer_spec import OptimizerSpec
 from jdist.app.config import validate
 # The loop and its guards live in train_loop; these names stay importable here.
@@ -86,8 +84,7 @@ def _program(model_name: str, num_classes: int, input_shape: tuple,
     return variables.pop("params"), variables
 
   def per_example(logits, labels):
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
-    return losses, jnp.argmax(logits, axis=-1) == labels
+    return models.example_losses(logits, labels), models.example_correct(logits, labels)
 
   def train_step(params, model_state, opt_state, batch):
     def loss_fn(p):
@@ -219,11 +216,3 @@ def train(config: TrainConfig, *, return_state: bool = False) -> dict[str, Any]:
         {"params": run.state["params"], "model_state": run.state["model_state"]}))
   return summary
 
-
-def main(argv=None) -> int:
-  from jdist.app import cli  # pylint: disable=g-import-not-at-top
-  return cli.train_main(argv, prog="python -m jdist.app.train")
-
-
-if __name__ == "__main__":
-  sys.exit(main())

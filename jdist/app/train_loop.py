@@ -27,10 +27,11 @@ import jax
 import numpy as np
 
 import jdist
+from jdist import consistency
 from jdist import errors
 from jdist.app import train_guard
 from jdist.runtime import host
-from jdist.app.config import resume_conflicts
+from jdist.app.resume_policy import resume_conflicts
 
 _IN_FLIGHT = 2  # train steps dispatched ahead of the host before it waits
 MAX_ROLLBACKS = 3  # --on-nonfinite rollback gives up (stops) after this many
@@ -48,11 +49,12 @@ def agree(fn, what: str):
     result = fn()
   except (ValueError, OSError, errors.JdistError) as err:
     problem = str(err) if str(err) else type(err).__name__
-  problems = host.allgather_object(problem, f"jdist train: {what}")
-  for rank, rank_problem in enumerate(problems):
-    if rank_problem is not None:
-      where = f" (rank {rank})" if len(problems) > 1 and rank_problem != problem else ""
-      raise TrainError(f"{what}{where}: {rank_problem}")
+
+  def train_error(rank: int, problems: list) -> TrainError:
+    where = f" (rank {rank})" if len(problems) > 1 and problems[rank] != problem else ""
+    return TrainError(f"{what}{where}: {problems[rank]}")
+
+  host.agree(problem, f"jdist train: {what}", train_error)
   return result
 
 
@@ -196,7 +198,6 @@ class Run:
                      f"non-finite leaf: {bad}), so the run stops{kept}. {fix}.")
 
   def check_replicas(self) -> None:
-    from jdist import consistency  # pylint: disable=g-import-not-at-top
     problem = train_guard.replicas_problem(
         {"params": self.state["params"], "model_state": self.state["model_state"]}, self.step)
     if problem:

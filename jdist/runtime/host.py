@@ -180,3 +180,31 @@ def allgather_object(obj: Any, label: str = "jdist.allgather_object") -> list[An
   """Every process's picklable `obj`, in rank order (host side)."""
   world = _world()
   return [obj] if world is None else world.allgather_object(obj, label)
+
+
+def agree(problem: Any, label: str, error, *, payload: Any = None) -> list[Any]:
+  """Makes every process fail alike when any one fails (host side, collective).
+
+  Every process says what went wrong on it (None: nothing). All hear it, so
+  a process whose part failed never leaves the others to run into the next
+  exchange alone, and every process raises the same kind of error.
+
+  Args:
+    problem: this process's problem, picklable; None when its part went well.
+    label: names the exchange in watchdog reports.
+    error: `error(rank, problems)` builds the exception to raise, from the
+      lowest failing rank and every rank's problem (in rank order).
+    payload: a picklable value shared along with the problem.
+
+  Returns:
+    Every process's payload, in rank order, when no process has a problem.
+
+  Raises:
+    Exception: the one `error` builds, on every process.
+  """
+  gathered = allgather_object((problem, payload), label)
+  problems = [rank_problem for rank_problem, _ in gathered]
+  for rank, rank_problem in enumerate(problems):
+    if rank_problem is not None:
+      raise error(rank, problems)
+  return [rank_payload for _, rank_payload in gathered]

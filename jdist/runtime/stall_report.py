@@ -24,7 +24,8 @@ _LIBRARY_DIRS = tuple({os.path.normpath(p) + os.sep for p in
 _JDIST_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # jdist's own training loop: where `jdist train` stands is a line of it, not
 # of the console script that called it.
-_USER_LEVEL = (os.path.join(_JDIST_DIR, "train.py"), os.path.join(_JDIST_DIR, "train_loop.py"))
+_USER_LEVEL = (os.path.join(_JDIST_DIR, "app", "train.py"),
+               os.path.join(_JDIST_DIR, "app", "train_loop.py"))
 
 
 def in_jax_compiler(frame) -> bool:
