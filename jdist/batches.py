@@ -37,6 +37,25 @@ def _leading_size(batch: Any, what: str) -> int:
   return size
 
 
+def leading_axis_error(what: str, shape: tuple[int, ...], devices: int,
+                       advice: str) -> errors.ShapeError | None:
+  """The error for a leaf that lacks the leading axis of one row per local device.
+
+  Args:
+    what: the caller and leaf, e.g. "jdist.checkpoint: leaf ['w']".
+    shape: the leaf's shape.
+    devices: the local device count the leading axis must equal.
+    advice: what the user should pass instead.
+
+  Returns:
+    None when `shape` leads with `devices`, else a ShapeError naming both.
+  """
+  if shape and shape[0] == devices:
+    return None
+  got = "a scalar" if not shape else f"leading size {shape[0]}"
+  return errors.ShapeError(f"{what} has {got}, but {advice}")
+
+
 def _not_divisible(what: str, size: int, parts: int, unit: str) -> errors.ShapeError:
   lower = (size // parts) * parts
   suggestion = f"{lower} or {lower + parts}" if lower else parts

@@ -24,11 +24,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jdist import batches
 from jdist import errors
+from jdist.collectives import context
 from jdist.runtime import host
-from jdist.collectives.transport import DATA_AXIS
 
 FORMAT = "jdist-checkpoint"
 FORMAT_VERSION = 1
@@ -60,12 +60,12 @@ def state_signature(tree: Any, devices: int, what: str) -> tuple[list, list]:
   signature = []
   for path, leaf in with_paths:
     shape = tuple(leaf.shape) if hasattr(leaf, "shape") else np.shape(leaf)
-    if not shape or shape[0] != devices:
-      got = "a scalar" if not shape else f"leading size {shape[0]}"
-      raise errors.ShapeError(
-          f"{what}: leaf {jax.tree_util.keystr(path)} has {got}, but a replicated "
-          f"state has a leading axis of {devices} (one copy per local device). Pass "
-          f"the state your data_parallel step uses (jdist.replicate(...) of it).")
+    problem = batches.leading_axis_error(
+        f"{what}: leaf {jax.tree_util.keystr(path)}", shape, devices,
+        f"a replicated state has a leading axis of {devices} (one copy per local device). "
+        f"Pass the state your data_parallel step uses (jdist.replicate(...) of it).")
+    if problem is not None:
+      raise problem
     signature.append([jax.tree_util.keystr(path), list(shape[1:]), str(leaf.dtype)])
   return [leaf for _, leaf in with_paths], signature
 
@@ -144,7 +144,7 @@ def gather_to_rank0(host_leaves: list, ids: list[int], topo) -> dict[int, np.nda
 
 def put_local(stacked: np.ndarray, devices: list, key_impl: str | None) -> jax.Array:
   """[devices, ...] host array → one slice per local device, as jdist.replicate lays it out."""
-  sharding = NamedSharding(Mesh(np.array(devices), (DATA_AXIS,)), PartitionSpec(DATA_AXIS))
+  sharding = context.per_device_sharding(devices)
   pieces = [jax.device_put(stacked[d:d + 1], device) for d, device in enumerate(devices)]
   array = jax.make_array_from_single_device_arrays(stacked.shape, sharding, pieces)
   return array if key_impl is None else jax.random.wrap_key_data(array, impl=key_impl)

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jdist import batches
 from jdist import errors
 from jdist.runtime import topology as topology_lib
 from jdist.runtime import host
@@ -71,13 +72,13 @@ def _local_copies(leaf: Any, devices: int, path: str) -> list[np.ndarray]:
     rows = np.concatenate([np.asarray(s.data) for s in shards])
   else:
     rows = np.asarray(leaf)
-  if rows.ndim == 0 or rows.shape[0] != devices:
-    got = "a scalar" if rows.ndim == 0 else f"leading size {rows.shape[0]}"
-    raise errors.ShapeError(
-        f"jdist.consistency.check_replicas: leaf {path} has {got}, but replicated state "
-        f"has a leading axis of one copy per local device ({devices}). Pass the "
-        f"replicated tree (from jdist.replicate or a jdist.data_parallel step), not an "
-        f"unreplicated one.")
+  problem = batches.leading_axis_error(
+      f"jdist.consistency.check_replicas: leaf {path}", rows.shape, devices,
+      f"replicated state has a leading axis of one copy per local device ({devices}). "
+      f"Pass the replicated tree (from jdist.replicate or a jdist.data_parallel step), "
+      f"not an unreplicated one.")
+  if problem is not None:
+    raise problem
   return [np.ascontiguousarray(rows[i]) for i in range(devices)]
 
 

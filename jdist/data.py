@@ -20,9 +20,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from jdist import errors
+from jdist.collectives import context
 from jdist.batches import shard_batch  # noqa: F401  (re-exported: jdist.data.shard_batch)
 # Re-exported: the epoch order and partition are part of this module's API.
 from jdist.epoch_order import batches_per_epoch
@@ -36,7 +37,6 @@ from jdist.runtime.topology import Topology
 Batch = dict[str, Any]
 
 WEIGHT_KEY = "weight"
-_DATA_AXIS = "data"
 
 
 def _produce(source: Iterator[Batch], place: Callable[[Batch], Batch],
@@ -278,8 +278,7 @@ class ShardedLoader:
             f"the topology has {wanted} local devices but {len(devices)} are "
             f"available here; build the Topology with local_device_count="
             f"{len(devices)} or pass devices=.")
-      mesh = Mesh(np.array(devices), (_DATA_AXIS,))
-      self._sharding = NamedSharding(mesh, PartitionSpec(_DATA_AXIS))
+      self._sharding = context.per_device_sharding(devices)
     return jax.device_put(batch, self._sharding)
 
   def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Batch]:

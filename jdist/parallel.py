@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from jdist import errors
+from jdist import batches
 from jdist.runtime import host
 from jdist.runtime import topology as topology_lib
+from jdist.collectives import context
 from jdist.collectives import ops
 from jdist.collectives import start
 from jdist.collectives import steps
@@ -46,18 +47,17 @@ def check_mapped_inputs(args: Sequence[Any], positions: Sequence[int], devices: 
   """Raises ShapeError unless every mapped leaf has leading size `devices`."""
   for position in positions:
     for path, leaf in jax.tree_util.tree_leaves_with_path(args[position]):
-      shape = np.shape(leaf)
-      if not shape or shape[0] != devices:
-        got = "a scalar" if not shape else f"leading size {shape[0]}"
-        raise errors.ShapeError(
-            f"{name}: argument {position}{jax.tree_util.keystr(path)} has {got}, but "
-            f"data_parallel maps over the {devices} local devices, so every mapped "
-            f"input needs a leading axis of size {devices}. Split this process's "
-            f"batch with jdist.shard(batch) (its size must be a multiple of {devices}; "
-            f"a global batch that every process holds: "
-            f"jdist.shard(jdist.process_slice(batch))), put parameters on every "
-            f"device with jdist.replicate(params), or mark unmapped arguments with "
-            f"in_axes=None / static_broadcasted_argnums.")
+      problem = batches.leading_axis_error(
+          f"{name}: argument {position}{jax.tree_util.keystr(path)}", np.shape(leaf), devices,
+          f"data_parallel maps over the {devices} local devices, so every mapped "
+          f"input needs a leading axis of size {devices}. Split this process's "
+          f"batch with jdist.shard(batch) (its size must be a multiple of {devices}; "
+          f"a global batch that every process holds: "
+          f"jdist.shard(jdist.process_slice(batch))), put parameters on every "
+          f"device with jdist.replicate(params), or mark unmapped arguments with "
+          f"in_axes=None / static_broadcasted_argnums.")
+      if problem is not None:
+        raise problem
 
 
 # XLA:CPU deadlocks when the host runs too far ahead: each device admits 32
@@ -237,13 +237,13 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
 
 
 def _local_mesh() -> Mesh:
-  return Mesh(np.array(jax.local_devices()), (DATA_AXIS,))
+  return context.axis_mesh(jax.local_devices())
 
 
 def replicate(tree: Any) -> Any:
   """Puts a copy of every leaf on each local device (leading device axis)."""
   devices = jax.local_devices()
-  sharding = NamedSharding(_local_mesh(), PartitionSpec(DATA_AXIS))
+  sharding = context.per_device_sharding(devices)
 
   def put(leaf):
     leaf = jnp.asarray(leaf)

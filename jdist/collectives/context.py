@@ -25,8 +25,9 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdist import errors
 from jdist.runtime import topology as topology_lib
@@ -38,6 +39,16 @@ from jdist.collectives.transport import DATA_AXIS
 # values (one per process) the reduction combines.
 _PARTICIPANTS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "jdist_participants", default=None)
+
+
+def axis_mesh(devices) -> Mesh:
+  """A one-axis mesh over `devices` whose axis is `DATA_AXIS`: every jdist mesh."""
+  return Mesh(np.asarray(devices), (DATA_AXIS,))
+
+
+def per_device_sharding(devices) -> NamedSharding:
+  """Rows of the leading axis, one per device in `devices` (jdist's replicated layout)."""
+  return NamedSharding(axis_mesh(devices), PartitionSpec(DATA_AXIS))
 
 
 def mesh() -> Mesh:
@@ -52,7 +63,7 @@ def mesh() -> Mesh:
   """
   topo = start.ensure_initialized()
   devices = jax.devices() if topo.backend == "jax" else jax.local_devices()
-  return Mesh(devices, (DATA_AXIS,))
+  return axis_mesh(devices)
 
 
 def _global_mesh():

@@ -25,13 +25,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jdist import errors
 from jdist.collectives import context
 from jdist import fusion
 from jdist.collectives import routes
 from jdist.collectives import transport
 from jdist.runtime import host
-from jdist.collectives.transport import DATA_AXIS
 
 
 def require_data_parallel(what: str) -> None:
