@@ -39,6 +39,7 @@ MODES = {
     "threshold": None,
     "partial4": {"partial": 4},
     "powersgd4": {"powersgd": 4},  # rank-4 factors of each matrix
+    "powersgd1": {"powersgd": 1},  # the rank of the DDP PowerSGD hook beside it
     "topk1%-block": {"sparsify": "topk_block:0.01"},  # one-pass block selection
     "plain-4MB": {"bucket_bytes": 4 << 20},  # proposal: smaller fusion buckets
 }

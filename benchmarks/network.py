@@ -188,7 +188,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--render", metavar="JSON", help="measure nothing: re-derive the summary "
                       "of a network.json and rewrite its network.md and figure into --out")
   parser.add_argument("--modes", help="comma-separated jdist modes (default all: plain, fp16, "
-                      "bf16, topk1%%, topk1%%-block, threshold, partial4, powersgd4)")
+                      "bf16, topk1%%, topk1%%-block, threshold, partial4, powersgd4, powersgd1)")
   args = parser.parse_args(argv)
   if args.out is None:
     args.out = (os.path.join(tempfile.gettempdir(), "jdist-network-quick") if args.quick

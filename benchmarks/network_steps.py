@@ -51,7 +51,7 @@ MODEL = "cnn"
 PER_REPLICA_BATCH = 64
 LEARNING_RATE = compression.LEARNING_RATE
 MODES = ("plain", "fp16", "bf16", "topk1%", "topk1%-block", "threshold", "partial4",
-         "powersgd4")
+         "powersgd4", "powersgd1")
 REPEATS = 15
 WARMUP = 3
 # Each row's step against these, round by round (the torch peer's when present).
