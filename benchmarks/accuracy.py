@@ -45,6 +45,8 @@ MODES = {
     "topk1%": {"sparsify": "topk:0.01", "error_feedback": True},
     "topk1%+mc": {"sparsify": "topk:0.01", "momentum_correction": 0.9},
     "partial4": {"partial": 4},
+    "powersgd4": {"powersgd": 4},
+    "powersgd1": {"powersgd": 1},
 }
 LEARNING_RATE = 0.005  # SINGA's MNIST example: SGD(lr=0.005, momentum=0.9)
 MOMENTUM = 0.9
