@@ -24,8 +24,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jdist import errors
+from jdist.collectives import context
+from jdist.runtime import topology as topology_lib
 
 
 def _leading_size(batch: Any, what: str) -> int:
@@ -109,7 +112,6 @@ def process_slice(global_batch: Any, topology=None) -> Any:
       leaves disagree on G.
   """
   if topology is None:
-    from jdist.runtime import topology as topology_lib  # pylint: disable=g-import-not-at-top
     topology = topology_lib.current()
   size = _leading_size(global_batch, "process_slice")
   if size % topology.replica_count:
@@ -140,11 +142,7 @@ def shard_global_batch(global_batch: Any, topology=None) -> Any:
   Raises:
     jdist.errors.ShapeError: as `process_slice`.
   """
-  # Imported here: the collective layer imports this module's neighbours.
-  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
-  from jdist.collectives import context  # pylint: disable=g-import-not-at-top
   if topology is None:
-    from jdist.runtime import topology as topology_lib  # pylint: disable=g-import-not-at-top
     topology = topology_lib.current()
   rows = process_slice(global_batch, topology)
   sharding = NamedSharding(context.mesh(), PartitionSpec(context.DATA_AXIS))

@@ -21,6 +21,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax.numpy as jnp
+import optax
+
+from jdist.transforms.dist_opt import dist_opt
+from jdist.transforms.finite import skip_nonfinite
+
 OPTIMIZERS = ("sgd", "adam", "adamw")
 HALF_CHOICES = ("fp16", "bf16")
 
@@ -74,11 +80,6 @@ class OptimizerSpec:
       `jdist.dist_opt` around the inner optimizer, wrapped in
       `jdist.skip_nonfinite` when asked.
     """
-    # Imported here: the spec is read by `jdist --help`, which needs no JAX.
-    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-    import optax  # pylint: disable=g-import-not-at-top
-    from jdist.transforms.dist_opt import dist_opt  # pylint: disable=g-import-not-at-top
-    from jdist.transforms.finite import skip_nonfinite  # pylint: disable=g-import-not-at-top
     correction = self.momentum if self.momentum_correction else 0.0
     if self.optimizer == "sgd":
       # With momentum correction the momentum lives in the compressor instead.

@@ -24,6 +24,7 @@ import jax
 
 from jdist import errors
 from jdist import jax_internals
+from jdist.runtime import world
 
 # Environment variables set by MPI launchers for every rank they start.
 _LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS")
@@ -234,7 +235,6 @@ def _mpi_processes(backend: str):
 
   def start(timeout: float, bind_gpu: bool | None) -> Topology:
     _reserve_host_threads()
-    from jdist.runtime import world  # pylint: disable=g-import-not-at-top
     # Raises MissingMPIError if mpi4py is absent.
     mpi_world = world.start(timeout, resolve_init_timeout(timeout), launcher_rank())
     local_rank = _launcher_local_rank()
