@@ -97,6 +97,9 @@ def _jdist_variants(topo: jdist.Topology) -> dict[str, tuple[Callable, str | Non
     if topo.route != "native" and native.running():
       variants["jdist_native"] = (jdist.psum, "native")
       variants["jdist_native_x8"] = (chained(jdist.psum), "native")
+    if topo.route == "native" and topo.local_device_count == 1:
+      variants["jdist_mpi4jax"] = (jdist.psum, "mpi4jax")
+      variants["jdist_mpi4jax_x8"] = (chained(jdist.psum), "mpi4jax")
   return variants
 
 

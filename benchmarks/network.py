@@ -79,10 +79,10 @@ def cell_job(topology: str, link: netns.Link, *, quick: bool, repeats: int,
   options = {"repeats": repeats, "warmup": WARMUP}
   if quick or modes:
     options["modes"] = list(modes or QUICK_MODES)
-  env = ()
+  env = (("JDIST_NATIVE_TRACE", "1"),)  # benchmarks.timeline: when exchanges run
   if with_torch:
     options["torch"] = list(QUICK_TORCH_VARIANTS if quick else TORCH_VARIANTS)
-    env = (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())),
+    env += (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())),
            ("GLOO_SOCKET_IFNAME", "lo"))
   return jobs_lib.Job(f"{topology}@{link.name}", processes, devices, ("network",), env=env,
                       options=tuple(options.items()))

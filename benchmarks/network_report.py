@@ -16,6 +16,7 @@ from typing import Any
 
 from benchmarks import analysis
 from benchmarks import report
+from benchmarks import timeline
 
 # The issue's targets: (name, variant, reference variant or None for the
 # reference's own plain, measure "comm"/"step", {link: bound}).
@@ -35,12 +36,14 @@ TARGETS = (
 HALF_MODES = ("fp16", "bf16")
 
 
-def _rows(results: dict) -> list[dict]:
+def _rows(results: dict, timelines: bool = False) -> list[dict]:
+  """Every job's timed rows (or, with `timelines`, its `benchmarks.timeline` rows)."""
   rows = []
   for job in results["jobs"]:
     for section in job.get("sections", {}).values():
       for row in section.get("rows", []):
-        rows.append(dict(row, link=job["link"], topology=job["topology_name"]))
+        if (row.get("kind") == "timeline") == timelines:
+          rows.append(dict(row, link=job["link"], topology=job["topology_name"]))
   return rows
 
 
@@ -232,6 +235,7 @@ def markdown(results: dict) -> str:
   lines += ["## Fastest jdist mode per link (median step)", ""] + report.table(
       ["topology", "link", "fastest", "ms", "fastest dense (plain/fp16/bf16)", "ms",
        "plain ms"], body)
+  lines += timeline.markdown(_rows(results, timelines=True))
   if summary["failures"]:
     lines += ["## Failures", ""]
     for failure in summary["failures"]:

@@ -24,6 +24,10 @@ processes and the same rounds (`benchmarks.torch_peer`: `torch_compute`,
 are timed side by side under the same machine load. Each process is one
 torch rank training its local replicas' images (64 x local devices).
 
+On the native route (`JDIST_NATIVE_TRACE` set by `benchmarks.network`),
+`benchmarks.timeline` then records when each exchange of a few plain and
+fp16 steps ran, against the step's start.
+
 Then the floor: mpi4py `Allreduce` of the gradient's size in float32
 (`mpi_f32`) and of half its bytes (`mpi_f32_half_bytes`, what a 16-bit
 payload moves), on the same link, between numpy buffers.
@@ -44,6 +48,7 @@ import optax
 
 import jdist
 from benchmarks import compression
+from benchmarks import timeline
 from benchmarks import timing
 from benchmarks import workload
 
@@ -151,5 +156,7 @@ def run(ctx):
     yield {"variant": name, "kind": kinds[name], "params": bench.param_count, **extra,
            "per_replica_batch": PER_REPLICA_BATCH, "wire_bytes": wire,
            "comm_paired_s": paired, **series[name].as_dict()}
+  if ctx.topo.process_count > 1:  # when each exchange ran, on the native route
+    yield from timeline.record(steppers, series["compute"].median, ctx.sync)
   if ctx.topo.process_count > 1 and ctx.options.get("floor", True):
     yield from mpi_floor(ctx, bench.param_count, max(repeats, 10), warmup)

@@ -2,8 +2,9 @@
 
 Crossing processes costs a latency per MPI call, so a gradient pytree of many
 small leaves travels as a few flat buffers: leaves of one dtype are ravelled
-and concatenated into buckets of at most `bucket_bytes` (Horovod's fusion
-buffer; PyTorch DDP's buckets). A leaf larger than a bucket travels alone.
+and concatenated into buckets of about `bucket_bytes` (Horovod's fusion
+buffer; PyTorch DDP's buckets), cut last leaf first so that a bucket's
+exchange can start while backpropagation still computes earlier layers.
 
 `FlatSpec` is the static description (tree structure, shapes, dtypes) that
 turns one flat vector back into the pytree; it is hashable, so it can ride
@@ -24,6 +25,8 @@ import numpy as np
 # took 25 ms against 178 ms in one 64 MiB bucket (concatenation and slicing
 # of large buffers cost more than the exchange; docs/benchmarks).
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
+# PyTorch DDP's first bucket: small, so the last layers' gradients leave early.
+FIRST_BUCKET_BYTES = 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,30 +45,52 @@ class Bucket:
     return self.size * np.dtype(self.dtype).itemsize
 
 
-def plan_buckets(leaves: Sequence[Any], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
-  """Groups leaves by dtype, in order, into buckets of at most `bucket_bytes`.
+def plan_buckets(leaves: Sequence[Any], bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
+                 first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> list[Bucket]:
+  """Groups leaves by dtype into buckets, last leaf first (PyTorch DDP's rule).
+
+  Backpropagation produces the gradients of the last layers first, and a
+  model's parameters are usually listed input to output, so buckets are cut
+  in reverse leaf order: the first bucket holds the last layers' gradients
+  and its exchange can start while earlier layers' gradients are still being
+  computed. A bucket closes once it holds at least its cap (so it may exceed
+  the cap by its last leaf); each dtype's first bucket is capped at
+  `first_bucket_bytes`, to start exchanging early.
 
   Args:
     leaves: arrays or shape/dtype structs.
-    bucket_bytes: the most bytes one bucket holds (a bigger leaf goes alone).
+    bucket_bytes: the cap of every bucket but the first of each dtype.
+    first_bucket_bytes: the cap of each dtype's first bucket (at most
+      `bucket_bytes`).
 
   Returns:
-    Buckets covering every leaf exactly once.
+    Buckets covering every leaf exactly once, in the order they fill.
+
+  Raises:
+    ValueError: a cap is not positive.
   """
   if bucket_bytes <= 0:
     raise ValueError(f"bucket_bytes={bucket_bytes} must be positive.")
+  if first_bucket_bytes <= 0:
+    raise ValueError(f"first_bucket_bytes={first_bucket_bytes} must be positive.")
+  first_cap = min(first_bucket_bytes, bucket_bytes)
   open_buckets: dict[Any, tuple[list[int], list[int], int]] = {}
   done: list[Bucket] = []
-  for leaf_id, leaf in enumerate(leaves):
+  closed_dtypes: set[Any] = set()
+  for leaf_id in reversed(range(len(leaves))):
+    leaf = leaves[leaf_id]
     dtype = np.dtype(leaf.dtype)
     size = math.prod(leaf.shape)
     ids, sizes, nbytes = open_buckets.get(dtype, ([], [], 0))
-    if ids and nbytes + size * dtype.itemsize > bucket_bytes:
+    ids, sizes, nbytes = ids + [leaf_id], sizes + [size], nbytes + size * dtype.itemsize
+    if nbytes >= (bucket_bytes if dtype in closed_dtypes else first_cap):
       done.append(Bucket(dtype, tuple(ids), tuple(sizes)))
+      closed_dtypes.add(dtype)
       ids, sizes, nbytes = [], [], 0
-    open_buckets[dtype] = (ids + [leaf_id], sizes + [size], nbytes + size * dtype.itemsize)
+    open_buckets[dtype] = (ids, sizes, nbytes)
   for dtype, (ids, sizes, _) in open_buckets.items():
-    done.append(Bucket(dtype, tuple(ids), tuple(sizes)))
+    if ids:
+      done.append(Bucket(dtype, tuple(ids), tuple(sizes)))
   return done
 
 

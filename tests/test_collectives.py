@@ -43,9 +43,11 @@ def test_psum_pmean_all_gather_over_every_replica(topo):
 
 
 def _count_primitives(jaxpr, names):
+  """Equations whose primitive's name holds one of `names`, native joins aside."""
   count = 0
   for eqn in jaxpr.eqns:
-    if any(n in eqn.primitive.name for n in names):
+    if any(n in eqn.primitive.name for n in names) and \
+        eqn.params.get("target_name") != native.JOIN_TARGET:
       count += 1
     for sub in jax.extend.core.jaxprs_in_params(eqn.params):
       count += _count_primitives(sub, names)
@@ -102,8 +104,9 @@ def test_the_started_route_is_an_object_named_like_the_topology(topo):
   route = transport.active()
   assert isinstance(route, routes.Route)
   assert route.name == transport.route() == topo.route
-  with transport.global_step_exchange():  # the native route's jit steps take callbacks
-    assert transport.route() == ("callback" if topo.route == "native" else topo.route)
+  with transport.global_step_exchange():  # the native route's jit steps take the fallback
+    fallback = "mpi4jax" if topo.local_device_count == 1 else "callback"
+    assert transport.route() == (fallback if topo.route == "native" else topo.route)
 
 
 def test_route_selection():
@@ -112,10 +115,14 @@ def test_route_selection():
 
   assert isinstance(routes.select(fake(1, 4, "none")), routes.LocalRoute)
   assert routes.select(fake(2, 2, "jax"), "callback").name == "local"
-  assert routes.select(fake(2, 1)).name == "mpi4jax"
+  assert routes.select(fake(2, 1)).name == ("native" if native.running() else "mpi4jax")
+  assert routes.select(fake(2, 1)).global_step_route.name == "mpi4jax"
+  assert routes.select(fake(2, 1), "mpi4jax").name == "mpi4jax"
   assert routes.select(fake(2, 1), "callback").name == "callback"
   assert routes.select(fake(2, 2), "callback").name == "callback"
-  with pytest.raises(ValueError, match="JDIST_ROUTE='ring': choose 'native' or 'callback'"):
+  with pytest.raises(ValueError, match="JDIST_ROUTE=mpi4jax needs one device per process"):
+    routes.select(fake(2, 2), "mpi4jax")
+  with pytest.raises(ValueError, match="JDIST_ROUTE='ring': choose 'native', 'mpi4jax' or"):
     routes.select(fake(2, 2), "ring")
   if not native.running():
     assert routes.select(fake(2, 2)).name == "callback"
@@ -134,16 +141,24 @@ def test_structure_mismatch_message_names_first_leaf():
   assert "['w']" in message and "(2, 3)" in message and "(2, 4)" in message and "rank 1" in message
 
 
-def test_plan_buckets_respects_cap_and_dtypes():
+def test_plan_buckets_cuts_last_leaf_first_with_a_small_first_bucket():
   leaves = [jnp.ones(10), jnp.ones(10, jnp.int32), jnp.ones(30), jnp.ones(5), jnp.ones(100)]
-  buckets = fusion.plan_buckets(leaves, bucket_bytes=160)
+  buckets = fusion.plan_buckets(leaves, bucket_bytes=160, first_bucket_bytes=100)
   covered = sorted(i for b in buckets for i in b.leaf_ids)
   assert covered == list(range(5))
   for bucket in buckets:
     assert len({np.dtype(leaves[i].dtype) for i in bucket.leaf_ids}) == 1
-    assert bucket.nbytes <= 160 or len(bucket.leaf_ids) == 1
-  with pytest.raises(ValueError, match="bucket_bytes"):
-    fusion.plan_buckets(leaves, 0)
+  floats = [b.leaf_ids for b in buckets if b.dtype == np.float32]
+  # The last leaf (400 bytes) fills the first bucket alone; then 5 + 30 + 10
+  # floats (180 bytes) close the next at its 160-byte cap.
+  assert floats == [(4,), (3, 2, 0)]
+  assert [b.leaf_ids for b in buckets if b.dtype == np.int32] == [(1,)]
+  # A bucket closes at its cap: it exceeds it by its last leaf at most.
+  for bucket in buckets:
+    assert bucket.nbytes - bucket.sizes[-1] * np.dtype(bucket.dtype).itemsize < 160
+  for bad in ({"bucket_bytes": 0}, {"first_bucket_bytes": -1}):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+      fusion.plan_buckets(leaves, **bad)
 
 
 def test_pack_unpack_and_ravel_round_trip():
@@ -155,7 +170,7 @@ def test_pack_unpack_and_ravel_round_trip():
   assert back["b"].dtype == jnp.bfloat16
   np.testing.assert_array_equal(back["a"], tree["a"])
   leaves = jax.tree.leaves(tree)
-  bucket = fusion.plan_buckets(leaves)[0]
+  bucket = next(b for b in fusion.plan_buckets(leaves) if 0 in b.leaf_ids)
   np.testing.assert_array_equal(fusion.unpack(fusion.pack(leaves, bucket), bucket,
                                               [l.shape for l in leaves])[0], tree["a"])
 

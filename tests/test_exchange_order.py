@@ -121,19 +121,37 @@ def test_ordinals_number_a_steps_exchanges_from_zero_each_trace():
   assert steps.next_ordinal() >= 1 << 24  # outside a step: far from a step's
 
 
-def test_native_route_is_taken_for_several_devices_per_process(topo):
-  # Where the library is built (scripts/install.sh builds it), M x N takes the
-  # native route and its step holds custom calls, not host callbacks.
+def test_native_route_is_taken_across_processes(topo):
+  # Where the library is built (scripts/install.sh builds it), every
+  # multi-process CPU job takes the native route: its step holds custom
+  # calls, not host callbacks or blocking mpi4jax calls.
   from jdist.collectives import native  # pylint: disable=import-outside-toplevel
-  if topo.process_count == 1 or topo.local_device_count == 1:
-    assert collectives.route() in ("local", "mpi4jax")
+  if topo.process_count == 1:
+    assert collectives.route() == "local"
     return
   import os  # pylint: disable=import-outside-toplevel
   if not os.path.exists(native.CPU_LIBRARY):
-    assert collectives.route() == "callback" and topo.route == "callback"
+    fallback = "mpi4jax" if topo.local_device_count == 1 else "callback"
+    assert collectives.route() == fallback and topo.route == fallback
     return
   assert native.running() and collectives.route() == "native" and topo.route == "native"
   assert "route native" in str(topo)
   step = jdist.data_parallel(lambda x: jdist.psum(x))
   text = str(jax.make_jaxpr(step.pmapped)(jnp.ones((topo.local_device_count, 4))))
   assert "ffi_call" in text and "pure_callback" not in text
+
+
+def test_reduced_buckets_are_read_through_one_join(topo):
+  # Several buckets on the native route: every reduced bucket is read through
+  # one aliasing custom call, so no update runs between two exchanges (which
+  # would make the rest of the backward pass wait for the first one).
+  tree = {f"w{i}": jnp.full((64,), float(i)) for i in range(4)}
+  step = jdist.data_parallel(lambda t: jdist.psum(t, bucket_bytes=256))
+  out = step(jdist.replicate(tree))
+  for i in range(4):
+    np.testing.assert_allclose(out[f"w{i}"], float(i) * topo.replica_count)
+  hlo = step.pmapped.lower(jdist.replicate(tree)).as_text()
+  if collectives.route() == "native":
+    assert hlo.count("jdist_exchange") == 4 and hlo.count("jdist_join") == 1
+  else:
+    assert "jdist_join" not in hlo

@@ -83,10 +83,19 @@ def test_jdist_plain_step_trains_over_the_shaped_link(link):
       ("floor", False)))
   with netns.shaped_namespace(link) as name:
     job = jobs_lib.Job(job.name, 2, 1, job.sections, options=job.options,
-                       prefix=tuple(netns.exec_prefix(name)), mpirun_args=netns.MPI_TCP_ARGS)
+                       prefix=tuple(netns.exec_prefix(name)), mpirun_args=netns.MPI_TCP_ARGS,
+                       env=(("JDIST_NATIVE_TRACE", "1"),))
     result = jobs_lib.run(job, quick=True, timeout=75, log=lambda line: None)
   assert "error" not in result, result["error"]
   rows = {r["variant"]: r for r in result["sections"]["network"]["rows"]}
+  from jdist.collectives import native  # pylint: disable=import-outside-toplevel
+  if os.path.exists(native.CPU_LIBRARY):  # the native route records when exchanges ran
+    assert set(rows) == {"compute", "plain", "timeline_plain"}
+    exchanges = rows.pop("timeline_plain")["exchanges"]
+    assert exchanges and all(0 <= e["posted_ms"] <= e["mpi_ms"] <= e["done_ms"]
+                             for e in exchanges)
+    # Every gradient byte crossed in some exchange (the loss mean adds 4 bytes).
+    assert sum(e["bytes"] for e in exchanges) >= rows["plain"]["wire_bytes"]
   assert set(rows) == {"compute", "plain"}
   plain = rows["plain"]
   # The model's float32 gradients cross the 100 Mbit/s link each step.

@@ -42,7 +42,7 @@ def require_data_parallel(what: str) -> None:
 
 
 def _fused(tree: Any, what: str, reduce_buffer, bucket_bytes: int,
-           fuse_local: bool = False) -> Any:
+           fuse_local: bool = False, first_bucket_bytes: int = fusion.FIRST_BUCKET_BYTES) -> Any:
   """Applies `reduce_buffer` to the tree's leaves, fused into buckets.
 
   Within one process XLA already combines per-leaf all-reduces, so plain sums
@@ -53,9 +53,13 @@ def _fused(tree: Any, what: str, reduce_buffer, bucket_bytes: int,
   host.check_structure(tree, what)
   leaves, treedef = jax.tree.flatten(tree)
   shapes = [leaf.shape for leaf in leaves]
+  buckets = fusion.plan_buckets(leaves, bucket_bytes, first_bucket_bytes=first_bucket_bytes)
+  reduced = [reduce_buffer(fusion.pack(leaves, bucket)) for bucket in buckets]
+  # Read together, so a bucket's update cannot wait between two exchanges.
+  reduced = transport.join(reduced)
   out = {}
-  for bucket in fusion.plan_buckets(leaves, bucket_bytes):
-    out.update(fusion.unpack(reduce_buffer(fusion.pack(leaves, bucket)), bucket, shapes))
+  for bucket, buffer in zip(buckets, reduced):
+    out.update(fusion.unpack(buffer, bucket, shapes))
   return jax.tree.unflatten(treedef, [out[i] for i in range(len(leaves))])
 
 
@@ -116,9 +120,12 @@ class ReplicaExchange:
   def sum_16bit(self, tree: Any) -> Any:
     if not jax.tree.leaves(tree):
       return tree
+    # Half the caps: a bucket holds the gradients it would hold in float32,
+    # so the first one still leaves while the backward pass goes on.
     return _fused(tree, f"{self.what} (16-bit)",
                   lambda b: transport.sum_all_16bit(b) if b.dtype in routes.HALF_DTYPES
-                  else transport.sum_all(b), self.bucket_bytes, fuse_local=True)
+                  else transport.sum_all(b), max(1, self.bucket_bytes // 2), fuse_local=True,
+                  first_bucket_bytes=fusion.FIRST_BUCKET_BYTES // 2)
 
   def gather(self, buffer: jax.Array) -> jax.Array:
     return transport.gather_all(buffer)

@@ -11,7 +11,7 @@ records the bytes they send across processes (`jdist.collectives.wire`).
   * `Mpi4jaxRoute` ("mpi4jax"): one device per process: mpi4jax collectives
     inside the step (zero-copy on CPU; mpi4jax's ordered effects allow only
     one device).
-  * `NativeRoute` ("native"): several devices per process: one XLA FFI
+  * `NativeRoute` ("native"): the default where it is built: one XLA FFI
     custom call per exchange and device into jdist's C++ engine, which
     reduces the local devices' parts and runs MPI across processes without
     blocking any XLA thread (see `jdist.collectives.native`).
@@ -21,8 +21,10 @@ records the bytes they send across processes (`jdist.collectives.wire`).
     exchanges its 1/D shard on its own communicator through a host callback
     running mpi4py, then the devices all-gather the shards.
 
-`start(topology)` picks the route once, when `jdist.init()` runs;
-`JDIST_ROUTE=callback|native` forces one (checked then). 16-bit buffers
+`start(topology)` picks the route once, when `jdist.init()` runs: native
+wherever its engine runs (CPU devices; several devices per process on GPUs),
+else mpi4jax (one device per process) or callback; `JDIST_ROUTE=native|
+mpi4jax|callback` forces one (checked then). 16-bit buffers
 cross processes as uint16 bit patterns (MPI has no float16 sum): a
 reduce-scatter, float32 accumulation, an all-gather.
 """
@@ -44,7 +46,7 @@ from jdist.collectives import wire
 from jdist.collectives.wire import DATA_AXIS
 from jdist.runtime import world as world_lib
 
-ROUTE_ENV = "JDIST_ROUTE"  # force "callback" or "native" (benchmarks)
+ROUTE_ENV = "JDIST_ROUTE"  # force "native", "mpi4jax" or "callback" (benchmarks)
 ROUTES = ("local", "mpi4jax", "native", "callback")
 # The floats MPI cannot sum: they cross processes as uint16 bit patterns.
 HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
@@ -125,6 +127,10 @@ class Route:
       wire.record((self.processes - 1) * self.devices * buffer.nbytes, 1)
     return self._gather(buffer)
 
+  def join(self, buffers: list[jax.Array]) -> list[jax.Array]:
+    """The step's reduced buffers, read together (see `NativeRoute.join`)."""
+    return list(buffers)
+
   def _sum(self, buffer: jax.Array) -> jax.Array:
     raise NotImplementedError
 
@@ -190,6 +196,11 @@ class NativeRoute(Route):
   """jdist's C++ engine, one FFI custom call per exchange and device."""
 
   name = "native"
+
+  def join(self, buffers: list[jax.Array]) -> list[jax.Array]:
+    """Every reduced bucket, read only once all of them are: lets the exchanges
+    run beside the rest of the backward pass (`native.join`)."""
+    return native.join(buffers)
 
   def _call(self, kind: int, buffer: jax.Array, result: jax.ShapeDtypeStruct) -> jax.Array:
     return native.call(kind, buffer, result, steps.next_ordinal(), DATA_AXIS)
@@ -330,28 +341,37 @@ def _start_native(topology, world) -> None:
 
 
 def select(topology, forced: str | None = None) -> Route:
-  """The route for `topology`; `forced` ("native"/"callback") overrides the choice.
+  """The route for `topology`; `forced` ("native"/"mpi4jax"/"callback") overrides it.
+
+  With the native engine running, it is the route of every multi-process MPI
+  step on CPU devices: its exchanges do not block XLA, so they run beside the
+  rest of the backward pass (mpi4jax's calls block the device's thread).
 
   Raises:
-    ValueError: `forced` names an unknown route, or "native" where the
-      native engine is not running.
+    ValueError: `forced` names an unknown route, "native" where the native
+      engine is not running, or "mpi4jax" with several devices per process.
   """
   if topology.process_count == 1 or topology.backend == "jax":
     return LocalRoute(topology)
   world = world_lib.get()
+  one_device = topology.local_device_count == 1
   if forced == "callback":
     return CallbackRoute(topology, world)
+  if forced == "mpi4jax":
+    if not one_device:
+      raise ValueError(f"{ROUTE_ENV}=mpi4jax needs one device per process (mpi4jax's "
+                       f"ordered effects refuse several); choose 'native' or 'callback'.")
+    return Mpi4jaxRoute(topology, world)
   if forced == "native":
     if not native.running():
       raise ValueError(f"{ROUTE_ENV}=native, but the native exchange is not available: "
                        f"{native.unavailable_reason() or 'jdist.init() did not start it'}")
     return NativeRoute(topology)
   if forced not in (None, ""):
-    raise ValueError(f"{ROUTE_ENV}={forced!r}: choose 'native' or 'callback'.")
-  if topology.local_device_count == 1:
-    return Mpi4jaxRoute(topology, world)
-  fallback = CallbackRoute(topology, world)
-  if not native.running():
+    raise ValueError(f"{ROUTE_ENV}={forced!r}: choose 'native', 'mpi4jax' or 'callback'.")
+  fallback = Mpi4jaxRoute(topology, world) if one_device else CallbackRoute(topology, world)
+  # GPUs keep mpi4jax with one device each: the CUDA handler has not run on one.
+  if not native.running() or (one_device and jax.local_devices()[0].platform != "cpu"):
     return fallback
   route = NativeRoute(topology)
   # Measured: the jit quickstart in 2x2 hung or aborted in 3 of 3 runs on the

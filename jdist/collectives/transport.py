@@ -97,3 +97,8 @@ def sum_all_16bit(buffer: jax.Array) -> jax.Array:
 def gather_all(buffer: jax.Array) -> jax.Array:
   """Every replica's 1-D buffer, stacked in global replica order: [R, n]."""
   return active().gather_all(buffer)
+
+
+def join(buffers: list[jax.Array]) -> list[jax.Array]:
+  """Reduced buffers that the step reads only once all of them are reduced."""
+  return active().join(buffers)

@@ -33,6 +33,7 @@ BUILD_DIR = os.path.join(HERE, "_build")  # written by `build`, ignored by git
 CPU_LIBRARY = os.path.join(BUILD_DIR, "libjdist_exchange.so")
 CUDA_LIBRARY = os.path.join(BUILD_DIR, "libjdist_exchange_cuda.so")
 TARGET = "jdist_exchange"
+JOIN_TARGET = "jdist_join"
 SUM, SUM16, GATHER = 0, 1, 2  # engine.h's JdistKind
 SUM_DTYPES = frozenset(np.dtype(d) for d in (np.float32, np.float64, np.int32, np.int64,
                                               np.uint32))
@@ -61,6 +62,8 @@ def _load() -> ctypes.CDLL:
     library.jdist_last_error.restype = ctypes.c_char_p
     library.jdist_completed.restype = ctypes.c_int64
     library.jdist_running.restype = ctypes.c_int
+    library.jdist_trace_take.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    library.jdist_trace_take.restype = ctypes.c_int64
     _library = library
   return _library
 
@@ -71,6 +74,8 @@ def _register(platform: str) -> None:
     return
   if platform == "cpu":
     handler = _load().JdistExchangeCpu
+    jax.ffi.register_ffi_target(JOIN_TARGET, jax.ffi.pycapsule(_load().JdistJoinCpu),
+                                platform="cpu")
   else:
     if not os.path.exists(CUDA_LIBRARY):
       raise OSError(f"{CUDA_LIBRARY} is not built (no CUDA toolkit at build time)")
@@ -143,6 +148,46 @@ def unavailable_reason() -> str | None:
 def completed() -> int:
   """Exchanges the engine completed (0 when it never started)."""
   return int(_library.jdist_completed()) if _library is not None else 0
+
+
+def join(buffers: list[jax.Array]) -> list[jax.Array]:
+  """The same buffers, through one custom call that XLA cannot see through.
+
+  Reading every reduced bucket of a step through one join keeps XLA from
+  scheduling a bucket's consumers (and reusing memory for them) between two
+  exchanges: on CPU that reuse made the rest of the backward pass wait for
+  the first exchange (measured with XLA's thunk graph, docs/communication.md).
+  The inputs are aliased to the outputs, so nothing is copied.
+  """
+  if len(buffers) < 2 or "cpu" not in _registered:
+    return list(buffers)
+  results = [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers]
+  return list(jax.ffi.ffi_call(JOIN_TARGET, results, has_side_effect=True,
+                               input_output_aliases={i: i for i in range(len(buffers))})(
+      *buffers))
+
+
+TRACE_ENV = "JDIST_NATIVE_TRACE"
+# trace.h's columns: times are CLOCK_MONOTONIC ns, as time.monotonic_ns().
+TRACE_COLUMNS = ("ordinal", "call", "kind", "bytes", "first_post_ns", "last_post_ns",
+                 "mpi_start_ns", "done_ns")
+
+
+def take_trace(max_rows: int = 1 << 16) -> np.ndarray:
+  """The exchanges completed since the last call, oldest first, and forgets them.
+
+  Recorded only when `JDIST_NATIVE_TRACE` is set before the engine starts.
+
+  Returns:
+    int64 array [rows, len(TRACE_COLUMNS)]: each exchange's ordinal, call
+    count, kind, bytes, and the monotonic times at which its first and last
+    local device posted it, its MPI part started and it completed.
+  """
+  if _library is None:
+    return np.zeros((0, len(TRACE_COLUMNS)), np.int64)
+  rows = np.zeros((max_rows, len(TRACE_COLUMNS)), np.int64)
+  taken = _library.jdist_trace_take(rows.ctypes.data, max_rows)
+  return rows[:taken]
 
 
 def call(kind: int, buffer: jax.Array, result: jax.ShapeDtypeStruct, ordinal: int,

@@ -44,6 +44,7 @@
 
 #include "halfs.h"
 #include "ffi_types.h"
+#include "trace.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -167,6 +168,7 @@ struct Exchange {
   std::vector<int> expected_bytes;  // per request, receives only (else -1)
   int phase = 0;
   Clock::time_point mark;  // profiling: when the current stage started
+  Clock::time_point ready_at, mpi_at;  // tracing: last local post, MPI start
 };
 
 class Engine {
@@ -226,6 +228,7 @@ class Engine {
   }
   const char* last_error() const { return error_.c_str(); }
   int64_t completed() const { return completed_.load(); }
+  int64_t TakeTrace(int64_t* rows, int64_t max_rows) { return tracer_.Take(rows, max_rows); }
 
   void Post(int device, int64_t ordinal, int kind, int elem, int64_t count, const void* in,
             void* out, JdistDone done, void* arg) {
@@ -241,6 +244,7 @@ class Engine {
     if (error) return done(arg, error);
     if (!ready) return;
     auto arrived = Clock::now();
+    ready->ready_at = ready->mpi_at = arrived;
     ReduceLocal(*ready);  // on the last device's thread: compute only
     if (profiling) {
       ready->mark = Clock::now();
@@ -384,6 +388,7 @@ class Engine {
   }
 
   void Begin(Exchange& e) {
+    if (tracer_.enabled()) e.mpi_at = Clock::now();
     if (profiling) {
       auto now = Clock::now();
       profile.queue_ns += Ns(e.mark, now);
@@ -470,6 +475,8 @@ class Engine {
                        ? e->count * ElemSize(e->elem) * devices_ * size_
                        : e->count * WireSize(*e);
     completed_.fetch_add(1);
+    tracer_.Record(e->ordinal, e->seq, e->kind, static_cast<int64_t>(bytes), e->since,
+                   e->ready_at, e->mpi_at, Clock::now());
     std::string message = error ? error : "";
     for (int d = 0; d < devices_; ++d) {
       completions_.Run([e, d, bytes, message] {
@@ -609,6 +616,7 @@ class Engine {
   std::atomic<int64_t> completed_{0};
   BufferPool pool_;
   Completions completions_;
+  Tracer tracer_;
 };
 
 // Never destroyed: completion threads may outlive static destruction.
@@ -647,6 +655,13 @@ ffi::Future ExchangeOnHost(ffi::Buffer<ffi::S32> device, ffi::AnyBuffer x,
   return future;
 }
 
+// Returns its inputs, which XLA aliases to its outputs: nothing to do. Its
+// use is the data dependency: every consumer of a step's reduced buckets
+// reads them through one join, so XLA cannot schedule (and reuse memory for)
+// an update between two exchanges, which would make the rest of the backward
+// pass wait for the first exchange.
+ffi::Error JoinOnHost(ffi::RemainingArgs, ffi::RemainingRets) { return ffi::Error::Success(); }
+
 }  // namespace
 }  // namespace jdist
 
@@ -659,6 +674,9 @@ void jdist_stop(void) { jdist::TheEngine().Stop(); }
 int jdist_running(void) { return jdist::TheEngine().running() ? 1 : 0; }
 const char* jdist_last_error(void) { return jdist::TheEngine().last_error(); }
 int64_t jdist_completed(void) { return jdist::TheEngine().completed(); }
+int64_t jdist_trace_take(int64_t* rows, int64_t max_rows) {
+  return jdist::TheEngine().TakeTrace(rows, max_rows);
+}
 void jdist_post(int device, int64_t ordinal, int kind, int elem, int64_t count, const void* in,
                 void* out, JdistDone done, void* arg) {
   jdist::TheEngine().Post(device, ordinal, kind, elem, count, in, out, done, arg);
@@ -673,3 +691,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JdistExchangeCpu, jdist::ExchangeOnHost,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("ordinal")
                                   .Attr<int32_t>("kind"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JdistJoinCpu, jdist::JoinOnHost,
+                              ffi::Ffi::Bind().RemainingArgs().RemainingRets());

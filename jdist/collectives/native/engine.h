@@ -58,6 +58,10 @@ const char* jdist_last_error(void);
 // Exchanges completed since start (for tests and benchmarks).
 int64_t jdist_completed(void);
 
+// With JDIST_NATIVE_TRACE set, moves up to `max_rows` rows of the exchange
+// timeline (trace.h's columns, 8 int64 each) into `rows`; returns how many.
+int64_t jdist_trace_take(int64_t* rows, int64_t max_rows);
+
 // Posts local device `device`'s part of an exchange: `count` elements of
 // `elem` at `in`; the result goes to `out` (count elements for sums,
 // replicas * count for gathers). `done(arg, error)` is called once.
