@@ -6,8 +6,8 @@ last local device posted it (its gradients existed), its MPI part started and
 it completed (`jdist.collectives.native.take_trace`). Timing a few steps from
 Python on the same clock (`time.monotonic_ns`) places them in the step:
 
-  * an exchange whose `done` comes before the last bucket's `posted` ran
-    while the backward pass was still producing earlier layers' gradients;
+  * exchange time before the last bucket's `posted` ran while the backward
+    pass was still producing earlier layers' gradients (`overlap_ms`);
   * the step ends about when the last exchange is done: what is exposed is
     the last bucket's exchange plus what the overlap slowed the compute down.
 
@@ -73,13 +73,26 @@ def record(steppers: dict[str, Callable[[], Any]], compute_s: float | None,
            "exchanges": _exchanges(rows, start, end)}
 
 
-def overlapped(row: dict[str, Any]) -> list[dict[str, Any]]:
-  """The exchanges done before the last one was posted: they ran beside compute."""
+def overlap_ms(row: dict[str, Any]) -> float:
+  """How long some exchange was on the wire before the last bucket was posted.
+
+  Until the last bucket's gradients exist the backward pass is computing, so
+  this is exchange time hidden behind compute (the union of the exchanges'
+  [MPI start, done] intervals, cut at the last bucket's posting).
+  """
   exchanges = row["exchanges"]
   if not exchanges:
-    return []
+    return 0.0
   last_posted = max(e["posted_ms"] for e in exchanges)
-  return [e for e in exchanges if e["done_ms"] <= last_posted]
+  spans = sorted((e["mpi_ms"], min(e["done_ms"], last_posted)) for e in exchanges
+                 if e["mpi_ms"] < last_posted)
+  total, reached = 0.0, float("-inf")
+  for begin, end in spans:
+    begin = max(begin, reached)
+    if end > begin:
+      total += end - begin
+      reached = end
+  return total
 
 
 def markdown(rows: list[dict[str, Any]]) -> list[str]:
@@ -96,12 +109,10 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
   for row in rows:
     body = [[e["ordinal"], e["kind"], f"{e['bytes'] / 1e3:.1f} KB", report.ms(
         e["posted_ms"] / 1e3), report.ms(e["done_ms"] / 1e3)] for e in row["exchanges"]]
-    hidden = sum(e["bytes"] for e in overlapped(row))
-    total = sum(e["bytes"] for e in row["exchanges"]) or 1
     lines += [f"**{row['topology']} {row['link']} {row['mode']}**: step "
               f"{report.ms(row['step_ms'] / 1e3)} ms, compute-only "
-              f"{report.ms((row['compute_ms'] or 0) / 1e3)} ms; "
-              f"{hidden / total:.0%} of the bytes were exchanged before the last "
-              f"bucket was posted.", ""]
+              f"{report.ms((row['compute_ms'] or 0) / 1e3)} ms; exchanges were on the "
+              f"wire for {report.ms(overlap_ms(row) / 1e3)} ms before the last bucket was "
+              f"posted (hidden behind the backward pass).", ""]
     lines += report.table(["ordinal", "kind", "bytes", "posted ms", "done ms"], body)
   return lines

@@ -117,3 +117,15 @@ def test_namespace_is_deleted_after_a_failing_job_and_an_exception(link):
       raise RuntimeError("harness failed")
   assert not netns.exists(name)
   assert name not in netns.list_names()
+
+
+def test_timeline_overlap_is_exchange_time_before_the_last_bucket():
+  from benchmarks import timeline  # pylint: disable=import-outside-toplevel
+  row = {"exchanges": [
+      {"posted_ms": 10.0, "mpi_ms": 11.0, "done_ms": 40.0},   # overlaps the next
+      {"posted_ms": 20.0, "mpi_ms": 21.0, "done_ms": 30.0},   # inside the first
+      {"posted_ms": 50.0, "mpi_ms": 51.0, "done_ms": 60.0}]}  # the last bucket
+  assert timeline.overlap_ms(row) == 29.0  # [11, 40], cut at 50: nothing after
+  row["exchanges"][0]["done_ms"] = 70.0  # still on the wire when the last is posted
+  assert timeline.overlap_ms(row) == 39.0  # [11, 50]
+  assert timeline.overlap_ms({"exchanges": []}) == 0.0
