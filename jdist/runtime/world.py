@@ -141,6 +141,7 @@ class MpiWorld:
     self.timeout = timeout
     self.thread_multiple = mpi.Query_thread() == mpi.THREAD_MULTIPLE
     self._device_comms: list[Any] = []
+    self._exit_hooks: list = []
     self.watchdog = watchdog_lib.Watchdog(self.comm.Dup(), mpi, timeout=timeout)
 
   def attach(self, topology) -> None:
@@ -163,9 +164,25 @@ class MpiWorld:
             f"--cpu-devices, XLA_FLAGS or CUDA_VISIBLE_DEVICES count).")
       self._device_comms = [self.comm.Dup() for _ in range(topology.local_device_count)]
     self.watchdog.start()
-    # Registered after mpi4py's own handler, so it runs before MPI_Finalize.
+    # Registered after mpi4py's own handler, so they run before MPI_Finalize;
+    # atexit runs last-in first: live steps are awaited, then the watchdog
+    # drains and announces this rank's departure, then the exit hooks run.
+    atexit.register(self._run_exit_hooks)
     atexit.register(self.watchdog.shutdown)
-    atexit.register(self._await_live_arrays)  # atexit runs last-in first
+    atexit.register(self._await_live_arrays)
+
+  def on_exit(self, hook) -> None:
+    """Runs `hook()` at exit after this rank's steps ended, before MPI_Finalize.
+
+    For what the steps use until their end (the native exchange engine): an
+    `atexit` hook registered later would run first, under steps still in
+    flight, and strand them.
+    """
+    self._exit_hooks.append(hook)
+
+  def _run_exit_hooks(self) -> None:
+    for hook in reversed(self._exit_hooks):
+      hook()
 
   def _await_live_arrays(self) -> None:
     """Waits at exit for the computations of every live array, up to the deadline.

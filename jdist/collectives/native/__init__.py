@@ -123,7 +123,13 @@ def start(world, local_devices: int, timeout: float) -> str | None:
       _unavailable = library.jdist_last_error().decode()
       return _unavailable
     _started = True
-    atexit.register(stop)  # after mpi4py's finalizer is registered: runs before it
+    # After the steps in flight at exit end (they post to the engine), before
+    # MPI_Finalize; a plain atexit hook would run first and strand them.
+    on_exit = getattr(world, "on_exit", None)
+    if on_exit is not None:
+      on_exit(stop)
+    else:
+      atexit.register(stop)
     return None
 
 

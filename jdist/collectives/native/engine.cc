@@ -481,6 +481,7 @@ class Engine {
     for (int d = 0; d < devices_; ++d) {
       completions_.Run([e, d, bytes, message] {
         const Part& part = e->parts[d];
+        if (part.done == nullptr) return;  // a device that never posted (stranded)
         if (!message.empty()) return part.done(part.arg, message.c_str());
         auto start = Clock::now();
         std::memcpy(part.out, e->acc.get(), bytes);
@@ -537,6 +538,12 @@ class Engine {
   }
 
   void Loop() {
+    std::deque<std::shared_ptr<Exchange>> stranded;
+    RunLoop(stranded);
+    for (auto& e : stranded) Finish(e, "jdist's native exchange engine stopped (process exiting)");
+  }
+
+  void RunLoop(std::deque<std::shared_ptr<Exchange>>& stranded) {
     std::vector<std::shared_ptr<Exchange>> active;
     std::vector<MPI_Status> statuses;
     int idle_polls = 0;
@@ -548,7 +555,14 @@ class Engine {
         if (active.empty() && queue_.empty() && !stop_) {
           cv_.wait_for(lock, std::chrono::milliseconds(200));
         }
-        if (stop_ && active.empty()) break;
+        if (stop_ && active.empty()) {
+          // Exchanges never started would leave their steps waiting forever:
+          // complete them with an error instead.
+          stranded.swap(queue_);
+          for (auto& entry : forming_) stranded.push_back(entry.second);
+          forming_.clear();
+          break;
+        }
         fresh.swap(queue_);
       }
       for (auto& e : fresh) {
