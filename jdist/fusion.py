@@ -76,16 +76,15 @@ def plan_buckets(leaves: Sequence[Any], bucket_bytes: int = DEFAULT_BUCKET_BYTES
   first_cap = min(first_bucket_bytes, bucket_bytes)
   open_buckets: dict[Any, tuple[list[int], list[int], int]] = {}
   done: list[Bucket] = []
-  closed_dtypes: set[Any] = set()
   for leaf_id in reversed(range(len(leaves))):
     leaf = leaves[leaf_id]
     dtype = np.dtype(leaf.dtype)
     size = math.prod(leaf.shape)
     ids, sizes, nbytes = open_buckets.get(dtype, ([], [], 0))
     ids, sizes, nbytes = ids + [leaf_id], sizes + [size], nbytes + size * dtype.itemsize
-    if nbytes >= (bucket_bytes if dtype in closed_dtypes else first_cap):
+    cap = bucket_bytes if any(b.dtype == dtype for b in done) else first_cap
+    if nbytes >= cap:
       done.append(Bucket(dtype, tuple(ids), tuple(sizes)))
-      closed_dtypes.add(dtype)
       ids, sizes, nbytes = [], [], 0
     open_buckets[dtype] = (ids, sizes, nbytes)
   for dtype, (ids, sizes, _) in open_buckets.items():

@@ -371,7 +371,7 @@ def select(topology, forced: str | None = None) -> Route:
     raise ValueError(f"{ROUTE_ENV}={forced!r}: choose 'native', 'mpi4jax' or 'callback'.")
   fallback = Mpi4jaxRoute(topology, world) if one_device else CallbackRoute(topology, world)
   # GPUs keep mpi4jax with one device each: the CUDA handler has not run on one.
-  if not native.running() or (one_device and jax.local_devices()[0].platform != "cpu"):
+  if not native.running() or (one_device and native.platform_of_devices() != "cpu"):
     return fallback
   route = NativeRoute(topology)
   # Measured: the jit quickstart in 2x2 hung or aborted in 3 of 3 runs on the

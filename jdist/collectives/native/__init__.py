@@ -19,7 +19,6 @@ jaxlib's FFI headers. Without them jdist falls back to the callback route.
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import os
 import threading
@@ -86,7 +85,8 @@ def _register(platform: str) -> None:
   _registered.add(platform)
 
 
-def _platform() -> str:
+def platform_of_devices() -> str:
+  """The local devices' platform as the FFI names it: "cpu", "cuda", ..."""
   platform = jax.local_devices()[0].platform
   return {"gpu": "cuda"}.get(platform, platform)
 
@@ -111,7 +111,7 @@ def start(world, local_devices: int, timeout: float) -> str | None:
     # Decide first, identically on every process (same build, same platform),
     # so that either all or none of them enter the collective start below.
     try:
-      platform = _platform()
+      platform = platform_of_devices()
       if platform not in ("cpu", "cuda"):
         raise OSError(f"no native exchange for {platform} devices")
       _register(platform)
@@ -125,11 +125,7 @@ def start(world, local_devices: int, timeout: float) -> str | None:
     _started = True
     # After the steps in flight at exit end (they post to the engine), before
     # MPI_Finalize; a plain atexit hook would run first and strand them.
-    on_exit = getattr(world, "on_exit", None)
-    if on_exit is not None:
-      on_exit(stop)
-    else:
-      atexit.register(stop)
+    world.on_exit(stop)
     return None
 
 
