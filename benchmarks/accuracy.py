@@ -101,14 +101,22 @@ def make_evaluate(model, data):
   return evaluate
 
 
+def mode_transformation(mode: str) -> optax.GradientTransformation:
+  """`jdist.dist_opt(optax.sgd(LEARNING_RATE, momentum=MOMENTUM), **MODES[mode])`.
+
+  With momentum correction the momentum moves into the compressor (DGC), so
+  the inner SGD has none.
+  """
+  corrected = "momentum_correction" in MODES[mode]
+  inner = optax.sgd(LEARNING_RATE, momentum=None if corrected else MOMENTUM)
+  return jdist.dist_opt(inner, **MODES[mode])
+
+
 def train_mode(ctx, mode: str, data, model, params, evaluate, epochs: int, batch: int):
   """Yields one row per epoch of training in `mode`."""
 
   topo = ctx.topo
-  # With momentum correction the momentum moves into the compressor (DGC).
-  corrected = "momentum_correction" in MODES[mode]
-  inner = optax.sgd(LEARNING_RATE, momentum=None if corrected else MOMENTUM)
-  tx = jdist.dist_opt(inner, **MODES[mode])
+  tx = mode_transformation(mode)
   step = workload.jdist_step(model, tx)
   replicated = jdist.replicate(params)
   opt_state = jdist.data_parallel(tx.init)(replicated)

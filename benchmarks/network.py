@@ -72,6 +72,44 @@ def free_port() -> int:
     return sock.getsockname()[1]
 
 
+def gloo_env() -> tuple[tuple[str, str], ...]:
+  """A job's environment for torch.distributed's gloo rendezvous on the loopback."""
+  return (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())),
+          ("GLOO_SOCKET_IFNAME", "lo"))
+
+
+def link_namespace(link: netns.Link):
+  """A context yielding `link`'s fresh shaped namespace, or None for shared memory."""
+  return netns.shaped_namespace(link) if link.shaped else contextlib.nullcontext()
+
+
+def in_namespace(job: jobs_lib.Job, name: str | None) -> jobs_lib.Job:
+  """`job` run inside namespace `name` with MPI over its loopback (None: as it is)."""
+  if name is None:
+    return job
+  return dataclasses.replace(job, prefix=tuple(netns.exec_prefix(name)),
+                             mpirun_args=netns.MPI_TCP_ARGS)
+
+
+def available_links(links) -> tuple[list[netns.Link], list[str]]:
+  """The links of `links` this machine can emulate, and why the others cannot run.
+
+  Returns:
+    `(links, skipped)`: shaped links are dropped without root / `ip` / `tc`,
+    links with a delay without netem; `skipped` holds one sentence per reason.
+  """
+  chosen, skipped = list(links), []
+  missing = netns.missing_requirements() if any(l.shaped for l in chosen) else []
+  if missing:
+    skipped.append("shaped links skipped: " + "; ".join(missing))
+    chosen = [l for l in chosen if not l.shaped]
+  if any(l.delay_ms for l in chosen) and not netns.netem_available():
+    skipped.append("links with a delay skipped: this kernel has no netem qdisc (sch_netem); "
+                   "tc cannot add latency here")
+    chosen = [l for l in chosen if not l.delay_ms]
+  return chosen, skipped
+
+
 def cell_job(topology: str, link: netns.Link, *, quick: bool, repeats: int,
              with_torch: bool, modes=None) -> jobs_lib.Job:
   """The job of one link and topology: jdist's variants and (with torch) DDP's."""
@@ -82,8 +120,7 @@ def cell_job(topology: str, link: netns.Link, *, quick: bool, repeats: int,
   env = (("JDIST_NATIVE_TRACE", "1"),)  # benchmarks.timeline: when exchanges run
   if with_torch:
     options["torch"] = list(QUICK_TORCH_VARIANTS if quick else TORCH_VARIANTS)
-    env += (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())),
-           ("GLOO_SOCKET_IFNAME", "lo"))
+    env += gloo_env()
   return jobs_lib.Job(f"{topology}@{link.name}", processes, devices, ("network",), env=env,
                       options=tuple(options.items()))
 
@@ -92,13 +129,10 @@ def run_link(link: netns.Link, topologies, *, quick: bool, repeats: int, with_to
              log: Callable[[str], None], modes=None) -> list[dict]:
   """Every job of `link`, in one namespace (none for shared memory)."""
   results = []
-  with (netns.shaped_namespace(link) if link.shaped else contextlib.nullcontext()) as name:
+  with link_namespace(link) as name:
     for topology in topologies:
-      job = cell_job(topology, link, quick=quick, repeats=repeats, with_torch=with_torch,
-                     modes=modes)
-      if name is not None:
-        job = dataclasses.replace(job, prefix=tuple(netns.exec_prefix(name)),
-                                  mpirun_args=netns.MPI_TCP_ARGS)
+      job = in_namespace(cell_job(topology, link, quick=quick, repeats=repeats,
+                                  with_torch=with_torch, modes=modes), name)
       result = jobs_lib.run(job, quick=quick, timeout=JOB_TIMEOUT, log=log)
       results.append(dict(result, link=link.name, topology_name=topology))
   return results
@@ -135,16 +169,7 @@ def run_network(links=None, topologies=None, *, quick: bool = False, repeats: in
   environment_info = environment()  # load average at the start
   names = links or (QUICK_LINKS if quick else [link.name for link in netns.LINKS])
   topologies = topologies or (QUICK_TOPOLOGIES if quick else tuple(TOPOLOGIES))
-  chosen = [netns.link_named(name) for name in names]
-  skipped = []
-  missing = netns.missing_requirements() if any(l.shaped for l in chosen) else []
-  if missing:
-    skipped.append("shaped links skipped: " + "; ".join(missing))
-    chosen = [l for l in chosen if not l.shaped]
-  if any(l.delay_ms for l in chosen) and not netns.netem_available():
-    skipped.append("links with a delay skipped: this kernel has no netem qdisc (sch_netem); "
-                   "tc cannot add latency here")
-    chosen = [l for l in chosen if not l.delay_ms]
+  chosen, skipped = available_links(netns.link_named(name) for name in names)
   torch_reason = torch_missing()
   if torch_reason:
     skipped.append(torch_reason)
@@ -203,13 +228,20 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
+def render(path: str, summarize: Callable[[dict], dict],
+           write: Callable[[dict, str], list[str]], out_dir: str) -> None:
+  """`--render`: re-derives the summary of the results JSON at `path` and rewrites
+  its report with `write` into `out_dir`, measuring nothing."""
+  with open(path, encoding="utf-8") as f:
+    results = json.load(f)
+  results["summary"] = summarize(results)
+  print(f"Rewrote {', '.join(write(results, out_dir))} into {out_dir}.")
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
   if args.render:
-    with open(args.render, encoding="utf-8") as f:
-      results = json.load(f)
-    results["summary"] = network_report.summarize(results)
-    print(f"Rewrote {', '.join(write_outputs(results, args.out))} into {args.out}.")
+    render(args.render, network_report.summarize, write_outputs, args.out)
     return 0
   netns.terminate_on_sigterm()  # so a killed run still deletes its namespace
   results = run_network(args.links, args.topologies, quick=args.quick, repeats=args.repeats,

@@ -40,6 +40,7 @@ SECTIONS = {
     "accuracy": "accuracy",
     "network": "network_steps",
     "overlap": "overlap",
+    "time_to_accuracy": "train_to_target",
 }
 
 

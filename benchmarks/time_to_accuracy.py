@@ -1,0 +1,234 @@
+"""Time to a test accuracy: jdist's modes against PyTorch DDP on shaped links.
+
+    python -m benchmarks.time_to_accuracy [--links 1gbit,100mbit]
+        [--variants ddp,plain@1gbit,powersgd4,powersgd1] [--full plain,powersgd4,powersgd1]
+        [--target 0.88] [--epochs 4] [--eval-every N] [--dataset auto|fashion_mnist|digits]
+        [--limit N] [--out DIR] [--quick] [--render JSON]
+
+How long, in training seconds, each variant needs to reach `--target` test
+accuracy on Fashion-MNIST (the issue's 88%) on each link of `netns.LINKS`
+(shm: shared memory, no namespace; 1gbit, 100mbit, ...: a fresh network
+namespace per link whose loopback `tc` shapes, as `benchmarks.network`).
+Each (link, variant) is its own job of 2 processes x 1 device (`mpirun -np
+2`), run by `benchmarks.worker`'s section "time_to_accuracy"
+(`benchmarks.train_to_target`): SINGA's CNN, batch 32 per replica, SGD(0.005,
+momentum 0.9), the same initial weights, data order and rows per rank for
+jdist's modes (`benchmarks.accuracy.MODES`: plain, fp16, topk1%, powersgd4,
+powersgd1, ...) and for DDP over gloo (`ddp`, `ddp_fp16`, `ddp_powersgd`,
+`benchmarks.torch_accuracy`), so DDP plain follows jdist plain's accuracy
+curve and only the wall time differs. The test accuracy is measured every
+`--eval-every` steps (default a quarter epoch) with the clock stopped, and a
+run ends at the first evaluation at or above the target, except the variants
+in `--full`, which train every epoch so their accuracy after `--epochs`
+epochs is known (the default `--full` goes with the default `--variants`;
+naming `--variants` leaves it empty). A variant is `NAME` (every link) or
+`NAME@LINK` (that link only), in `--variants` and `--full` alike.
+
+Writes time_to_accuracy.json and time_to_accuracy.md into --out (default
+docs/benchmarks/time_to_accuracy; --quick: a temporary directory): per link,
+each variant's time and steps to the target, median step, last accuracy,
+bytes sent per step and time / DDP plain's; the accuracy curves; and the
+issue's targets at 100 Mbit/s (`benchmarks.time_to_accuracy_report`).
+Shaped links are skipped with the reason without root / `ip` / `tc`, the
+torch variants without torch (`pip install -e '.[torch-peer]'`); neither
+fails the run. `--render JSON` rewrites the Markdown of an earlier run.
+
+The defaults are the full measurement, about 40 minutes on the 2-core
+machine (DDP plain at 100 Mbit/s alone about 12), best run in the background:
+
+    nohup .venv/bin/python -m benchmarks.time_to_accuracy > /tmp/tta.log 2>&1 &
+
+`--quick` (digits, 1 epoch, target 0.5, plain and DDP on shm and 1gbit) is a
+smoke run of about two minutes, most of it each job's start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+from benchmarks import accuracy
+from benchmarks import jobs as jobs_lib
+from benchmarks import netns
+from benchmarks import network
+from benchmarks import time_to_accuracy_report
+from benchmarks import train_to_target
+
+SECTION = "time_to_accuracy"
+VARIANTS = tuple(accuracy.MODES) + train_to_target.TORCH_VARIANTS
+DEFAULTS = {"links": "1gbit,100mbit", "variants": "ddp,plain@1gbit,powersgd4,powersgd1",
+            "full": "plain,powersgd4,powersgd1", "dataset": "auto", "epochs": 4,
+            "target": 0.88}
+QUICK = {"links": "shm,1gbit", "variants": "plain,ddp", "full": "", "dataset": "digits",
+         "epochs": 1, "target": 0.5}
+JOB_TIMEOUT = 3600  # seconds per job: DDP plain at 100 Mbit/s needs about 12 minutes
+
+
+def parse_variants(text: str, links: list[str]) -> list[tuple[str, str]]:
+  """`(variant, link)` pairs of `"NAME,NAME@LINK,..."` over `links`, in order.
+
+  Raises:
+    ValueError: an unknown variant, or a link not in `links`.
+  """
+  pairs = []
+  for entry in filter(None, (e.strip() for e in text.split(","))):
+    name, _, link = entry.partition("@")
+    if name not in VARIANTS:
+      raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+    if link and link not in links:
+      raise ValueError(f"{entry!r}: link {link!r} is not in --links ({', '.join(links)})")
+    pairs += [(name, l) for l in ([link] if link else links) if (name, l) not in pairs]
+  return pairs
+
+
+def variant_job(link: netns.Link, variant: str, options: dict[str, Any]) -> jobs_lib.Job:
+  """The job training `variant` on `link` (placed in its namespace by the caller)."""
+  env = network.gloo_env() if variant in train_to_target.TORCH_VARIANTS else ()
+  return jobs_lib.Job(f"{variant}@{link.name}", 2, 1, (SECTION,), env=env,
+                      options=tuple(dict(options, variant=variant).items()))
+
+
+def run_record(link: str, variant: str, result: dict) -> dict[str, Any]:
+  """One run's curve, final row and error (None when it went well), from its job."""
+  section = result.get("sections", {}).get(SECTION, {})
+  rows = section.get("rows", [])
+  final = next((r for r in rows if r["kind"] == "final"), None)
+  return {"link": link, "variant": variant,
+          "framework": "torch" if variant in train_to_target.TORCH_VARIANTS else "jdist",
+          "curve": [r for r in rows if r["kind"] == "eval"], "final": final,
+          "error": result.get("error") or section.get("error"), "wall_s": result["wall_s"]}
+
+
+def run_benchmark(args: argparse.Namespace,
+                  log: Callable[[str], None] = print) -> dict[str, Any]:
+  """Runs every (link, variant) job of `args` and returns the results (summary included)."""
+  start = time.perf_counter()
+  environment = network.environment()  # load average at the start
+  links, skipped = network.available_links(netns.link_named(n) for n in args.links)
+  plan = [(variant, link) for variant, link in args.variants
+          if link in {l.name for l in links}]
+  torch_reason = network.torch_missing()
+  if torch_reason and any(v in train_to_target.TORCH_VARIANTS for v, _ in plan):
+    skipped.append(torch_reason)
+    plan = [(v, l) for v, l in plan if v not in train_to_target.TORCH_VARIANTS]
+  for reason in skipped:
+    log(f"[time_to_accuracy] SKIPPED {reason}")
+  options = {"dataset": args.dataset, "limit": args.limit, "epochs": args.epochs,
+             "batch": args.batch, "target": args.target, "eval_every": args.eval_every}
+  netns.remove_stale()
+  runs = []
+  for link in links:
+    variants = [v for v, l in plan if l == link.name]
+    if not variants:
+      continue
+    with network.link_namespace(link) as name:
+      for variant in variants:
+        stop = args.stop_at_target and (variant, link.name) not in args.full
+        job = network.in_namespace(variant_job(link, variant, dict(
+            options, stop_at_target=stop)), name)
+        result = jobs_lib.run(job, quick=False, timeout=args.timeout, log=log)
+        runs.append(run_record(link.name, variant, result))
+  environment["load_average_end"] = list(os.getloadavg())
+  results = {"command": args.command, "environment": environment, "skipped": skipped,
+             "options": dict(options, stop_at_target=args.stop_at_target,
+                             full=[f"{v}@{l}" for v, l in args.full],
+                             learning_rate=accuracy.LEARNING_RATE, momentum=accuracy.MOMENTUM),
+             "runs": runs, "wall_s": time.perf_counter() - start}
+  results["summary"] = time_to_accuracy_report.summarize(results)
+  return results
+
+
+def write_outputs(results: dict, out_dir: str) -> list[str]:
+  """time_to_accuracy.json and .md into `out_dir`; returns the files written."""
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "time_to_accuracy.json"), "w", encoding="utf-8") as f:
+    json.dump(results, f, indent=1)
+  with open(os.path.join(out_dir, "time_to_accuracy.md"), "w", encoding="utf-8") as f:
+    f.write(time_to_accuracy_report.markdown(results))
+  return ["time_to_accuracy.json", "time_to_accuracy.md"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.time_to_accuracy",
+                                   description=__doc__.replace("%", "%%"),
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(
+      f"--{k} {v}" for k, v in QUICK.items() if v != ""))
+  parser.add_argument("--links", help=f"comma-separated, from "
+                      f"{','.join(l.name for l in netns.LINKS)} (default {DEFAULTS['links']})")
+  parser.add_argument("--variants", help="comma-separated NAME or NAME@LINK, NAME from "
+                      f"{','.join(VARIANTS)} (default {DEFAULTS['variants']})".replace("%", "%%"))
+  parser.add_argument("--full", help="variants (NAME or NAME@LINK) that train every epoch "
+                      f"instead of stopping at the target (default {DEFAULTS['full']} with "
+                      "the default --variants, else none)")
+  parser.add_argument("--target", type=float, help="test accuracy to reach (default 0.88)")
+  parser.add_argument("--epochs", type=int, help="the most epochs a run trains (default 4)")
+  parser.add_argument("--stop-at-target", action=argparse.BooleanOptionalAction, default=True,
+                      help="end a run (not in --full) at the target (default on)")
+  parser.add_argument("--eval-every", type=int, default=0,
+                      help="steps between two evaluations (default a quarter epoch)")
+  parser.add_argument("--dataset", choices=("auto", "fashion_mnist", "digits"),
+                      help="auto: Fashion-MNIST where installed, else digits")
+  parser.add_argument("--limit", type=int, help="use only the first N training examples")
+  parser.add_argument("--batch", type=int, default=32, help="examples per replica per step")
+  parser.add_argument("--timeout", type=float, default=JOB_TIMEOUT,
+                      help="seconds before a job is killed")
+  parser.add_argument("--out", help="output directory (default docs/benchmarks/"
+                      "time_to_accuracy; --quick: a temporary directory)")
+  parser.add_argument("--render", metavar="JSON", help="measure nothing: re-derive the "
+                      "summary of a time_to_accuracy.json and rewrite its .md into --out "
+                      "(default the JSON's directory)")
+  args = parser.parse_args(argv)
+  args.command = "python -m benchmarks.time_to_accuracy " + " ".join(
+      argv if argv is not None else sys.argv[1:])
+  base = dict(QUICK if args.quick else DEFAULTS)
+  if args.variants is not None:  # the default --full goes with the default --variants
+    base["full"] = ""
+  for key, value in base.items():
+    if getattr(args, key) is None:
+      setattr(args, key, value)
+  if args.out is None:
+    args.out = (os.path.dirname(os.path.abspath(args.render)) if args.render else
+                os.path.join(tempfile.gettempdir(), "jdist-time-to-accuracy-quick")
+                if args.quick else os.path.join(jobs_lib.REPO, "docs", "benchmarks",
+                                                "time_to_accuracy"))
+  try:
+    args.links = [netns.link_named(n.strip()).name for n in args.links.split(",")]
+    args.variants = parse_variants(args.variants, args.links)
+    args.full = set(parse_variants(args.full, args.links))
+  except ValueError as err:
+    parser.error(str(err))
+  if args.epochs < 1 or args.batch < 1 or args.eval_every < 0 or not 0 < args.target <= 1:
+    parser.error("--epochs and --batch must be >= 1, --eval-every >= 0 (0: a quarter "
+                 "epoch), --target in (0, 1].")
+  return args
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  if args.render:
+    network.render(args.render, time_to_accuracy_report.summarize, write_outputs, args.out)
+    return 0
+  netns.terminate_on_sigterm()  # so a killed run still deletes its namespace
+  results = run_benchmark(args)
+  written = write_outputs(results, args.out)
+  for target in results["summary"]["targets"]:
+    print(f"{target['target']} [{target['where']}]: {target['measured']} (bound "
+          f"{target['bound']}) {time_to_accuracy_report.STATUS[target['met']]}; "
+          f"{target['note']}")
+  for run in results["runs"]:
+    final = run["final"] or {}
+    print(f"{run['variant']}@{run['link']}: time to target "
+          f"{final.get('time_to_target_s')} s, last accuracy {final.get('final_accuracy')}"
+          + (f", FAILED: {run['error'].splitlines()[0][:200]}" if run["error"] else ""))
+  print(f"Wrote {', '.join(written)} into {args.out} in {results['wall_s']:.0f} s.")
+  return 1 if any(run["error"] for run in results["runs"]) else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,272 @@
+"""The time-to-accuracy benchmark (`python -m benchmarks.time_to_accuracy`).
+
+Unit tests of its pure parts: the flax -> torch weight copy (the same logits),
+the evaluation schedule and stop decision, the variant selection and the
+report's targets; then one end-to-end smoke run on shared memory with the
+digits. That one starts its own `mpirun` jobs, so it runs from plain pytest
+only (its name has "subprocess": scripts/test.sh leaves it out of the
+`mpirun pytest` runs, and it skips itself inside an MPI job).
+"""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from benchmarks import time_to_accuracy
+from benchmarks import time_to_accuracy_report as tta_report
+from benchmarks import train_to_target
+from jdist.app import models
+from tests import launch
+
+
+@pytest.mark.parametrize("input_shape", [(28, 28, 1), (8, 8, 1)])
+def test_flax_weights_in_torch_give_flax_logits(input_shape):
+  torch = pytest.importorskip("torch")
+  from benchmarks import torch_accuracy  # pylint: disable=import-outside-toplevel
+  flax_model = models.create_model("cnn", num_classes=10, input_shape=input_shape)
+  params, _ = models.init_model(flax_model, jax.random.key(3), input_shape)
+  # Nonzero biases, so a misplaced bias would show.
+  params = jax.tree.map(lambda p: p + 0.01 * np.arange(p.size).reshape(p.shape) / p.size,
+                        params)
+  images = np.random.default_rng(0).random((5,) + input_shape, dtype=np.float32)
+  expected = np.asarray(flax_model.apply({"params": params}, images))
+  net = torch_accuracy.singa_cnn_from_flax(flax_model, params, input_shape)
+  with torch.no_grad():
+    got = net(torch.from_numpy(torch_accuracy.nchw(images))).numpy()
+  np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+
+
+class FakeTrainer:
+  """Steps that cost nothing and a scripted test accuracy per evaluation."""
+
+  framework = "jdist"
+
+  def __init__(self, accuracies):
+    self.accuracies = list(accuracies)
+    self.steps = 0
+    self.evaluations = 0
+
+  def step(self, indices):
+    del indices
+    self.steps += 1
+    return 1.0 / self.steps
+
+  def sync(self):
+    pass
+
+  def evaluate(self):
+    self.evaluations += 1
+    return self.accuracies.pop(0)
+
+  def wire_bytes(self):
+    return 123.0
+
+
+def _run(trainer, schedule, *, is_root=True, share=lambda value: value):
+  ticks = iter(range(10_000))  # each clock reading one second later: a step is 1 s
+  batches = lambda epoch: [np.zeros((2, 4), int)] * schedule.steps_per_epoch  # noqa: E731
+  rows = list(train_to_target.run_to_target(trainer, schedule, batches, is_root=is_root,
+                                            share=share, clock=lambda: float(next(ticks))))
+  return rows[:-1], rows[-1]
+
+
+def test_schedule_evaluates_every_n_steps_and_after_the_last():
+  schedule = train_to_target.Schedule(epochs=1, steps_per_epoch=10, eval_every=4, target=0.5)
+  assert [s for s in range(1, 11) if schedule.evaluates_after(s)] == [4, 8, 10]
+  assert train_to_target.default_eval_every(937) == 234
+  assert train_to_target.default_eval_every(3) == 1
+
+
+def test_run_stops_at_the_first_evaluation_reaching_the_target():
+  schedule = train_to_target.Schedule(epochs=2, steps_per_epoch=10, eval_every=4, target=0.5)
+  curve, final = _run(FakeTrainer([0.2, 0.4, 0.6, 0.7, 0.8]), schedule)
+  assert [(p["step"], p["test_accuracy"]) for p in curve] == [(4, 0.2), (8, 0.4), (12, 0.6)]
+  assert curve[-1]["epoch"] == pytest.approx(1.2)
+  # The clock reads twice per step and never during an evaluation: 1 s per step.
+  assert [p["train_s"] for p in curve] == [4.0, 8.0, 12.0]
+  assert final["steps"] == 12 and final["stopped_at_target"]
+  assert not final["completed_all_epochs"]
+  assert final["reached_step"] == 12 and final["time_to_target_s"] == 12.0
+  assert final["epochs_to_target"] == pytest.approx(1.2)
+  assert final["median_step_s"] == 1.0 and final["final_accuracy"] == 0.6
+  assert final["wire_bytes_per_step"] == 123.0
+
+
+def test_full_run_keeps_training_past_the_target_and_records_when_it_was_reached():
+  schedule = train_to_target.Schedule(epochs=2, steps_per_epoch=10, eval_every=4,
+                                      target=0.5, stop_at_target=False)
+  curve, final = _run(FakeTrainer([0.2, 0.6, 0.55, 0.7, 0.8]), schedule)
+  assert [p["step"] for p in curve] == [4, 8, 12, 16, 20]
+  assert final["completed_all_epochs"] and not final["stopped_at_target"]
+  assert final["reached_step"] == 8 and final["time_to_target_s"] == 8.0
+  assert final["final_accuracy"] == 0.8 and final["epochs_trained"] == 2.0
+
+
+def test_target_never_reached_gives_none():
+  schedule = train_to_target.Schedule(epochs=1, steps_per_epoch=8, eval_every=4, target=0.9)
+  _, final = _run(FakeTrainer([0.2, 0.3]), schedule)
+  assert final["time_to_target_s"] is None and final["reached_step"] is None
+  assert final["completed_all_epochs"] and final["final_accuracy"] == 0.3
+
+
+def test_only_the_root_evaluates_and_every_rank_takes_its_figure():
+  schedule = train_to_target.Schedule(epochs=1, steps_per_epoch=8, eval_every=4, target=0.5)
+  trainer = FakeTrainer([])
+  shared = []
+
+  def share(value):  # the root's figures, as allgather_object(...)[0] gives them
+    shared.append(value)
+    return 0.7
+
+  curve, final = _run(trainer, schedule, is_root=False, share=share)
+  assert trainer.evaluations == 0 and shared == [None]
+  assert [p["test_accuracy"] for p in curve] == [0.7] and final["stopped_at_target"]
+
+
+def test_variants_are_names_or_name_at_link():
+  links = ["1gbit", "100mbit"]
+  assert time_to_accuracy.parse_variants("ddp,plain@1gbit,powersgd1", links) == [
+      ("ddp", "1gbit"), ("ddp", "100mbit"), ("plain", "1gbit"), ("powersgd1", "1gbit"),
+      ("powersgd1", "100mbit")]
+  assert time_to_accuracy.parse_variants("", links) == []
+  with pytest.raises(ValueError, match="unknown variant"):
+    time_to_accuracy.parse_variants("ddp_nope", links)
+  with pytest.raises(ValueError, match="not in --links"):
+    time_to_accuracy.parse_variants("plain@shm", links)
+
+
+def test_default_full_goes_with_the_default_variants_only():
+  args = time_to_accuracy.parse_args([])
+  assert ("powersgd1", "100mbit") in args.full and ("plain", "1gbit") in args.variants
+  assert ("plain", "100mbit") not in args.variants
+  args = time_to_accuracy.parse_args(["--variants", "plain,ddp", "--links", "1gbit"])
+  assert args.full == set() and args.target == 0.88 and args.epochs == 4
+  quick = time_to_accuracy.parse_args(["--quick"])
+  assert quick.dataset == "digits" and quick.epochs == 1 and quick.links == ["shm", "1gbit"]
+
+
+def test_skipped_links_and_torch_are_recorded_and_full_variants_train_every_epoch(
+    monkeypatch, tmp_path):
+  from benchmarks import netns  # pylint: disable=import-outside-toplevel
+  network = time_to_accuracy.network
+  shm = netns.link_named("shm")
+  monkeypatch.setattr(network, "available_links",
+                      lambda links: ([shm], ["shaped links skipped: not root"]))
+  monkeypatch.setattr(network, "torch_missing", lambda: "torch is not installed")
+  monkeypatch.setattr(netns, "remove_stale", lambda: [])
+  launched = []
+
+  def fake_run(job, **kwargs):
+    del kwargs
+    options = dict(job.options)
+    launched.append((job.name, options["stop_at_target"], job.prefix))
+    run = _run_record("shm", options["variant"], 0.5, 0.9, True)
+    return {"wall_s": 1.0,
+            "sections": {"time_to_accuracy": {"rows": run["curve"] + [run["final"]]}}}
+
+  monkeypatch.setattr(time_to_accuracy.jobs_lib, "run", fake_run)
+  args = time_to_accuracy.parse_args(["--links", "shm,100mbit", "--variants",
+                                      "plain,ddp,powersgd1", "--full", "powersgd1",
+                                      "--out", str(tmp_path)])
+  results = time_to_accuracy.run_benchmark(args, log=lambda line: None)
+  assert results["skipped"] == ["shaped links skipped: not root", "torch is not installed"]
+  assert launched == [("plain@shm", True, ()), ("powersgd1@shm", False, ())]
+  assert [(r["variant"], r["framework"], r["error"]) for r in results["runs"]] == [
+      ("plain", "jdist", None), ("powersgd1", "jdist", None)]
+  assert results["summary"]["targets"][0]["note"] == "100mbit was not run"
+  time_to_accuracy.write_outputs(results, str(tmp_path))
+  assert "**Skipped:** torch is not installed." in (
+      tmp_path / "time_to_accuracy.md").read_text()
+
+
+def _run_record(link, variant, time_to_target, accuracy, completed):
+  framework = "torch" if variant.startswith("ddp") else "jdist"
+  final = {"kind": "final", "steps": 2800 if completed else 1000, "epochs_trained": 3.0,
+           "completed_all_epochs": completed, "time_to_target_s": time_to_target,
+           "reached_step": None if time_to_target is None else 900,
+           "epochs_to_target": None if time_to_target is None else 0.96,
+           "median_step_s": 0.1, "first_step_s": 2.0, "final_accuracy": accuracy,
+           "wire_bytes_per_step": None if framework == "torch" else 1000.0,
+           "dataset": "fashion_mnist", "train_examples": 60000, "test_examples": 10000,
+           "steps_per_epoch": 937, "eval_every": 234}
+  curve = [{"kind": "eval", "step": 234, "epoch": 0.25, "train_s": 10.0,
+            "test_accuracy": 0.7, "train_loss": 0.9}]
+  return {"link": link, "variant": variant, "framework": framework, "curve": curve,
+          "final": final, "error": None, "wall_s": 1.0}
+
+
+def _results(runs):
+  env = {"versions": {"jax": "0"}, "cpu": "cpu", "cores": 2, "date": "today",
+         "load_average_start": [1.0, 1.0, 1.0], "load_average_end": [1.0, 1.0, 1.0]}
+  results = {"command": "python -m benchmarks.time_to_accuracy", "environment": env,
+             "skipped": ["torch is not installed"], "runs": runs, "wall_s": 60.0,
+             "options": {"epochs": 4, "target": 0.88, "batch": 32, "dataset": "auto",
+                         "learning_rate": 0.005, "momentum": 0.9}}
+  results["summary"] = tta_report.summarize(results)
+  return results
+
+
+def test_targets_use_the_fastest_jdist_mode_and_say_where_plain_comes_from():
+  results = _results([
+      _run_record("1gbit", "plain", 200.0, 0.890, True),
+      _run_record("100mbit", "ddp", 600.0, 0.881, False),
+      _run_record("100mbit", "powersgd4", 180.0, 0.886, True),
+      _run_record("100mbit", "powersgd1", 150.0, 0.885, True),
+      _run_record("100mbit", "topk1%", None, 0.87, True)])
+  summary = results["summary"]
+  assert summary["fastest_jdist"] == {"1gbit": "plain", "100mbit": "powersgd1"}
+  rows = {r["variant"]: r for r in summary["links"]["100mbit"]}
+  assert rows["powersgd1"]["vs_ddp"] == pytest.approx(0.25) and rows["ddp"]["vs_ddp"] == 1.0
+  assert rows["topk1%"]["vs_ddp"] is None
+  time_target, accuracy_target = summary["targets"]
+  assert time_target["measured"] == pytest.approx(0.25) and time_target["met"] is True
+  assert "powersgd1" in time_target["where"]
+  assert accuracy_target["measured"] == pytest.approx(-0.005) and accuracy_target["met"]
+  assert "plain 0.8900 (on 1gbit)" in accuracy_target["note"]
+  text = tta_report.markdown(results)
+  assert "| time to target: fastest jdist mode / DDP plain | 100mbit (powersgd1) |" in text
+  assert "| powersgd1 | 150.0 | 900 (0.96) | 100 | 2 | 0.8850 (3.00) | 1000 B | 0.25 |" in text
+  assert "| topk1% | not reached |" in text and "| ddp | 600.0 |" in text and "—" in text
+  assert "**Skipped:** torch is not installed." in text
+
+
+def test_targets_are_not_measured_without_their_runs():
+  no_plain = _results([_run_record("100mbit", "ddp", 600.0, 0.881, False),
+                       _run_record("100mbit", "powersgd1", 150.0, 0.885, True),
+                       _run_record("100mbit", "plain", 700.0, 0.880, False)])
+  time_target, accuracy_target = no_plain["summary"]["targets"]
+  assert time_target["met"] is True
+  assert accuracy_target["measured"] is None and accuracy_target["met"] is None
+  assert "plain did not train all 4 epochs" in accuracy_target["note"]
+  assert "not measured" in tta_report.markdown(no_plain)
+  no_link = _results([_run_record("1gbit", "powersgd1", 50.0, 0.885, True)])
+  assert all(t["met"] is None and "100mbit was not run" in t["note"]
+             for t in no_link["summary"]["targets"])
+  no_ddp = _results([_run_record("100mbit", "powersgd1", 150.0, 0.885, True)])
+  assert no_ddp["summary"]["targets"][0]["note"] == "DDP plain did not run"
+
+
+@pytest.mark.timeout(300)
+def test_command_runs_end_to_end_in_a_subprocess(tmp_path, topo):
+  if topo.process_count > 1:
+    pytest.skip("starts its own MPI jobs: runs from plain pytest only")
+  variants = "plain" + ("" if time_to_accuracy.network.torch_missing() else ",ddp")
+  result = launch.python(["-m", "benchmarks.time_to_accuracy", "--links", "shm",
+                          "--dataset", "digits", "--epochs", "1", "--target", "0.3",
+                          "--variants", variants, "--out", str(tmp_path)], timeout=280)
+  assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+  results = json.loads((tmp_path / "time_to_accuracy.json").read_text())
+  runs = {run["variant"]: run for run in results["runs"]}
+  assert set(runs) == set(variants.split(","))
+  for run in runs.values():
+    assert run["error"] is None and run["curve"]
+    assert all(0 <= p["test_accuracy"] <= 1 and p["train_s"] > 0 for p in run["curve"])
+    final = run["final"]
+    assert final["time_to_target_s"] > 0 and final["stopped_at_target"]
+    assert final["final_accuracy"] >= 0.3 and final["median_step_s"] > 0
+  if "ddp" in runs:  # same start, data and SGD: DDP follows jdist plain's curve
+    for jdist_point, ddp_point in zip(runs["plain"]["curve"], runs["ddp"]["curve"]):
+      assert abs(jdist_point["test_accuracy"] - ddp_point["test_accuracy"]) <= 0.02
+  assert "## shm" in (tmp_path / "time_to_accuracy.md").read_text()
