@@ -50,7 +50,7 @@ def setting_job(name: str, repeats: int) -> jobs_lib.Job:
   """A 2x1 job timing jdist's and torch's compute-only steps under setting `name`."""
   flags, extra_env = SETTINGS[name]
   env = {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=1".strip(),
-         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(network.free_port()), **extra_env}
+         **dict(network.gloo_env()), **extra_env}
   options = {"modes": [], "handwritten": False, "floor": False, "torch": ["compute"],
              "repeats": repeats, "warmup": 3}
   return jobs_lib.Job(f"cpu_flags-{name}", 2, 1, ("network",), env=tuple(env.items()),

@@ -41,8 +41,6 @@ The per-rank rows come back through `benchmarks.jobs` like any section.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import statistics
 import sys
 import time
@@ -222,15 +220,11 @@ def main(argv=None) -> int:
   netns.terminate_on_sigterm()
   from benchmarks import network  # pylint: disable=import-outside-toplevel
   with_torch = network.torch_missing() is None
-  env = (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(network.free_port())),
-         ("GLOO_SOCKET_IFNAME", "lo")) if with_torch else ()
+  env = network.gloo_env() if with_torch else ()
   job = jobs_lib.Job(f"overlap@{link.name}", 2, 1, ("overlap",), env=env,
                      options=(("repeats", args.repeats), ("torch", with_torch)))
-  with (netns.shaped_namespace(link) if link.shaped else contextlib.nullcontext()) as name:
-    if name:
-      job = dataclasses.replace(job, prefix=tuple(netns.exec_prefix(name)),
-                                mpirun_args=netns.MPI_TCP_ARGS)
-    result = jobs_lib.run(job, quick=False, timeout=400)
+  with network.link_namespace(link) as name:
+    result = jobs_lib.run(network.in_namespace(job, name), quick=False, timeout=400)
   if "error" in result:
     print(result["error"], file=sys.stderr)
   for row in result.get("sections", {}).get("overlap", {}).get("rows", []):
