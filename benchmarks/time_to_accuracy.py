@@ -136,7 +136,7 @@ def run_benchmark(args: argparse.Namespace,
   environment["load_average_end"] = list(os.getloadavg())
   results = {"command": args.command, "environment": environment, "skipped": skipped,
              "options": dict(options, stop_at_target=args.stop_at_target,
-                             full=[f"{v}@{l}" for v, l in args.full],
+                             full=[f"{v}@{l}" for v, l in plan if (v, l) in args.full],
                              learning_rate=accuracy.LEARNING_RATE, momentum=accuracy.MOMENTUM),
              "runs": runs, "wall_s": time.perf_counter() - start}
   results["summary"] = time_to_accuracy_report.summarize(results)
