@@ -13,6 +13,9 @@
 //    16-bit payloads, all-gather by direct sends), tagged by the exchange's
 //    ordinal, so exchanges that become ready in a different order on two
 //    processes still pair up.
+//  * A sum runs in device 0's buffer (XLA aliases a sum's output to its
+//    input), so one device per process needs no copy at all; device 0
+//    resumes only after the other devices copied the result out of it.
 //  * Completions (copying the result to each device's output and completing
 //    its future) run on a pool of threads that grows when all are busy: the
 //    future's continuation runs the rest of the device's program on that
@@ -321,7 +324,17 @@ class Engine {
       }
       return;
     }
-    e.acc = pool_.Get(e.count * WireSize(e));
+    // XLA aliases a sum's output to its input, so device 0's buffer can hold
+    // the sum: the parts are added element by element (reading each before
+    // writing it), and device 0 then needs no copy in or out (one device:
+    // the exchange runs in place).
+    Part& first = e.parts[0];
+    if (first.in == first.out) {
+      e.acc = std::shared_ptr<char>(static_cast<char*>(first.out), [](char*) {});
+      if (d == 1) return;
+    } else {
+      e.acc = pool_.Get(e.count * WireSize(e));
+    }
     std::vector<const void*> ins(d);
     for (int i = 0; i < d; ++i) ins[i] = e.parts[i].in;
     if (e.kind == JDIST_SUM16) {
@@ -478,15 +491,31 @@ class Engine {
     tracer_.Record(e->ordinal, e->seq, e->kind, static_cast<int64_t>(bytes), e->since,
                    e->ready_at, e->mpi_at, Clock::now());
     std::string message = error ? error : "";
-    for (int d = 0; d < devices_; ++d) {
-      completions_.Run([e, d, bytes, message] {
+    auto complete = [e, message](int d) {
+      const Part& part = e->parts[d];
+      if (part.done == nullptr) return;  // a device that never posted (stranded)
+      part.done(part.arg, message.empty() ? nullptr : message.c_str());
+    };
+    // Where device 0's output holds the result (ReduceLocal), its program may
+    // overwrite that buffer as soon as it resumes: it resumes once every other
+    // device has copied from it, in a task of its own (a resumed device may
+    // block in an XLA collective until the others resume too).
+    const bool first_holds_result =
+        devices_ > 1 && e->acc != nullptr && e->acc.get() == e->parts[0].out;
+    auto copies_left = std::make_shared<std::atomic<int>>(devices_ - 1);
+    for (int d = first_holds_result ? 1 : 0; d < devices_; ++d) {
+      completions_.Run([this, e, d, bytes, message, complete, first_holds_result,
+                        copies_left] {
         const Part& part = e->parts[d];
-        if (part.done == nullptr) return;  // a device that never posted (stranded)
-        if (!message.empty()) return part.done(part.arg, message.c_str());
-        auto start = Clock::now();
-        std::memcpy(part.out, e->acc.get(), bytes);
-        if (profiling) profile.copy_ns += Ns(start, Clock::now());
-        part.done(part.arg, nullptr);
+        if (part.done != nullptr && message.empty() && part.out != e->acc.get()) {
+          auto start = Clock::now();
+          std::memcpy(part.out, e->acc.get(), bytes);
+          if (profiling) profile.copy_ns += Ns(start, Clock::now());
+        }
+        if (first_holds_result && copies_left->fetch_sub(1) == 1) {
+          completions_.Run([complete] { complete(0); });
+        }
+        complete(d);
       });
     }
   }
