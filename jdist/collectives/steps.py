@@ -29,8 +29,10 @@ import jax.numpy as jnp
 
 # Outside any step scope (a user's own pmap over DATA_AXIS) ordinals come from
 # one process-wide counter, far above a step's: they match across processes
-# only if every process traces the same functions in the same order.
-_UNSCOPED_FIRST = 1 << 24
+# only if every process traces the same functions in the same order. The
+# native engine tags an exchange's messages by ordinal and segment within
+# MPI's 31-bit tags, which leaves room for 2**25 ordinals.
+_UNSCOPED_FIRST = 1 << 20
 _unscoped = itertools.count(_UNSCOPED_FIRST)
 _CHAIN_LIMIT = 64  # unscoped traces remembered by the callback route's chain
 

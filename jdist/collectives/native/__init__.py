@@ -60,6 +60,9 @@ def _load() -> ctypes.CDLL:
     library.jdist_start.restype = ctypes.c_int
     library.jdist_last_error.restype = ctypes.c_char_p
     library.jdist_completed.restype = ctypes.c_int64
+    library.jdist_segments_completed.restype = ctypes.c_int64
+    library.jdist_set_segment_bytes.argtypes = [ctypes.c_int64]
+    library.jdist_set_segment_bytes.restype = ctypes.c_int64
     library.jdist_running.restype = ctypes.c_int
     library.jdist_trace_take.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     library.jdist_trace_take.restype = ctypes.c_int64
@@ -150,6 +153,30 @@ def unavailable_reason() -> str | None:
 def completed() -> int:
   """Exchanges the engine completed (0 when it never started)."""
   return int(_library.jdist_completed()) if _library is not None else 0
+
+
+def segments_completed() -> int:
+  """Segments of sums that crossed processes (0 when the engine never started)."""
+  return int(_library.jdist_segments_completed()) if _library is not None else 0
+
+
+def set_segment_bytes(nbytes: int) -> int:
+  """Sets the wire bytes per segment of a native sum; returns the previous value.
+
+  A sum larger than this crosses processes in segments (32 at most), each
+  sent as soon as the local devices' parts of it are added, so that MPI moves
+  one while the next is still being reduced. Starts from
+  `$JDIST_NATIVE_SEGMENT_BYTES`, else 4 MiB. Every process must set the same
+  value, between steps (a different one would pair unrelated messages; the
+  engine aborts the job on a size mismatch).
+
+  Args:
+    nbytes: wire bytes per segment; 0 or less sends every sum whole.
+
+  Raises:
+    OSError: the native library is missing.
+  """
+  return int(_load().jdist_set_segment_bytes(int(nbytes)))
 
 
 def join(buffers: list[jax.Array]) -> list[jax.Array]:

@@ -7,12 +7,13 @@
 //    exchange, whatever order the devices reach them in. That is what removes
 //    the deadlock of blocking host callbacks, and the need for more XLA
 //    threads than cores.
-//  * The last local device to post reduces the local parts (plain compute);
-//    one engine thread then runs the cross-process part with non-blocking
-//    point-to-point MPI (reduce-scatter by direct sends, float32 adds for
-//    16-bit payloads, all-gather by direct sends), tagged by the exchange's
-//    ordinal, so exchanges that become ready in a different order on two
-//    processes still pair up.
+//  * The last local device to post reduces the local parts (plain compute)
+//    segment by segment (4 MiB on the wire by default) and posts each
+//    segment's non-blocking point-to-point MPI as soon as it is reduced:
+//    reduce-scatter by direct sends, float32 adds for 16-bit payloads,
+//    all-gather by direct sends. One engine thread progresses them. Messages
+//    are tagged by the exchange's ordinal and segment, so exchanges that
+//    become ready in a different order on two processes still pair up.
 //  * A sum runs in device 0's buffer (XLA aliases a sum's output to its
 //    input), so one device per process needs no copy at all; device 0
 //    resumes only after the other devices copied the result out of it.
@@ -45,8 +46,10 @@
 #include <utility>
 #include <vector>
 
-#include "halfs.h"
 #include "ffi_types.h"
+#include "halfs.h"
+#include "pools.h"
+#include "reduce.h"
 #include "trace.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -60,7 +63,7 @@ using Clock = std::chrono::steady_clock;
 // Where an exchange's time goes, summed over exchanges when JDIST_NATIVE_PROFILE
 // is set (printed by jdist_stop): for tuning, off the hot path otherwise.
 struct Profile {
-  std::atomic<int64_t> skew_ns{0}, local_ns{0}, queue_ns{0}, first_ns{0}, add_ns{0},
+  std::atomic<int64_t> skew_ns{0}, local_ns{0}, first_ns{0}, add_ns{0},
       second_ns{0}, copy_ns{0}, count{0};
 };
 Profile profile;
@@ -69,83 +72,6 @@ int64_t Ns(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count();
 }
 
-size_t ElemSize(int elem) {
-  switch (elem) {
-    case JDIST_F64: case JDIST_I64: return 8;
-    case JDIST_F32: case JDIST_I32: case JDIST_U32: return 4;
-    case JDIST_F16: case JDIST_BF16: return 2;
-    default: return 1;
-  }
-}
-
-// Reusable staging memory: fresh multi-megabyte buffers page-fault on every
-// touch (measured in benchmarks/allocator.py), so freed ones are kept.
-class BufferPool {
- public:
-  std::shared_ptr<char> Get(size_t bytes) {
-    bytes = std::max<size_t>(bytes, 64);
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto it = free_.begin(); it != free_.end(); ++it) {
-      if (it->second >= bytes && it->second <= 2 * bytes) {
-        auto raw = it->first;
-        size_t size = it->second;
-        free_.erase(it);
-        return Wrap(raw, size);
-      }
-    }
-    return Wrap(new char[bytes], bytes);
-  }
-
- private:
-  std::shared_ptr<char> Wrap(char* raw, size_t size) {
-    return std::shared_ptr<char>(raw, [this, size](char* p) { Put(p, size); });
-  }
-  void Put(char* raw, size_t size) {
-    std::lock_guard<std::mutex> lock(mu_);
-    free_.emplace_back(raw, size);
-    if (free_.size() > 32) {  // keep the most recent ones
-      delete[] free_.front().first;
-      free_.pop_front();
-    }
-  }
-  std::mutex mu_;
-  std::deque<std::pair<char*, size_t>> free_;
-};
-
-// Threads for completions; one more is started whenever every thread is busy.
-class Completions {
- public:
-  void Run(std::function<void()> task) {
-    std::lock_guard<std::mutex> lock(mu_);
-    tasks_.push_back(std::move(task));
-    if (static_cast<int>(tasks_.size()) > idle_ && threads_ < kMaxThreads) {
-      ++threads_;
-      std::thread([this] { Loop(); }).detach();
-    }
-    cv_.notify_one();
-  }
-
- private:
-  static constexpr int kMaxThreads = 256;
-  void Loop() {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (true) {
-      ++idle_;
-      cv_.wait(lock, [this] { return !tasks_.empty(); });
-      --idle_;
-      auto task = std::move(tasks_.front());
-      tasks_.pop_front();
-      lock.unlock();
-      task();
-      lock.lock();
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;
-  int idle_ = 0;
-  int threads_ = 0;
-};
 
 struct Part {
   const void* in = nullptr;
@@ -154,6 +80,7 @@ struct Part {
   void* arg = nullptr;
 };
 
+// What the local devices posted under one ordinal and call count.
 struct Exchange {
   int64_t ordinal = 0;
   uint64_t seq = 0;
@@ -164,14 +91,24 @@ struct Exchange {
   std::vector<bool> present;
   int arrived = 0;
   Clock::time_point since;
-  // Engine state.
-  std::shared_ptr<char> acc;   // sums: count wire elements; gathers: all replicas
+  std::shared_ptr<char> acc;  // sums: count wire elements; gathers: all replicas
+  std::atomic<int> segments_left{0};
+  Clock::time_point ready_at, mpi_at;  // tracing: last local post, MPI start
+};
+
+// A contiguous piece of an exchange that crosses processes on its own (a
+// reduce-scatter by direct sends, then an all-gather), so that MPI moves one
+// piece while the next is still being reduced locally. A gather is one.
+struct Segment {
+  std::shared_ptr<Exchange> exchange;
+  int index = 0;
+  int64_t begin = 0;  // first element of the exchange in this segment
+  int64_t count = 0;
   std::shared_ptr<char> recv;  // sums: one chunk per peer
   std::vector<MPI_Request> requests;
   std::vector<int> expected_bytes;  // per request, receives only (else -1)
   int phase = 0;
   Clock::time_point mark;  // profiling: when the current stage started
-  Clock::time_point ready_at, mpi_at;  // tracing: last local post, MPI start
 };
 
 class Engine {
@@ -193,6 +130,11 @@ class Engine {
     int found = 0;
     MPI_Comm_get_attr(comm_, MPI_TAG_UB, &tag_ub, &found);
     tag_ub_ = found ? *static_cast<int*>(tag_ub) : 32767;
+    // Each segment of an exchange has tags of its own; an MPI with few tags
+    // (the standard's minimum is 32767) keeps exchanges whole.
+    max_segments_ = tag_ub_ >= (1 << 24) ? kMaxSegments : 1;
+    const char* segment_env = std::getenv("JDIST_NATIVE_SEGMENT_BYTES");
+    segment_bytes_ = segment_env ? std::atoll(segment_env) : kDefaultSegmentBytes;
     devices_ = devices;
     timeout_s_ = timeout_s;
     next_seq_.assign(devices, {});
@@ -213,12 +155,12 @@ class Engine {
     if (profiling && profile.count > 0) {
       double n = static_cast<double>(profile.count.load()) * 1e3;
       std::fprintf(stderr,
-                   "jdist native profile, rank %d, %lld exchanges, mean us: device skew %.1f, "
-                   "local reduce %.1f, queue %.1f, first phase %.1f, add %.1f, second phase "
-                   "%.1f, copy-out per device %.1f\n",
+                   "jdist native profile, rank %d, %lld exchanges, mean us (segments summed): "
+                   "device skew %.1f, local reduce %.1f, first phase %.1f, add %.1f, second "
+                   "phase %.1f, copy-out per device %.1f\n",
                    rank_, static_cast<long long>(profile.count.load()), profile.skew_ns / n,
-                   profile.local_ns / n, profile.queue_ns / n, profile.first_ns / n,
-                   profile.add_ns / n, profile.second_ns / n, profile.copy_ns / n / devices_);
+                   profile.local_ns / n, profile.first_ns / n, profile.add_ns / n,
+                   profile.second_ns / n, profile.copy_ns / n / devices_);
     }
     std::lock_guard<std::mutex> lock(mu_);
     running_ = false;
@@ -231,7 +173,9 @@ class Engine {
   }
   const char* last_error() const { return error_.c_str(); }
   int64_t completed() const { return completed_.load(); }
+  int64_t segments_completed() const { return segments_completed_.load(); }
   int64_t TakeTrace(int64_t* rows, int64_t max_rows) { return tracer_.Take(rows, max_rows); }
+  int64_t SetSegmentBytes(int64_t bytes) { return segment_bytes_.exchange(bytes); }
 
   void Post(int device, int64_t ordinal, int kind, int elem, int64_t count, const void* in,
             void* out, JdistDone done, void* arg) {
@@ -241,6 +185,7 @@ class Engine {
     {
       std::lock_guard<std::mutex> lock(mu_);
       error = Admit(device, ordinal, kind, elem, count, Part{in, out, done, arg}, &ready);
+      if (ready) ++launching_;
     }
     // Outside the lock: completing a future runs the device's next work here,
     // which may post the next exchange.
@@ -248,27 +193,26 @@ class Engine {
     if (!ready) return;
     auto arrived = Clock::now();
     ready->ready_at = ready->mpi_at = arrived;
-    ReduceLocal(*ready);  // on the last device's thread: compute only
     if (profiling) {
-      ready->mark = Clock::now();
       profile.skew_ns += Ns(ready->since, arrived);
-      profile.local_ns += Ns(arrived, ready->mark);
       profile.count += 1;
     }
-    if (size_ == 1) return Finish(ready);
-    std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(std::move(ready));
-    cv_.notify_one();
+    Launch(ready);
   }
 
  private:
+  static constexpr int kMaxSegments = 32;
+  static constexpr int64_t kDefaultSegmentBytes = 4 << 20;
+
   // Records one device's part; sets `ready` when it completes the local
   // group. Returns an error message, or null. Called with mu_ held.
   const char* Admit(int device, int64_t ordinal, int kind, int elem, int64_t count,
                     const Part& part, std::shared_ptr<Exchange>* ready) {
     if (!running_ || stop_) return "jdist's native exchange engine is not running";
     if (device < 0 || device >= devices_) return "device index out of range";
-    if (ordinal < 0 || 2 * ordinal + 1 > tag_ub_) return "too many exchanges in one step";
+    if (ordinal < 0 || 2 * (ordinal + 1) * max_segments_ - 1 > tag_ub_) {
+      return "exchange ordinal beyond the MPI tag space (too many exchanges traced)";
+    }
     uint64_t seq = next_seq_[device][ordinal]++;
     auto key = std::make_pair(ordinal, seq);
     auto& slot = forming_[key];
@@ -306,21 +250,67 @@ class Engine {
     return e.kind == JDIST_SUM16 ? 2 : ElemSize(e.elem);
   }
 
-  // Chunk of the reduce-scatter owned by `process`: [begin, end) elements.
-  std::pair<int64_t, int64_t> Chunk(const Exchange& e, int process) const {
-    int64_t per = (e.count + size_ - 1) / size_;
-    int64_t begin = std::min<int64_t>(e.count, per * process);
-    return {begin, std::min<int64_t>(e.count, begin + per)};
+  int SegmentCount(const Exchange& e) const {
+    const int64_t segment_bytes = segment_bytes_.load();
+    if (e.kind == JDIST_GATHER || size_ == 1 || segment_bytes <= 0) return 1;
+    int64_t bytes = e.count * static_cast<int64_t>(WireSize(e));
+    return static_cast<int>(
+        std::clamp<int64_t>((bytes + segment_bytes - 1) / segment_bytes, 1, max_segments_));
   }
 
-  void ReduceLocal(Exchange& e) {
-    const int d = devices_;
-    const size_t esize = ElemSize(e.elem);
+  int Tag(const Segment& s, int phase) const {
+    return static_cast<int>(2 * (s.exchange->ordinal * max_segments_ + s.index) + phase);
+  }
+
+  // Elements [first, second) of segment `s` that `process` reduces.
+  std::pair<int64_t, int64_t> Chunk(const Segment& s, int process) const {
+    int64_t per = (s.count + size_ - 1) / size_;
+    int64_t begin = std::min<int64_t>(s.count, per * process);
+    return {s.begin + begin, s.begin + std::min<int64_t>(s.count, begin + per)};
+  }
+
+  // On the last local device's thread: reduces the local parts segment by
+  // segment and posts each segment's MPI as soon as it is reduced (the
+  // engine thread progresses it), so that the first segments are on the
+  // wire while the last are still being added.
+  void Launch(const std::shared_ptr<Exchange>& e) {
+    const int segments = SegmentCount(*e);
+    e->segments_left = segments;
+    Prepare(*e);
+    if (size_ == 1) {
+      ReduceLocal(*e, 0, e->count);
+      Finish(e);
+      std::lock_guard<std::mutex> lock(mu_);
+      --launching_;
+      return;
+    }
+    const int64_t per = (e->count + segments - 1) / segments;
+    for (int index = 0; index < segments; ++index) {
+      auto segment = std::make_shared<Segment>();
+      segment->exchange = e;
+      segment->index = index;
+      segment->begin = std::min<int64_t>(e->count, per * index);
+      segment->count = std::min<int64_t>(e->count, segment->begin + per) - segment->begin;
+      auto start = Clock::now();
+      ReduceLocal(*e, segment->begin, segment->count);
+      auto reduced = Clock::now();
+      if (profiling) profile.local_ns += Ns(start, reduced);
+      if (index == 0) e->mpi_at = reduced;
+      Begin(*segment);
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(segment));
+      if (index == segments - 1) --launching_;
+      cv_.notify_one();
+    }
+  }
+
+  // Where the exchange's result is assembled; gathers copy every part in.
+  void Prepare(Exchange& e) {
     if (e.kind == JDIST_GATHER) {
-      size_t block = e.count * esize;
-      e.acc = pool_.Get(block * d * size_);
-      for (int i = 0; i < d; ++i) {
-        std::memcpy(e.acc.get() + (rank_ * d + i) * block, e.parts[i].in, block);
+      size_t block = e.count * ElemSize(e.elem);
+      e.acc = pool_.Get(block * devices_ * size_);
+      for (int i = 0; i < devices_; ++i) {
+        std::memcpy(e.acc.get() + (rank_ * devices_ + i) * block, e.parts[i].in, block);
       }
       return;
     }
@@ -328,43 +318,28 @@ class Engine {
     // the sum: the parts are added element by element (reading each before
     // writing it), and device 0 then needs no copy in or out (one device:
     // the exchange runs in place).
-    Part& first = e.parts[0];
+    const Part& first = e.parts[0];
     if (first.in == first.out) {
       e.acc = std::shared_ptr<char>(static_cast<char*>(first.out), [](char*) {});
-      if (d == 1) return;
     } else {
       e.acc = pool_.Get(e.count * WireSize(e));
     }
-    std::vector<const void*> ins(d);
-    for (int i = 0; i < d; ++i) ins[i] = e.parts[i].in;
-    if (e.kind == JDIST_SUM16) {
-      Sum16(e.elem == JDIST_BF16, ins.data(), d, e.acc.get(), e.count);
-      return;
-    }
-    switch (e.elem) {
-      case JDIST_F32: SumInto<float>(ins, e.acc.get(), e.count); break;
-      case JDIST_F64: SumInto<double>(ins, e.acc.get(), e.count); break;
-      case JDIST_I32: SumInto<int32_t>(ins, e.acc.get(), e.count); break;
-      case JDIST_I64: SumInto<int64_t>(ins, e.acc.get(), e.count); break;
-      case JDIST_U32: SumInto<uint32_t>(ins, e.acc.get(), e.count); break;
-      default: SumInto<uint8_t>(ins, e.acc.get(), e.count); break;
-    }
   }
 
-  template <typename T>
-  static void SumInto(const std::vector<const void*>& ins, char* out_raw, int64_t n) {
-    T* out = reinterpret_cast<T*>(out_raw);
-    const T* a = static_cast<const T*>(ins[0]);
-    if (ins.size() == 1) {
-      std::memcpy(out, a, n * sizeof(T));
+  // Sums elements [begin, begin + n) of the local parts into the result.
+  void ReduceLocal(Exchange& e, int64_t begin, int64_t n) {
+    if (e.kind == JDIST_GATHER) return;  // copied in by Prepare
+    const size_t w = WireSize(e);  // the element size too: 16-bit in, 16-bit out
+    char* out = e.acc.get() + begin * w;
+    std::vector<const char*> ins(devices_);
+    for (int i = 0; i < devices_; ++i) ins[i] = static_cast<const char*>(e.parts[i].in) + begin * w;
+    if (devices_ == 1 && ins[0] == out) return;  // in place
+    if (e.kind == JDIST_SUM16) {
+      std::vector<const void*> halves(ins.begin(), ins.end());
+      Sum16(e.elem == JDIST_BF16, halves.data(), devices_, out, n);
       return;
     }
-    const T* b = static_cast<const T*>(ins[1]);
-    for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
-    for (size_t k = 2; k < ins.size(); ++k) {
-      const T* c = static_cast<const T*>(ins[k]);
-      for (int64_t i = 0; i < n; ++i) out[i] += c[i];
-    }
+    SumParts(e.elem, ins, out, n);
   }
 
   template <typename T>
@@ -377,85 +352,81 @@ class Engine {
   // Sends to / receives from every peer; `send(p)` and `recv(p)` give the
   // (pointer, bytes) of each.
   template <typename S, typename R>
-  void PostPhase(Exchange& e, int phase, S send, R recv) {
-    e.phase = phase;
-    e.requests.clear();
-    e.expected_bytes.clear();
-    int tag = static_cast<int>(2 * e.ordinal + phase);
+  void PostPhase(Segment& s, int phase, S send, R recv) {
+    s.phase = phase;
+    s.requests.clear();
+    s.expected_bytes.clear();
+    const int tag = Tag(s, phase);
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
       auto [ptr, bytes] = recv(p);
       MPI_Request request;
       MPI_Irecv(ptr, static_cast<int>(bytes), MPI_BYTE, p, tag, comm_, &request);
-      e.requests.push_back(request);
-      e.expected_bytes.push_back(static_cast<int>(bytes));
+      s.requests.push_back(request);
+      s.expected_bytes.push_back(static_cast<int>(bytes));
     }
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
       auto [ptr, bytes] = send(p);
       MPI_Request request;
       MPI_Isend(ptr, static_cast<int>(bytes), MPI_BYTE, p, tag, comm_, &request);
-      e.requests.push_back(request);
-      e.expected_bytes.push_back(-1);
+      s.requests.push_back(request);
+      s.expected_bytes.push_back(-1);
     }
   }
 
-  void Begin(Exchange& e) {
-    if (tracer_.enabled()) e.mpi_at = Clock::now();
-    if (profiling) {
-      auto now = Clock::now();
-      profile.queue_ns += Ns(e.mark, now);
-      e.mark = now;
-    }
+  void Begin(Segment& s) {
+    if (profiling) s.mark = Clock::now();
+    Exchange& e = *s.exchange;
     const size_t w = WireSize(e);
+    char* acc = e.acc.get();
     if (e.kind == JDIST_GATHER) {
       size_t block = e.count * ElemSize(e.elem) * devices_;
-      char* acc = e.acc.get();
-      PostPhase(e, 1, [&](int) { return std::make_pair(acc + rank_ * block, block); },
+      PostPhase(s, 1, [&](int) { return std::make_pair(acc + rank_ * block, block); },
                 [&](int p) { return std::make_pair(acc + p * block, block); });
       return;
     }
-    auto mine = Chunk(e, rank_);
+    auto mine = Chunk(s, rank_);
     size_t mine_bytes = (mine.second - mine.first) * w;
-    size_t per_bytes = ((e.count + size_ - 1) / size_) * w;
-    e.recv = pool_.Get(per_bytes * size_);
-    char* acc = e.acc.get();
-    char* recv = e.recv.get();
+    size_t per_bytes = ((s.count + size_ - 1) / size_) * w;
+    s.recv = pool_.Get(per_bytes * size_);
+    char* recv = s.recv.get();
     PostPhase(
-        e, 0,
+        s, 0,
         [&](int p) {
-          auto c = Chunk(e, p);
+          auto c = Chunk(s, p);
           return std::make_pair(acc + c.first * w, static_cast<size_t>(c.second - c.first) * w);
         },
         [&](int p) { return std::make_pair(recv + p * per_bytes, mine_bytes); });
   }
 
-  // Called when every request of the current phase completed. Returns true
-  // when the exchange is done.
-  bool Advance(Exchange& e) {
+  // Called when every request of the segment's current phase completed.
+  // Returns true when the segment is done.
+  bool Advance(Segment& s) {
+    Exchange& e = *s.exchange;
     if (profiling) {
       auto now = Clock::now();
-      (e.kind == JDIST_GATHER || e.phase == 1 ? profile.second_ns : profile.first_ns) +=
-          Ns(e.mark, now);
-      e.mark = now;
+      (e.kind == JDIST_GATHER || s.phase == 1 ? profile.second_ns : profile.first_ns) +=
+          Ns(s.mark, now);
+      s.mark = now;
     }
-    if (e.kind == JDIST_GATHER || e.phase == 1) return true;
+    if (e.kind == JDIST_GATHER || s.phase == 1) return true;
     const size_t w = WireSize(e);
-    auto mine = Chunk(e, rank_);
+    auto mine = Chunk(s, rank_);
     int64_t n = mine.second - mine.first;
-    size_t per_bytes = ((e.count + size_ - 1) / size_) * w;
+    size_t per_bytes = ((s.count + size_ - 1) / size_) * w;
     char* acc = e.acc.get() + mine.first * w;
     if (e.kind == JDIST_SUM16) {
       std::vector<const void*> parts;
       parts.push_back(acc);
       for (int p = 0; p < size_; ++p) {
-        if (p != rank_) parts.push_back(e.recv.get() + p * per_bytes);
+        if (p != rank_) parts.push_back(s.recv.get() + p * per_bytes);
       }
       Sum16(e.elem == JDIST_BF16, parts.data(), static_cast<int>(parts.size()), acc, n);
     } else {
       for (int p = 0; p < size_; ++p) {
         if (p == rank_) continue;
-        const char* other = e.recv.get() + p * per_bytes;
+        const char* other = s.recv.get() + p * per_bytes;
         switch (e.elem) {
           case JDIST_F32: AddInto<float>(acc, other, n); break;
           case JDIST_F64: AddInto<double>(acc, other, n); break;
@@ -466,17 +437,17 @@ class Engine {
         }
       }
     }
-    e.recv.reset();
+    s.recv.reset();
     if (profiling) {
       auto now = Clock::now();
-      profile.add_ns += Ns(e.mark, now);
-      e.mark = now;
+      profile.add_ns += Ns(s.mark, now);
+      s.mark = now;
     }
     char* base = e.acc.get();
     PostPhase(
-        e, 1, [&](int) { return std::make_pair(acc, static_cast<size_t>(n) * w); },
+        s, 1, [&](int) { return std::make_pair(acc, static_cast<size_t>(n) * w); },
         [&](int p) {
-          auto c = Chunk(e, p);
+          auto c = Chunk(s, p);
           return std::make_pair(base + c.first * w, static_cast<size_t>(c.second - c.first) * w);
         });
     return false;
@@ -520,15 +491,15 @@ class Engine {
     }
   }
 
-  bool CheckReceives(Exchange& e, std::vector<MPI_Status>& statuses, std::string* why) {
-    for (size_t i = 0; i < e.requests.size(); ++i) {
-      if (e.expected_bytes[i] < 0) continue;
+  bool CheckReceives(Segment& s, std::vector<MPI_Status>& statuses, std::string* why) {
+    for (size_t i = 0; i < s.requests.size(); ++i) {
+      if (s.expected_bytes[i] < 0) continue;
       int got = 0;
       MPI_Get_count(&statuses[i], MPI_BYTE, &got);
-      if (got != e.expected_bytes[i]) {
-        *why = "exchange " + std::to_string(e.ordinal) + ": rank " +
+      if (got != s.expected_bytes[i]) {
+        *why = "exchange " + std::to_string(s.exchange->ordinal) + ": rank " +
                std::to_string(statuses[i].MPI_SOURCE) + " sent " + std::to_string(got) +
-               " bytes where " + std::to_string(e.expected_bytes[i]) +
+               " bytes where " + std::to_string(s.expected_bytes[i]) +
                " were expected: the processes run different exchanges (different "
                "programs or shapes)";
         return false;
@@ -544,12 +515,13 @@ class Engine {
     std::abort();
   }
 
-  void CheckDeadlines(const std::vector<std::shared_ptr<Exchange>>& active) {
+  void CheckDeadlines(const std::vector<std::shared_ptr<Segment>>& active) {
     auto now = Clock::now();
     auto too_old = [&](const Exchange& e) {
       return std::chrono::duration<double>(now - e.since).count() > timeout_s_;
     };
-    for (auto& e : active) {
+    for (auto& s : active) {
+      const auto& e = s->exchange;
       if (too_old(*e)) {
         Abort("native exchange " + std::to_string(e->ordinal) + " (call " +
               std::to_string(e->seq) + ") waited over " + std::to_string(int(timeout_s_)) +
@@ -573,37 +545,33 @@ class Engine {
   }
 
   void RunLoop(std::deque<std::shared_ptr<Exchange>>& stranded) {
-    std::vector<std::shared_ptr<Exchange>> active;
+    std::vector<std::shared_ptr<Segment>> active;
     std::vector<MPI_Status> statuses;
     int idle_polls = 0;
     auto last_check = Clock::now();
     while (true) {
-      std::deque<std::shared_ptr<Exchange>> fresh;
+      std::deque<std::shared_ptr<Segment>> fresh;
       {
         std::unique_lock<std::mutex> lock(mu_);
-        if (active.empty() && queue_.empty() && !stop_) {
+        if (active.empty() && queue_.empty() && (!stop_ || launching_ > 0)) {
           cv_.wait_for(lock, std::chrono::milliseconds(200));
         }
-        if (stop_ && active.empty()) {
-          // Exchanges never started would leave their steps waiting forever:
-          // complete them with an error instead.
-          stranded.swap(queue_);
+        if (stop_ && active.empty() && queue_.empty() && launching_ == 0) {
+          // Exchanges some local device never posted would leave the others
+          // waiting forever: complete them with an error instead.
           for (auto& entry : forming_) stranded.push_back(entry.second);
           forming_.clear();
           break;
         }
-        fresh.swap(queue_);
+        fresh.swap(queue_);  // segments whose MPI the launching thread posted
       }
-      for (auto& e : fresh) {
-        Begin(*e);
-        active.push_back(std::move(e));
-      }
+      for (auto& s : fresh) active.push_back(std::move(s));
       bool progressed = !fresh.empty();
       for (size_t i = 0; i < active.size();) {
-        Exchange& e = *active[i];
+        Segment& s = *active[i];
         int flag = 0;
-        statuses.resize(e.requests.size());
-        MPI_Testall(static_cast<int>(e.requests.size()), e.requests.data(), &flag,
+        statuses.resize(s.requests.size());
+        MPI_Testall(static_cast<int>(s.requests.size()), s.requests.data(), &flag,
                     statuses.data());
         if (!flag) {
           ++i;
@@ -611,9 +579,10 @@ class Engine {
         }
         progressed = true;
         std::string why;
-        if (!CheckReceives(e, statuses, &why)) Abort(why);
-        if (Advance(e)) {
-          Finish(active[i]);
+        if (!CheckReceives(s, statuses, &why)) Abort(why);
+        if (Advance(s)) {
+          segments_completed_.fetch_add(1);
+          if (s.exchange->segments_left.fetch_sub(1) == 1) Finish(s.exchange);
           active[i] = active.back();
           active.pop_back();
         } else {
@@ -654,9 +623,13 @@ class Engine {
   double timeout_s_ = 600;
   std::vector<std::map<int64_t, uint64_t>> next_seq_;
   std::map<std::pair<int64_t, uint64_t>, std::shared_ptr<Exchange>> forming_;
-  std::deque<std::shared_ptr<Exchange>> queue_;
+  std::deque<std::shared_ptr<Segment>> queue_;
+  int launching_ = 0;  // exchanges whose segments are still being posted
+  int max_segments_ = 1;  // segments per exchange at most (fixed at start: tags)
+  std::atomic<int64_t> segment_bytes_{0};  // wire bytes per segment; <= 0: whole
   std::thread thread_;
   std::atomic<int64_t> completed_{0};
+  std::atomic<int64_t> segments_completed_{0};  // pieces that crossed processes
   BufferPool pool_;
   Completions completions_;
   Tracer tracer_;
@@ -719,6 +692,10 @@ const char* jdist_last_error(void) { return jdist::TheEngine().last_error(); }
 int64_t jdist_completed(void) { return jdist::TheEngine().completed(); }
 int64_t jdist_trace_take(int64_t* rows, int64_t max_rows) {
   return jdist::TheEngine().TakeTrace(rows, max_rows);
+}
+int64_t jdist_segments_completed(void) { return jdist::TheEngine().segments_completed(); }
+int64_t jdist_set_segment_bytes(int64_t bytes) {
+  return jdist::TheEngine().SetSegmentBytes(bytes);
 }
 void jdist_post(int device, int64_t ordinal, int kind, int elem, int64_t count, const void* in,
                 void* out, JdistDone done, void* arg) {

@@ -8,8 +8,10 @@
 // times each local device has posted that ordinal before. Every local
 // device posts its part; once all have, the engine reduces them locally and
 // runs the cross-process part with non-blocking point-to-point MPI on a
-// communicator of its own, tagged by ordinal. Nothing waits for another
-// exchange, so exchanges may run in any order on any device.
+// communicator of its own, tagged by ordinal (and segment: a large sum
+// crosses in pieces, each sent as soon as it is reduced locally). Nothing
+// waits for another exchange, so exchanges may run in any order on any
+// device.
 #ifndef JDIST_COLLECTIVES_NATIVE_ENGINE_H_
 #define JDIST_COLLECTIVES_NATIVE_ENGINE_H_
 
@@ -58,9 +60,19 @@ const char* jdist_last_error(void);
 // Exchanges completed since start (for tests and benchmarks).
 int64_t jdist_completed(void);
 
+// Segments (engine.cc) that crossed processes since start.
+int64_t jdist_segments_completed(void);
+
 // With JDIST_NATIVE_TRACE set, moves up to `max_rows` rows of the exchange
 // timeline (trace.h's columns, 8 int64 each) into `rows`; returns how many.
 int64_t jdist_trace_take(int64_t* rows, int64_t max_rows);
+
+// Sets how many wire bytes of a sum cross processes as one segment (a
+// reduce-scatter and all-gather of their own, pipelined with the local
+// reduction of the next); <= 0 sends each sum whole. Every process must use
+// the same value for an exchange (set it between steps). Starts from
+// $JDIST_NATIVE_SEGMENT_BYTES, else 4 MiB. Returns the previous value.
+int64_t jdist_set_segment_bytes(int64_t bytes);
 
 // Posts local device `device`'s part of an exchange: `count` elements of
 // `elem` at `in`; the result goes to `out` (count elements for sums,
