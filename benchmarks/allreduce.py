@@ -24,7 +24,9 @@ Variants, interleaved at each size in one job:
     paid once per training step and measured by the step-overhead section)
     spread over the eight.
 
-Rows hold the buffer size per replica (`bytes`), the replica count and the
+Rows hold the buffer size per replica (`bytes`), the replica count, the
+ranks taking part in the variant's all-reduce (`participants`: every replica
+for jdist, one rank per process for MPI and mpi4jax, 1 for memcpy) and the
 median time; bandwidths are computed by the driver (`analysis`).
 """
 
@@ -154,8 +156,12 @@ def measure_size(ctx, nbytes: int) -> list[dict]:
   rows = []
   for name, times in series.items():
     per_call = CHAIN if name.endswith("_x8") else 1
+    # Host baselines reduce over one rank per process; jdist over every replica.
+    participants = (topo.replica_count if name in routes else
+                    1 if name == "memcpy" else topo.process_count)
     rows.append({"variant": name, "route": routes.get(name, "host"), "bytes": nbytes,
-                 "replicas": topo.replica_count, "processes": topo.process_count,
+                 "replicas": topo.replica_count, "participants": participants,
+                 "processes": topo.process_count,
                  "backend": topo.backend, "per_call": per_call,
                  **times.per(per_call).as_dict()})
   return rows

@@ -114,8 +114,10 @@ def _allreduce(summary: dict) -> list[str]:
   jobs = sorted({r["job"] for r in rows})
   lines = ["## 1. All-reduce bandwidth (float32)", "",
            "Time per all-reduce (ms), bus bandwidth 2(P-1)/P x bytes/time (GB/s, P = "
-           "replicas; memcpy: bytes/time) and time / raw MPI `Allreduce` time in the same "
-           "job. First one all-reduce per call; then eight in a row per call (`*_x8`: a "
+           "the ranks taking part: every replica for jdist, one rank per process for MPI "
+           "and mpi4jax; memcpy: bytes/time) and time / raw MPI `Allreduce` time in the "
+           "same job (in a job with several devices per process, MPI's all-reduce spans "
+           "the processes only: bus bandwidths compare the two, times do not). First one all-reduce per call; then eight in a row per call (`*_x8`: a "
            "Python loop for MPI, one jitted step otherwise), timed per all-reduce and "
            "compared with MPI's eight, so a jitted call's fixed launch cost is spread as "
            "in a training step that reduces several buckets.", ""]
@@ -126,6 +128,16 @@ def _allreduce(summary: dict) -> list[str]:
     chained = [r for r in mine if r.get("per_call", 1) > 1]
     if chained:
       lines += ["Eight per call:", ""] + _allreduce_table(chained)
+  pairs = summary.get("rank_per_replica", [])
+  if pairs:
+    lines += ["### Several devices per process against one rank per replica", "",
+              "jdist's all-reduce over P processes x D devices against raw MPI's over "
+              "P x D ranks of one device each (the layout a user would otherwise run; a "
+              "separate job of this run, so not interleaved).", ""]
+    lines += table(["jdist job", "size", "per call", "jdist ms", "MPI job", "MPI ms",
+                    "jdist / MPI"],
+                   [[p["job"], size(p["bytes"]), p["per_call"], ms(p["jdist_s"]),
+                     p["mpi_job"], ms(p["mpi_s"]), num(p["ratio"])] for p in pairs])
   return lines
 
 

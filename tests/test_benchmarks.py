@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from benchmarks import analysis
 from tests import launch
 
 SECTIONS = ("allreduce", "half", "overhead", "compression", "selection", "scaling")
@@ -98,3 +99,27 @@ def test_quick_run_has_a_network_section_or_says_why_not(quick_results):
       rows = json.load(f)["summary"]["rows"]
     assert {"compute", "plain", "fp16", "mpi_f32"} <= {r["variant"] for r in rows}
     assert all(r["step_s"] > 0 for r in rows)
+
+
+def _reduce_row(variant, time_s, *, replicas, processes, participants, per_call=1):
+  return {"variant": variant, "route": "host", "bytes": 16 << 20, "replicas": replicas,
+          "processes": processes, "participants": participants, "per_call": per_call,
+          "backend": "mpi", "time_s": time_s}
+
+
+def test_bus_bandwidth_counts_the_ranks_each_all_reduce_spans():
+  jobs = [{"job": "2x2", "sections": {"allreduce": {"rows": [
+              _reduce_row("mpi", 0.010, replicas=4, processes=2, participants=2),
+              _reduce_row("jdist_psum", 0.015, replicas=4, processes=2, participants=4)]}}},
+          {"job": "4x1", "sections": {"allreduce": {"rows": [
+              _reduce_row("mpi", 0.030, replicas=4, processes=4, participants=4)]}}}]
+  summary = analysis.summarize(jobs)
+  rows = {(r["job"], r["variant"]): r for r in summary["allreduce"]}
+  # 2 ranks: 1.0 x bytes/time; 4 replicas: 1.5 x bytes/time.
+  assert rows[("2x2", "mpi")]["busbw_GBps"] == pytest.approx((16 << 20) / 0.010 / 1e9)
+  assert rows[("2x2", "jdist_psum")]["busbw_vs_mpi"] == pytest.approx(1.5 * 0.010 / 0.015)
+  assert rows[("2x2", "jdist_psum")]["vs_mpi"] == pytest.approx(1.5)
+  target = next(t for t in summary["targets"] if t["where"] == "2x2 16 MB")
+  assert target["bound"] == analysis.MULTI_DEVICE_BANDWIDTH_BOUND and target["met"]
+  [pair] = summary["rank_per_replica"]
+  assert pair["mpi_job"] == "4x1" and pair["ratio"] == pytest.approx(0.5)
