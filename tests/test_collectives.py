@@ -230,3 +230,23 @@ def test_host_exchanges_of_a_step_are_chained_in_trace_order():
 
   assert depends_on(callbacks[1], callbacks[0]) and depends_on(callbacks[2], callbacks[1])
   assert not depends_on(callbacks[0], callbacks[1])
+
+
+def test_means_of_floats_near_the_largest_float32_do_not_overflow(topo):
+  # 32-bit floats are scaled before the sum: every replica's 3e38 averages to
+  # 3e38, where a sum first would overflow to inf. 16-bit floats are divided
+  # after the sum (their small values would underflow first).
+  tx = jdist.allreduce()
+
+  @jdist.data_parallel
+  def step(ids):
+    tree = {"f32": jnp.full((5,), 3e38, jnp.float32) + 0 * ids,
+            "f16": (ids * jnp.ones(3)).astype(jnp.float16)}
+    return tx.update(tree, tx.init(tree))[0], jdist.pmean(tree)
+
+  averaged, pmeaned = step(_replica_ids(topo))
+  mean_id = (topo.replica_count - 1) / 2
+  for result in (averaged, pmeaned):
+    np.testing.assert_allclose(result["f32"], np.full((topo.local_device_count, 5), 3e38),
+                               rtol=1e-6)
+    np.testing.assert_allclose(result["f16"].astype(np.float32), mean_id, rtol=1e-3)
