@@ -342,13 +342,6 @@ class Engine {
     SumParts(e.elem, ins, out, n);
   }
 
-  template <typename T>
-  static void AddInto(char* acc_raw, const char* other_raw, int64_t n) {
-    T* acc = reinterpret_cast<T*>(acc_raw);
-    const T* other = reinterpret_cast<const T*>(other_raw);
-    for (int64_t i = 0; i < n; ++i) acc[i] += other[i];
-  }
-
   // Sends to / receives from every peer; `send(p)` and `recv(p)` give the
   // (pointer, bytes) of each.
   template <typename S, typename R>
@@ -426,15 +419,7 @@ class Engine {
     } else {
       for (int p = 0; p < size_; ++p) {
         if (p == rank_) continue;
-        const char* other = s.recv.get() + p * per_bytes;
-        switch (e.elem) {
-          case JDIST_F32: AddInto<float>(acc, other, n); break;
-          case JDIST_F64: AddInto<double>(acc, other, n); break;
-          case JDIST_I32: AddInto<int32_t>(acc, other, n); break;
-          case JDIST_I64: AddInto<int64_t>(acc, other, n); break;
-          case JDIST_U32: AddInto<uint32_t>(acc, other, n); break;
-          default: AddInto<uint8_t>(acc, other, n); break;
-        }
+        SumParts(e.elem, {acc, s.recv.get() + p * per_bytes}, acc, n);
       }
     }
     s.recv.reset();

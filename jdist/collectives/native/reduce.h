@@ -20,7 +20,8 @@ inline size_t ElemSize(int elem) {
   }
 }
 
-// out[i] = sum over k of ins[k][i], i < n. `out` may be ins[0].
+// out[i] = sum over k of ins[k][i], i < n. `out` may be ins[0] (each element
+// is read before it is written).
 template <typename T>
 void SumInto(const std::vector<const char*>& ins, char* out_raw, int64_t n) {
   T* out = reinterpret_cast<T*>(out_raw);
