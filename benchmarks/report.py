@@ -117,10 +117,11 @@ def _allreduce(summary: dict) -> list[str]:
            "the ranks taking part: every replica for jdist, one rank per process for MPI "
            "and mpi4jax; memcpy: bytes/time) and time / raw MPI `Allreduce` time in the "
            "same job (in a job with several devices per process, MPI's all-reduce spans "
-           "the processes only: bus bandwidths compare the two, times do not). First one all-reduce per call; then eight in a row per call (`*_x8`: a "
-           "Python loop for MPI, one jitted step otherwise), timed per all-reduce and "
-           "compared with MPI's eight, so a jitted call's fixed launch cost is spread as "
-           "in a training step that reduces several buckets.", ""]
+           "the processes only: bus bandwidths compare the two, times do not). First one "
+           "all-reduce per call; then eight in a row per call (`*_x8`: a Python loop for "
+           "MPI, one jitted step otherwise), timed per all-reduce and compared with MPI's "
+           "eight, so a jitted call's fixed launch cost is spread as in a training step "
+           "that reduces several buckets.", ""]
   for job in jobs:
     mine = [r for r in rows if r["job"] == job]
     lines += [f"### Job {job} ({mine[0]['backend']} backend)", ""]

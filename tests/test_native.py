@@ -62,8 +62,10 @@ def test_segmented_sums_equal_the_host_sum(topo, segment_bytes):
       np.testing.assert_array_equal(np.asarray(value[device], np.float64), expected[name],
                                     err_msg=name)
   if collectives.route() == "native":
-    # Wire bytes / segment_bytes pieces per sum (at least one, at most 32).
-    pieces = sum(min(32, max(1, -(-value.nbytes // topo.local_device_count // segment_bytes)))
+    # Wire bytes / segment_bytes pieces per sum: at least one, at most 32 and
+    # at most one per element.
+    pieces = sum(min(32, value.shape[1],
+                     max(1, -(-value.nbytes // topo.local_device_count // segment_bytes)))
                  for value in inputs.values())
     assert native.segments_completed() - before == pieces
 

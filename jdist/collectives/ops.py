@@ -153,9 +153,8 @@ def exchange(reduce_fn, tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_
   return run(tree)
 
 
-def _scaled_first(x) -> bool:
-  dtype = jnp.result_type(x)
-  return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 4
+def _scaled_first(x: jax.Array) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize >= 4
 
 
 def _averaged(summing, tree: Any, replicas: int) -> Any:

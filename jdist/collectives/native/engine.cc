@@ -254,8 +254,10 @@ class Engine {
     const int64_t segment_bytes = segment_bytes_.load();
     if (e.kind == JDIST_GATHER || size_ == 1 || segment_bytes <= 0) return 1;
     int64_t bytes = e.count * static_cast<int64_t>(WireSize(e));
+    // No empty segments: at most one per element.
+    int64_t most = std::max<int64_t>(1, std::min<int64_t>(max_segments_, e.count));
     return static_cast<int>(
-        std::clamp<int64_t>((bytes + segment_bytes - 1) / segment_bytes, 1, max_segments_));
+        std::clamp<int64_t>((bytes + segment_bytes - 1) / segment_bytes, 1, most));
   }
 
   int Tag(const Segment& s, int phase) const {
