@@ -1,8 +1,7 @@
 """The collective layer: reductions over every replica, fusion, host exchanges."""
 
 import jax
-import jax.extend
-import jax.extend.core as jax_core
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from jdist.collectives import ops
 from jdist.collectives import routes
 from jdist.collectives import transport
 from jdist.runtime import host
+from tests import jaxpr_graph
 
 
 def _replica_ids(topo):
@@ -180,9 +180,6 @@ def test_host_exchanges_of_a_step_are_chained_in_trace_order():
   # process (else a device blocked in MPI and another in a local collective
   # can deadlock), so each exchange's input waits for the previous one's
   # output. Traced only: nothing runs, so any topology can check it.
-  from jdist.collectives import transport  # pylint: disable=import-outside-toplevel
-  # pylint: disable=protected-access
-
   def exchange(x):  # shaped like transport.gather_all on the callback route
     spec = jax.ShapeDtypeStruct((3,), jnp.float32)
     ready = routes.after_previous_exchange(x)
@@ -194,42 +191,12 @@ def test_host_exchanges_of_a_step_are_chained_in_trace_order():
   ones = jnp.ones((1, 3), jnp.float32)
   traced = jax.make_jaxpr(jax.pmap(step, axis_name=transport.DATA_AXIS))(ones, ones, ones)
 
-  def body_with_callbacks(jaxpr):  # pmap nests the step's body in jit / shard_map
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    if any(e.primitive.name == "pure_callback" for e in jaxpr.eqns):
-      return jaxpr
-    for eqn in jaxpr.eqns:
-      if "jaxpr" in eqn.params:
-        found = body_with_callbacks(eqn.params["jaxpr"])
-        if found is not None:
-          return found
-    return None
-
-  inner = body_with_callbacks(traced)
-  produced_by = {}
-  callbacks = []
-  for eqn in inner.eqns:
-    for var in eqn.outvars:
-      produced_by[var] = eqn
-    if eqn.primitive.name == "pure_callback":
-      callbacks.append(eqn)
+  inner = jaxpr_graph.find_body(traced, "pure_callback")  # pmap nests it in jit / shard_map
+  callbacks = jaxpr_graph.equations(inner, "pure_callback")
   assert len(callbacks) == 3
-
-  def depends_on(eqn, target):
-    stack, seen = list(eqn.invars), set()
-    while stack:
-      var = stack.pop()
-      source = None if isinstance(var, jax_core.Literal) else produced_by.get(var)
-      if source is None or id(source) in seen:
-        continue
-      if source is target:
-        return True
-      seen.add(id(source))
-      stack.extend(source.invars)
-    return False
-
-  assert depends_on(callbacks[1], callbacks[0]) and depends_on(callbacks[2], callbacks[1])
-  assert not depends_on(callbacks[0], callbacks[1])
+  assert jaxpr_graph.depends_on(inner, callbacks[1], callbacks[0])
+  assert jaxpr_graph.depends_on(inner, callbacks[2], callbacks[1])
+  assert not jaxpr_graph.depends_on(inner, callbacks[0], callbacks[1])
 
 
 def test_means_of_floats_near_the_largest_float32_do_not_overflow(topo):

@@ -98,6 +98,20 @@ def chain_input(buffer: jax.Array) -> jax.Array:
   return buffer
 
 
+def chain_tail() -> jax.Array | None:
+  """The last exchange of the current trace, as its first entry; None if none.
+
+  Hands the chain across a nested trace (a global step's `shard_map` per
+  reduction): pass it in, `chain_output` it there first, pass the inner
+  tail back out and `chain_output` that.
+  """
+  trace = jax.extend.core.get_opaque_trace_state()
+  for state, last in reversed(_chain()):
+    if state == trace:
+      return last.reshape(-1)[:1]
+  return None
+
+
 def chain_output(out: jax.Array) -> jax.Array:
   """Records `out` as the last exchange of the current trace; returns it."""
   if out.size:
