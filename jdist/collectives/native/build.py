@@ -1,9 +1,9 @@
 """Builds jdist's native exchange: `python -m jdist.collectives.native.build`.
 
-Compiles `engine.cc` (the engine and the CPU FFI handler) with the MPI
-compiler wrapper of the MPI that mpi4py uses (`mpicxx`, from `$MPICXX`, the
-PATH or the Python environment's bin/), against the XLA FFI headers of the
-installed jaxlib (`jax.ffi.include_dir()`), into `_build/` beside this file.
+Compiles `engine.cc` (the engine) and `ffi_cpu.cc` (the CPU FFI handler)
+with the MPI compiler wrapper of the MPI that mpi4py uses (`mpicxx`, from
+`$MPICXX`, the PATH or the Python environment's bin/), against the XLA FFI
+headers of the installed jaxlib (`jax.ffi.include_dir()`), into `_build/` beside this file.
 When a CUDA toolkit is found (`$CUDA_PATH`, /usr/local/cuda, or an `nvcc` on
 PATH), `exchange_cuda.cc` is compiled too, linked to the CPU library.
 
@@ -25,6 +25,8 @@ from jdist.collectives.native import BUILD_DIR
 from jdist.collectives.native import CPU_LIBRARY
 from jdist.collectives.native import CUDA_LIBRARY
 from jdist.collectives.native import HERE
+# The CPU library's translation units: the engine, and the FFI handlers that post to it.
+CPU_SOURCES = ("engine.cc", "ffi_cpu.cc")
 FLAGS = ["-O3", "-DNDEBUG", "-std=c++17", "-fPIC", "-shared", "-pthread", "-Wall"]
 
 
@@ -80,10 +82,10 @@ def build(verbose: bool = False, cuda: bool | None = None) -> list[str]:
   built = []
   partial = CPU_LIBRARY + ".tmp"
   try:
-    _run([mpicxx, *FLAGS, "-isystem", include, os.path.join(HERE, "engine.cc"), "-o", partial],
-         verbose)
+    sources = [os.path.join(HERE, name) for name in CPU_SOURCES]
+    _run([mpicxx, *FLAGS, "-isystem", include, *sources, "-o", partial], verbose)
   except subprocess.CalledProcessError as err:
-    raise RuntimeError(f"compiling engine.cc with {mpicxx} failed ({err})") from None
+    raise RuntimeError(f"compiling {', '.join(CPU_SOURCES)} with {mpicxx} failed ({err})") from None
   os.replace(partial, CPU_LIBRARY)  # atomic: a running job never sees half a library
   built.append(CPU_LIBRARY)
   root = find_cuda() if cuda is not False else None

@@ -1,19 +1,15 @@
-// jdist's native exchange engine and its XLA FFI handler for CPU devices.
+// jdist's native exchange engine (engine.h's C interface): the local half
+// of every exchange, and the thread that progresses the cross-process half
+// (point_to_point.h). The CPU FFI handler (ffi_cpu.cc) and the CUDA one
+// (exchange_cuda.cc) post to it.
 //
 // Why it is shaped this way (see engine.h and docs/topologies.md):
-//  * The FFI handler never blocks: it records its device's part and returns
-//    an ffi::Future. XLA's CPU executor then runs other ready work on that
-//    thread, so an exchange never holds up XLA's own collectives or another
-//    exchange, whatever order the devices reach them in. That is what removes
-//    the deadlock of blocking host callbacks, and the need for more XLA
-//    threads than cores.
-//  * The last local device to post reduces the local parts (plain compute)
-//    segment by segment (4 MiB on the wire by default) and posts each
-//    segment's non-blocking point-to-point MPI as soon as it is reduced:
-//    reduce-scatter by direct sends, float32 adds for 16-bit payloads,
-//    all-gather by direct sends. One engine thread progresses them. Messages
-//    are tagged by the exchange's ordinal and segment, so exchanges that
-//    become ready in a different order on two processes still pair up.
+//  * Posting never blocks: the last local device to post reduces the local
+//    parts (plain compute) segment by segment (4 MiB on the wire by default)
+//    and posts each segment's non-blocking MPI as soon as it is reduced; one
+//    engine thread progresses them. Messages are tagged by the exchange's
+//    ordinal and segment, so exchanges that become ready in a different order
+//    on two processes still pair up.
 //  * A sum runs in device 0's buffer (XLA aliases a sum's output to its
 //    input), so one device per process needs no copy at all; device 0
 //    resumes only after the other devices copied the result out of it.
@@ -29,15 +25,12 @@
 #include <mpi.h>
 #include <sched.h>
 
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -46,95 +39,22 @@
 #include <utility>
 #include <vector>
 
-#include "ffi_types.h"
+#include "exchange.h"
 #include "halfs.h"
+#include "point_to_point.h"
 #include "pools.h"
 #include "reduce.h"
 #include "trace.h"
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
 
 namespace jdist {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-// Where an exchange's time goes, summed over exchanges when JDIST_NATIVE_PROFILE
-// is set (printed by jdist_stop): for tuning, off the hot path otherwise.
-struct Profile {
-  std::atomic<int64_t> skew_ns{0}, local_ns{0}, first_ns{0}, add_ns{0},
-      second_ns{0}, copy_ns{0}, count{0};
-};
-Profile profile;
-const bool profiling = std::getenv("JDIST_NATIVE_PROFILE") != nullptr;
-int64_t Ns(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count();
-}
-
-
-struct Part {
-  const void* in = nullptr;
-  void* out = nullptr;
-  JdistDone done = nullptr;
-  void* arg = nullptr;
-};
-
-// What the local devices posted under one ordinal and call count.
-struct Exchange {
-  int64_t ordinal = 0;
-  uint64_t seq = 0;
-  int kind = 0;
-  int elem = 0;
-  int64_t count = 0;
-  std::vector<Part> parts;
-  std::vector<bool> present;
-  int arrived = 0;
-  Clock::time_point since;
-  std::shared_ptr<char> acc;  // sums: count wire elements; gathers: all replicas
-  std::atomic<int> segments_left{0};
-  Clock::time_point ready_at, mpi_at;  // tracing: last local post, MPI start
-};
-
-// A contiguous piece of an exchange that crosses processes on its own (a
-// reduce-scatter by direct sends, then an all-gather), so that MPI moves one
-// piece while the next is still being reduced locally. A gather is one.
-struct Segment {
-  std::shared_ptr<Exchange> exchange;
-  int index = 0;
-  int64_t begin = 0;  // first element of the exchange in this segment
-  int64_t count = 0;
-  std::shared_ptr<char> recv;  // sums: one chunk per peer
-  std::vector<MPI_Request> requests;
-  std::vector<int> expected_bytes;  // per request, receives only (else -1)
-  int phase = 0;
-  Clock::time_point mark;  // profiling: when the current stage started
-};
 
 class Engine {
  public:
   int Start(int comm_f, int devices, double timeout_s) {
     std::lock_guard<std::mutex> lock(mu_);
     if (running_) return 0;
-    int initialized = 0;
-    MPI_Initialized(&initialized);
-    if (!initialized) return Fail("MPI is not initialized");
-    int provided = 0;
-    MPI_Query_thread(&provided);
-    if (provided != MPI_THREAD_MULTIPLE) return Fail("MPI lacks MPI_THREAD_MULTIPLE");
-    MPI_Comm parent = MPI_Comm_f2c(comm_f);
-    if (MPI_Comm_dup(parent, &comm_) != MPI_SUCCESS) return Fail("MPI_Comm_dup failed");
-    MPI_Comm_rank(comm_, &rank_);
-    MPI_Comm_size(comm_, &size_);
-    void* tag_ub = nullptr;
-    int found = 0;
-    MPI_Comm_get_attr(comm_, MPI_TAG_UB, &tag_ub, &found);
-    tag_ub_ = found ? *static_cast<int*>(tag_ub) : 32767;
-    // Each segment of an exchange has tags of its own; an MPI with few tags
-    // (the standard's minimum is 32767) keeps exchanges whole.
-    max_segments_ = tag_ub_ >= (1 << 24) ? kMaxSegments : 1;
-    const char* segment_env = std::getenv("JDIST_NATIVE_SEGMENT_BYTES");
-    segment_bytes_ = segment_env ? std::atoll(segment_env) : kDefaultSegmentBytes;
+    if (const char* error = wire_.Open(comm_f)) return Fail(error);
     devices_ = devices;
     timeout_s_ = timeout_s;
     next_seq_.assign(devices, {});
@@ -152,19 +72,10 @@ class Engine {
       cv_.notify_all();
     }
     thread_.join();
-    if (profiling && profile.count > 0) {
-      double n = static_cast<double>(profile.count.load()) * 1e3;
-      std::fprintf(stderr,
-                   "jdist native profile, rank %d, %lld exchanges, mean us (segments summed): "
-                   "device skew %.1f, local reduce %.1f, first phase %.1f, add %.1f, second "
-                   "phase %.1f, copy-out per device %.1f\n",
-                   rank_, static_cast<long long>(profile.count.load()), profile.skew_ns / n,
-                   profile.local_ns / n, profile.first_ns / n, profile.add_ns / n,
-                   profile.second_ns / n, profile.copy_ns / n / devices_);
-    }
+    if (profiling) ReportProfile(wire_.rank(), devices_);
     std::lock_guard<std::mutex> lock(mu_);
     running_ = false;
-    MPI_Comm_free(&comm_);
+    wire_.Close();
   }
 
   bool running() {
@@ -175,7 +86,7 @@ class Engine {
   int64_t completed() const { return completed_.load(); }
   int64_t segments_completed() const { return segments_completed_.load(); }
   int64_t TakeTrace(int64_t* rows, int64_t max_rows) { return tracer_.Take(rows, max_rows); }
-  int64_t SetSegmentBytes(int64_t bytes) { return segment_bytes_.exchange(bytes); }
+  int64_t SetSegmentBytes(int64_t bytes) { return wire_.SetSegmentBytes(bytes); }
 
   void Post(int device, int64_t ordinal, int kind, int elem, int64_t count, const void* in,
             void* out, JdistDone done, void* arg) {
@@ -201,16 +112,13 @@ class Engine {
   }
 
  private:
-  static constexpr int kMaxSegments = 32;
-  static constexpr int64_t kDefaultSegmentBytes = 4 << 20;
-
   // Records one device's part; sets `ready` when it completes the local
   // group. Returns an error message, or null. Called with mu_ held.
   const char* Admit(int device, int64_t ordinal, int kind, int elem, int64_t count,
                     const Part& part, std::shared_ptr<Exchange>* ready) {
     if (!running_ || stop_) return "jdist's native exchange engine is not running";
     if (device < 0 || device >= devices_) return "device index out of range";
-    if (ordinal < 0 || 2 * (ordinal + 1) * max_segments_ - 1 > tag_ub_) {
+    if (!wire_.TagsFit(ordinal)) {
       return "exchange ordinal beyond the MPI tag space (too many exchanges traced)";
     }
     uint64_t seq = next_seq_[device][ordinal]++;
@@ -246,40 +154,15 @@ class Engine {
     return -1;
   }
 
-  size_t WireSize(const Exchange& e) const {
-    return e.kind == JDIST_SUM16 ? 2 : ElemSize(e.elem);
-  }
-
-  int SegmentCount(const Exchange& e) const {
-    const int64_t segment_bytes = segment_bytes_.load();
-    if (e.kind == JDIST_GATHER || size_ == 1 || segment_bytes <= 0) return 1;
-    int64_t bytes = e.count * static_cast<int64_t>(WireSize(e));
-    // No empty segments: at most one per element.
-    int64_t most = std::max<int64_t>(1, std::min<int64_t>(max_segments_, e.count));
-    return static_cast<int>(
-        std::clamp<int64_t>((bytes + segment_bytes - 1) / segment_bytes, 1, most));
-  }
-
-  int Tag(const Segment& s, int phase) const {
-    return static_cast<int>(2 * (s.exchange->ordinal * max_segments_ + s.index) + phase);
-  }
-
-  // Elements [first, second) of segment `s` that `process` reduces.
-  std::pair<int64_t, int64_t> Chunk(const Segment& s, int process) const {
-    int64_t per = (s.count + size_ - 1) / size_;
-    int64_t begin = std::min<int64_t>(s.count, per * process);
-    return {s.begin + begin, s.begin + std::min<int64_t>(s.count, begin + per)};
-  }
-
   // On the last local device's thread: reduces the local parts segment by
   // segment and posts each segment's MPI as soon as it is reduced (the
   // engine thread progresses it), so that the first segments are on the
   // wire while the last are still being added.
   void Launch(const std::shared_ptr<Exchange>& e) {
-    const int segments = SegmentCount(*e);
+    const int segments = wire_.SegmentCount(*e);
     e->segments_left = segments;
     Prepare(*e);
-    if (size_ == 1) {
+    if (wire_.size() == 1) {
       ReduceLocal(*e, 0, e->count);
       Finish(e);
       std::lock_guard<std::mutex> lock(mu_);
@@ -298,7 +181,7 @@ class Engine {
       auto reduced = Clock::now();
       if (profiling) profile.local_ns += Ns(start, reduced);
       if (index == 0) e->mpi_at = reduced;
-      Begin(*segment);
+      wire_.Begin(*segment);
       std::lock_guard<std::mutex> lock(mu_);
       queue_.push_back(std::move(segment));
       if (index == segments - 1) --launching_;
@@ -310,9 +193,9 @@ class Engine {
   void Prepare(Exchange& e) {
     if (e.kind == JDIST_GATHER) {
       size_t block = e.count * ElemSize(e.elem);
-      e.acc = pool_.Get(block * devices_ * size_);
+      e.acc = pool_.Get(block * devices_ * wire_.size());
       for (int i = 0; i < devices_; ++i) {
-        std::memcpy(e.acc.get() + (rank_ * devices_ + i) * block, e.parts[i].in, block);
+        std::memcpy(e.acc.get() + (wire_.rank() * devices_ + i) * block, e.parts[i].in, block);
       }
       return;
     }
@@ -344,106 +227,10 @@ class Engine {
     SumParts(e.elem, ins, out, n);
   }
 
-  // Sends to / receives from every peer; `send(p)` and `recv(p)` give the
-  // (pointer, bytes) of each.
-  template <typename S, typename R>
-  void PostPhase(Segment& s, int phase, S send, R recv) {
-    s.phase = phase;
-    s.requests.clear();
-    s.expected_bytes.clear();
-    const int tag = Tag(s, phase);
-    for (int p = 0; p < size_; ++p) {
-      if (p == rank_) continue;
-      auto [ptr, bytes] = recv(p);
-      MPI_Request request;
-      MPI_Irecv(ptr, static_cast<int>(bytes), MPI_BYTE, p, tag, comm_, &request);
-      s.requests.push_back(request);
-      s.expected_bytes.push_back(static_cast<int>(bytes));
-    }
-    for (int p = 0; p < size_; ++p) {
-      if (p == rank_) continue;
-      auto [ptr, bytes] = send(p);
-      MPI_Request request;
-      MPI_Isend(ptr, static_cast<int>(bytes), MPI_BYTE, p, tag, comm_, &request);
-      s.requests.push_back(request);
-      s.expected_bytes.push_back(-1);
-    }
-  }
-
-  void Begin(Segment& s) {
-    if (profiling) s.mark = Clock::now();
-    Exchange& e = *s.exchange;
-    const size_t w = WireSize(e);
-    char* acc = e.acc.get();
-    if (e.kind == JDIST_GATHER) {
-      size_t block = e.count * ElemSize(e.elem) * devices_;
-      PostPhase(s, 1, [&](int) { return std::make_pair(acc + rank_ * block, block); },
-                [&](int p) { return std::make_pair(acc + p * block, block); });
-      return;
-    }
-    auto mine = Chunk(s, rank_);
-    size_t mine_bytes = (mine.second - mine.first) * w;
-    size_t per_bytes = ((s.count + size_ - 1) / size_) * w;
-    s.recv = pool_.Get(per_bytes * size_);
-    char* recv = s.recv.get();
-    PostPhase(
-        s, 0,
-        [&](int p) {
-          auto c = Chunk(s, p);
-          return std::make_pair(acc + c.first * w, static_cast<size_t>(c.second - c.first) * w);
-        },
-        [&](int p) { return std::make_pair(recv + p * per_bytes, mine_bytes); });
-  }
-
-  // Called when every request of the segment's current phase completed.
-  // Returns true when the segment is done.
-  bool Advance(Segment& s) {
-    Exchange& e = *s.exchange;
-    if (profiling) {
-      auto now = Clock::now();
-      (e.kind == JDIST_GATHER || s.phase == 1 ? profile.second_ns : profile.first_ns) +=
-          Ns(s.mark, now);
-      s.mark = now;
-    }
-    if (e.kind == JDIST_GATHER || s.phase == 1) return true;
-    const size_t w = WireSize(e);
-    auto mine = Chunk(s, rank_);
-    int64_t n = mine.second - mine.first;
-    size_t per_bytes = ((s.count + size_ - 1) / size_) * w;
-    char* acc = e.acc.get() + mine.first * w;
-    if (e.kind == JDIST_SUM16) {
-      std::vector<const void*> parts;
-      parts.push_back(acc);
-      for (int p = 0; p < size_; ++p) {
-        if (p != rank_) parts.push_back(s.recv.get() + p * per_bytes);
-      }
-      Sum16(e.elem == JDIST_BF16, parts.data(), static_cast<int>(parts.size()), acc, n);
-    } else {
-      for (int p = 0; p < size_; ++p) {
-        if (p == rank_) continue;
-        SumParts(e.elem, {acc, s.recv.get() + p * per_bytes}, acc, n);
-      }
-    }
-    s.recv.reset();
-    if (profiling) {
-      auto now = Clock::now();
-      profile.add_ns += Ns(s.mark, now);
-      s.mark = now;
-    }
-    char* base = e.acc.get();
-    PostPhase(
-        s, 1, [&](int) { return std::make_pair(acc, static_cast<size_t>(n) * w); },
-        [&](int p) {
-          auto c = Chunk(s, p);
-          return std::make_pair(base + c.first * w, static_cast<size_t>(c.second - c.first) * w);
-        });
-    return false;
-  }
-
   // Copies the result to every device's output (in parallel) and completes.
   void Finish(const std::shared_ptr<Exchange>& e, const char* error = nullptr) {
     size_t bytes = e->kind == JDIST_GATHER
-                       ? e->count * ElemSize(e->elem) * devices_ * size_
+                       ? e->count * ElemSize(e->elem) * devices_ * wire_.size()
                        : e->count * WireSize(*e);
     completed_.fetch_add(1);
     tracer_.Record(e->ordinal, e->seq, e->kind, static_cast<int64_t>(bytes), e->since,
@@ -478,27 +265,10 @@ class Engine {
     }
   }
 
-  bool CheckReceives(Segment& s, std::vector<MPI_Status>& statuses, std::string* why) {
-    for (size_t i = 0; i < s.requests.size(); ++i) {
-      if (s.expected_bytes[i] < 0) continue;
-      int got = 0;
-      MPI_Get_count(&statuses[i], MPI_BYTE, &got);
-      if (got != s.expected_bytes[i]) {
-        *why = "exchange " + std::to_string(s.exchange->ordinal) + ": rank " +
-               std::to_string(statuses[i].MPI_SOURCE) + " sent " + std::to_string(got) +
-               " bytes where " + std::to_string(s.expected_bytes[i]) +
-               " were expected: the processes run different exchanges (different "
-               "programs or shapes)";
-        return false;
-      }
-    }
-    return true;
-  }
-
   [[noreturn]] void Abort(const std::string& what) {
-    std::fprintf(stderr, "jdist: rank %d: %s. Aborting the job.\n", rank_, what.c_str());
+    std::fprintf(stderr, "jdist: rank %d: %s. Aborting the job.\n", wire_.rank(), what.c_str());
     std::fflush(stderr);
-    MPI_Abort(comm_, 1);
+    MPI_Abort(wire_.comm(), 1);
     std::abort();
   }
 
@@ -566,8 +336,8 @@ class Engine {
         }
         progressed = true;
         std::string why;
-        if (!CheckReceives(s, statuses, &why)) Abort(why);
-        if (Advance(s)) {
+        if (!wire_.CheckReceives(s, statuses, &why)) Abort(why);
+        if (wire_.Advance(s)) {
           segments_completed_.fetch_add(1);
           if (s.exchange->segments_left.fetch_sub(1) == 1) Finish(s.exchange);
           active[i] = active.back();
@@ -602,22 +372,17 @@ class Engine {
   bool running_ = false;
   bool stop_ = false;
   std::string error_;
-  MPI_Comm comm_ = MPI_COMM_NULL;
-  int rank_ = 0;
-  int size_ = 1;
-  int tag_ub_ = 32767;
   int devices_ = 1;
   double timeout_s_ = 600;
   std::vector<std::map<int64_t, uint64_t>> next_seq_;
   std::map<std::pair<int64_t, uint64_t>, std::shared_ptr<Exchange>> forming_;
   std::deque<std::shared_ptr<Segment>> queue_;
   int launching_ = 0;  // exchanges whose segments are still being posted
-  int max_segments_ = 1;  // segments per exchange at most (fixed at start: tags)
-  std::atomic<int64_t> segment_bytes_{0};  // wire bytes per segment; <= 0: whole
   std::thread thread_;
   std::atomic<int64_t> completed_{0};
   std::atomic<int64_t> segments_completed_{0};  // pieces that crossed processes
   BufferPool pool_;
+  PointToPoint wire_{&pool_};
   Completions completions_;
   Tracer tracer_;
 };
@@ -627,43 +392,6 @@ Engine& TheEngine() {
   static Engine* engine = new Engine();
   return *engine;
 }
-
-void CompletePromise(void* arg, const char* error) {
-  auto* promise = static_cast<ffi::Promise*>(arg);
-  if (error) {
-    promise->SetError(ffi::Error::Internal(error));
-  } else {
-    promise->SetAvailable();
-  }
-  delete promise;
-}
-
-ffi::Future ExchangeOnHost(ffi::Buffer<ffi::S32> device, ffi::AnyBuffer x,
-                           ffi::Result<ffi::AnyBuffer> y, int64_t ordinal, int32_t kind) {
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  int elem = ElemOf(x.element_type());
-  if (elem < 0 || (kind == JDIST_SUM && elem == JDIST_U8)) {
-    promise.SetError(ffi::Error::InvalidArgument("jdist: unsupported dtype for this exchange"));
-    return future;
-  }
-  // Gathers move bytes: any element type, counted in bytes.
-  int64_t count = x.element_count();
-  if (kind == JDIST_GATHER) {
-    count = static_cast<int64_t>(x.size_bytes());
-    elem = JDIST_U8;
-  }
-  TheEngine().Post(device.typed_data()[0], ordinal, kind, elem, count, x.untyped_data(),
-                   y->untyped_data(), &CompletePromise, new ffi::Promise(promise));
-  return future;
-}
-
-// Returns its inputs, which XLA aliases to its outputs: nothing to do. Its
-// use is the data dependency: every consumer of a step's reduced buckets
-// reads them through one join, so XLA cannot schedule (and reuse memory for)
-// an update between two exchanges, which would make the rest of the backward
-// pass wait for the first exchange.
-ffi::Error JoinOnHost(ffi::RemainingArgs, ffi::RemainingRets) { return ffi::Error::Success(); }
 
 }  // namespace
 }  // namespace jdist
@@ -690,14 +418,3 @@ void jdist_post(int device, int64_t ordinal, int kind, int elem, int64_t count, 
 }
 
 }  // extern "C"
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JdistExchangeCpu, jdist::ExchangeOnHost,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("ordinal")
-                                  .Attr<int32_t>("kind"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JdistJoinCpu, jdist::JoinOnHost,
-                              ffi::Ffi::Bind().RemainingArgs().RemainingRets());

@@ -1,7 +1,7 @@
 // jdist's native cross-process exchange engine: the C interface shared by the
-// CPU library (engine.cc, which holds the engine and the CPU FFI handler) and
-// the CUDA library (exchange_cuda.cc, which stages device buffers through
-// pinned host memory and posts them here).
+// CPU library (engine.cc, which holds the engine, and ffi_cpu.cc, the CPU FFI
+// handler) and the CUDA library (exchange_cuda.cc, which stages device
+// buffers through pinned host memory and posts them here).
 //
 // An exchange is identified by its `ordinal` (unique within one compiled
 // step, fixed at trace time, identical on every process) and by how many
@@ -60,7 +60,7 @@ const char* jdist_last_error(void);
 // Exchanges completed since start (for tests and benchmarks).
 int64_t jdist_completed(void);
 
-// Segments (engine.cc) that crossed processes since start.
+// Segments (exchange.h) that crossed processes since start.
 int64_t jdist_segments_completed(void);
 
 // With JDIST_NATIVE_TRACE set, moves up to `max_rows` rows of the exchange

@@ -1,7 +1,7 @@
 // The CUDA variant of jdist's native exchange: an XLA FFI handler for GPU
 // devices that stages each device's buffer through pinned host memory and
-// hands it to the same engine as the CPU handler (engine.cc), which reduces
-// the local devices' parts and runs MPI across processes.
+// hands it to the same engine as the CPU handler (ffi_cpu.cc); engine.cc
+// reduces the local devices' parts and runs MPI across processes.
 //
 // Unlike the CPU handler it waits for the exchange inside the call: XLA:GPU
 // launches a device's thunks one after the other from one host thread, in

@@ -1,5 +1,5 @@
 // XLA FFI element types as the engine's element codes, shared by the CPU and
-// CUDA handlers (engine.cc, exchange_cuda.cc).
+// CUDA handlers (ffi_cpu.cc, exchange_cuda.cc).
 
 #ifndef JDIST_COLLECTIVES_NATIVE_FFI_TYPES_H_
 #define JDIST_COLLECTIVES_NATIVE_FFI_TYPES_H_

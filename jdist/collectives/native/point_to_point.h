@@ -1,0 +1,224 @@
+// The cross-process half of an exchange (engine.cc holds the local half):
+// each segment of a sum crosses as a reduce-scatter by direct sends, a
+// float32 add (16-bit payloads stay 16-bit on the wire), and an all-gather by
+// direct sends; a gather crosses in one all-gather. Non-blocking
+// point-to-point MPI on a communicator of its own, tagged by the exchange's
+// ordinal, segment and phase, so that exchanges that become ready in a
+// different order on two processes still pair up.
+#ifndef JDIST_COLLECTIVES_NATIVE_POINT_TO_POINT_H_
+#define JDIST_COLLECTIVES_NATIVE_POINT_TO_POINT_H_
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine.h"
+#include "exchange.h"
+#include "halfs.h"
+#include "pools.h"
+#include "reduce.h"
+
+namespace jdist {
+
+class PointToPoint {
+ public:
+  explicit PointToPoint(BufferPool* pool) : pool_(pool) {}
+
+  // Duplicates the communicator given by its Fortran handle. Returns an
+  // error message, or null.
+  const char* Open(int comm_f) {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (!initialized) return "MPI is not initialized";
+    int provided = 0;
+    MPI_Query_thread(&provided);
+    if (provided != MPI_THREAD_MULTIPLE) return "MPI lacks MPI_THREAD_MULTIPLE";
+    if (MPI_Comm_dup(MPI_Comm_f2c(comm_f), &comm_) != MPI_SUCCESS) return "MPI_Comm_dup failed";
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    void* tag_ub = nullptr;
+    int found = 0;
+    MPI_Comm_get_attr(comm_, MPI_TAG_UB, &tag_ub, &found);
+    tag_ub_ = found ? *static_cast<int*>(tag_ub) : 32767;
+    // Each segment of an exchange has tags of its own; an MPI with few tags
+    // (the standard's minimum is 32767) keeps exchanges whole.
+    max_segments_ = tag_ub_ >= (1 << 24) ? kMaxSegments : 1;
+    const char* segment_env = std::getenv("JDIST_NATIVE_SEGMENT_BYTES");
+    segment_bytes_ = segment_env ? std::atoll(segment_env) : kDefaultSegmentBytes;
+    return nullptr;
+  }
+
+  void Close() { MPI_Comm_free(&comm_); }
+
+  MPI_Comm comm() const { return comm_; }
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+  // Whether every tag of exchange `ordinal` fits in the MPI's tag space.
+  bool TagsFit(int64_t ordinal) const {
+    return ordinal >= 0 && 2 * (ordinal + 1) * max_segments_ - 1 <= tag_ub_;
+  }
+
+  int64_t SetSegmentBytes(int64_t bytes) { return segment_bytes_.exchange(bytes); }
+
+  // How many segments exchange `e` crosses in.
+  int SegmentCount(const Exchange& e) const {
+    const int64_t segment_bytes = segment_bytes_.load();
+    if (e.kind == JDIST_GATHER || size_ == 1 || segment_bytes <= 0) return 1;
+    int64_t bytes = e.count * static_cast<int64_t>(WireSize(e));
+    // No empty segments: at most one per element.
+    int64_t most = std::max<int64_t>(1, std::min<int64_t>(max_segments_, e.count));
+    return static_cast<int>(
+        std::clamp<int64_t>((bytes + segment_bytes - 1) / segment_bytes, 1, most));
+  }
+
+  // Posts the segment's first phase, once its elements are reduced locally.
+  void Begin(Segment& s) {
+    if (profiling) s.mark = Clock::now();
+    Exchange& e = *s.exchange;
+    const size_t w = WireSize(e);
+    char* acc = e.acc.get();
+    if (e.kind == JDIST_GATHER) {
+      size_t block = e.count * ElemSize(e.elem) * e.parts.size();
+      PostPhase(s, 1, [&](int) { return std::make_pair(acc + rank_ * block, block); },
+                [&](int p) { return std::make_pair(acc + p * block, block); });
+      return;
+    }
+    auto mine = Chunk(s, rank_);
+    size_t mine_bytes = (mine.second - mine.first) * w;
+    size_t per_bytes = ((s.count + size_ - 1) / size_) * w;
+    s.recv = pool_->Get(per_bytes * size_);
+    char* recv = s.recv.get();
+    PostPhase(
+        s, 0,
+        [&](int p) {
+          auto c = Chunk(s, p);
+          return std::make_pair(acc + c.first * w, static_cast<size_t>(c.second - c.first) * w);
+        },
+        [&](int p) { return std::make_pair(recv + p * per_bytes, mine_bytes); });
+  }
+
+  // Called when every request of the segment's current phase completed:
+  // adds the peers' chunks and posts the all-gather. Returns true when the
+  // segment is done.
+  bool Advance(Segment& s) {
+    Exchange& e = *s.exchange;
+    if (profiling) {
+      auto now = Clock::now();
+      (e.kind == JDIST_GATHER || s.phase == 1 ? profile.second_ns : profile.first_ns) +=
+          Ns(s.mark, now);
+      s.mark = now;
+    }
+    if (e.kind == JDIST_GATHER || s.phase == 1) return true;
+    const size_t w = WireSize(e);
+    auto mine = Chunk(s, rank_);
+    int64_t n = mine.second - mine.first;
+    size_t per_bytes = ((s.count + size_ - 1) / size_) * w;
+    char* acc = e.acc.get() + mine.first * w;
+    if (e.kind == JDIST_SUM16) {
+      std::vector<const void*> parts;
+      parts.push_back(acc);
+      for (int p = 0; p < size_; ++p) {
+        if (p != rank_) parts.push_back(s.recv.get() + p * per_bytes);
+      }
+      Sum16(e.elem == JDIST_BF16, parts.data(), static_cast<int>(parts.size()), acc, n);
+    } else {
+      for (int p = 0; p < size_; ++p) {
+        if (p == rank_) continue;
+        SumParts(e.elem, {acc, s.recv.get() + p * per_bytes}, acc, n);
+      }
+    }
+    s.recv.reset();
+    if (profiling) {
+      auto now = Clock::now();
+      profile.add_ns += Ns(s.mark, now);
+      s.mark = now;
+    }
+    char* base = e.acc.get();
+    PostPhase(
+        s, 1, [&](int) { return std::make_pair(acc, static_cast<size_t>(n) * w); },
+        [&](int p) {
+          auto c = Chunk(s, p);
+          return std::make_pair(base + c.first * w, static_cast<size_t>(c.second - c.first) * w);
+        });
+    return false;
+  }
+
+  // Whether every receive of the completed phase got the bytes expected;
+  // otherwise says why in `why` (the processes run different programs).
+  bool CheckReceives(const Segment& s, const std::vector<MPI_Status>& statuses,
+                     std::string* why) const {
+    for (size_t i = 0; i < s.requests.size(); ++i) {
+      if (s.expected_bytes[i] < 0) continue;
+      int got = 0;
+      MPI_Get_count(&statuses[i], MPI_BYTE, &got);
+      if (got != s.expected_bytes[i]) {
+        *why = "exchange " + std::to_string(s.exchange->ordinal) + ": rank " +
+               std::to_string(statuses[i].MPI_SOURCE) + " sent " + std::to_string(got) +
+               " bytes where " + std::to_string(s.expected_bytes[i]) +
+               " were expected: the processes run different exchanges (different "
+               "programs or shapes)";
+        return false;
+      }
+    }
+    return true;
+  }
+
+ private:
+  static constexpr int kMaxSegments = 32;
+  static constexpr int64_t kDefaultSegmentBytes = 4 << 20;
+
+  int Tag(const Segment& s, int phase) const {
+    return static_cast<int>(2 * (s.exchange->ordinal * max_segments_ + s.index) + phase);
+  }
+
+  // Elements [first, second) of segment `s` that `process` reduces.
+  std::pair<int64_t, int64_t> Chunk(const Segment& s, int process) const {
+    int64_t per = (s.count + size_ - 1) / size_;
+    int64_t begin = std::min<int64_t>(s.count, per * process);
+    return {s.begin + begin, s.begin + std::min<int64_t>(s.count, begin + per)};
+  }
+
+  // Sends to / receives from every peer; `send(p)` and `recv(p)` give the
+  // (pointer, bytes) of each.
+  template <typename S, typename R>
+  void PostPhase(Segment& s, int phase, S send, R recv) {
+    s.phase = phase;
+    s.requests.clear();
+    s.expected_bytes.clear();
+    const int tag = Tag(s, phase);
+    // Receives are posted first, so a peer's send finds its buffer ready.
+    for (bool receive : {true, false}) {
+      for (int p = 0; p < size_; ++p) {
+        if (p == rank_) continue;
+        auto [ptr, bytes] = receive ? recv(p) : send(p);
+        MPI_Request request;
+        if (receive) {
+          MPI_Irecv(ptr, static_cast<int>(bytes), MPI_BYTE, p, tag, comm_, &request);
+        } else {
+          MPI_Isend(ptr, static_cast<int>(bytes), MPI_BYTE, p, tag, comm_, &request);
+        }
+        s.requests.push_back(request);
+        s.expected_bytes.push_back(receive ? static_cast<int>(bytes) : -1);
+      }
+    }
+  }
+
+  BufferPool* pool_;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 1;
+  int tag_ub_ = 32767;
+  int max_segments_ = 1;  // segments per exchange at most (fixed at open: tags)
+  std::atomic<int64_t> segment_bytes_{0};  // wire bytes per segment; <= 0: whole
+};
+
+}  // namespace jdist
+
+#endif  // JDIST_COLLECTIVES_NATIVE_POINT_TO_POINT_H_
