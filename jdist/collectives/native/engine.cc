@@ -1,7 +1,8 @@
-// jdist's native exchange engine (engine.h's C interface): the local half
-// of every exchange, and the thread that progresses the cross-process half
-// (point_to_point.h). The CPU FFI handler (ffi_cpu.cc) and the CUDA one
-// (exchange_cuda.cc) post to it.
+// jdist's native exchange engine (engine.h's C interface): it collects each
+// exchange's parts from the local devices, runs the local half (local.h) on
+// the last device to post, progresses the cross-process half
+// (point_to_point.h) on a thread of its own, and completes every device. The
+// CPU FFI handler (ffi_cpu.cc) and the CUDA one (exchange_cuda.cc) post to it.
 //
 // Why it is shaped this way (see engine.h and docs/topologies.md):
 //  * Posting never blocks: the last local device to post reduces the local
@@ -40,7 +41,7 @@
 #include <vector>
 
 #include "exchange.h"
-#include "halfs.h"
+#include "local.h"
 #include "point_to_point.h"
 #include "pools.h"
 #include "reduce.h"
@@ -161,7 +162,7 @@ class Engine {
   void Launch(const std::shared_ptr<Exchange>& e) {
     const int segments = wire_.SegmentCount(*e);
     e->segments_left = segments;
-    Prepare(*e);
+    Prepare(*e, &pool_, wire_.rank(), wire_.size());
     if (wire_.size() == 1) {
       ReduceLocal(*e, 0, e->count);
       Finish(e);
@@ -189,44 +190,6 @@ class Engine {
     }
   }
 
-  // Where the exchange's result is assembled; gathers copy every part in.
-  void Prepare(Exchange& e) {
-    if (e.kind == JDIST_GATHER) {
-      size_t block = e.count * ElemSize(e.elem);
-      e.acc = pool_.Get(block * devices_ * wire_.size());
-      for (int i = 0; i < devices_; ++i) {
-        std::memcpy(e.acc.get() + (wire_.rank() * devices_ + i) * block, e.parts[i].in, block);
-      }
-      return;
-    }
-    // XLA aliases a sum's output to its input, so device 0's buffer can hold
-    // the sum: the parts are added element by element (reading each before
-    // writing it), and device 0 then needs no copy in or out (one device:
-    // the exchange runs in place).
-    const Part& first = e.parts[0];
-    if (first.in == first.out) {
-      e.acc = std::shared_ptr<char>(static_cast<char*>(first.out), [](char*) {});
-    } else {
-      e.acc = pool_.Get(e.count * WireSize(e));
-    }
-  }
-
-  // Sums elements [begin, begin + n) of the local parts into the result.
-  void ReduceLocal(Exchange& e, int64_t begin, int64_t n) {
-    if (e.kind == JDIST_GATHER) return;  // copied in by Prepare
-    const size_t w = WireSize(e);  // the element size too: 16-bit in, 16-bit out
-    char* out = e.acc.get() + begin * w;
-    std::vector<const char*> ins(devices_);
-    for (int i = 0; i < devices_; ++i) ins[i] = static_cast<const char*>(e.parts[i].in) + begin * w;
-    if (devices_ == 1 && ins[0] == out) return;  // in place
-    if (e.kind == JDIST_SUM16) {
-      std::vector<const void*> halves(ins.begin(), ins.end());
-      Sum16(e.elem == JDIST_BF16, halves.data(), devices_, out, n);
-      return;
-    }
-    SumParts(e.elem, ins, out, n);
-  }
-
   // Copies the result to every device's output (in parallel) and completes.
   void Finish(const std::shared_ptr<Exchange>& e, const char* error = nullptr) {
     size_t bytes = e->kind == JDIST_GATHER
@@ -241,7 +204,7 @@ class Engine {
       if (part.done == nullptr) return;  // a device that never posted (stranded)
       part.done(part.arg, message.empty() ? nullptr : message.c_str());
     };
-    // Where device 0's output holds the result (ReduceLocal), its program may
+    // Where device 0's output holds the result (local.h), its program may
     // overwrite that buffer as soon as it resumes: it resumes once every other
     // device has copied from it, in a task of its own (a resumed device may
     // block in an XLA collective until the others resume too).
