@@ -57,6 +57,16 @@ def plan_buckets(leaves: Sequence[Any], bucket_bytes: int = DEFAULT_BUCKET_BYTES
   the cap by its last leaf); each dtype's first bucket is capped at
   `first_bucket_bytes`, to start exchanging early.
 
+  A leaf that alone reaches the cap travels alone, after the smaller leaves
+  collected before it (ready earlier, they leave first): it gains nothing
+  from company and costs no copy (`pack` of one leaf is a reshape). Packed
+  with small leaves, XLA:CPU fused its producers and the concatenation into
+  one loop that, split over more than one thread, ran every small leaf's
+  masked loop over the whole buffer (measured, jax 0.10.2: 18.5 ms to pack
+  a 6.8M-float bucket with NPROC=2 against 2.0 ms with NPROC=1; the 2x1
+  10M-parameter MLP step took 154-159 ms against 59-60 ms with big leaves
+  alone, compute 38-43 ms).
+
   Args:
     leaves: arrays or shape/dtype structs.
     bucket_bytes: the cap of every bucket but the first of each dtype.
@@ -80,9 +90,15 @@ def plan_buckets(leaves: Sequence[Any], bucket_bytes: int = DEFAULT_BUCKET_BYTES
     leaf = leaves[leaf_id]
     dtype = np.dtype(leaf.dtype)
     size = math.prod(leaf.shape)
+    cap = bucket_bytes if any(b.dtype == dtype for b in done) else first_cap
+    if size * dtype.itemsize >= cap:
+      ids, sizes, _ = open_buckets.pop(dtype, ([], [], 0))
+      if ids:  # leaves from later layers: ready first, they leave first
+        done.append(Bucket(dtype, tuple(ids), tuple(sizes)))
+      done.append(Bucket(dtype, (leaf_id,), (size,)))  # alone: no copy into a bucket
+      continue
     ids, sizes, nbytes = open_buckets.get(dtype, ([], [], 0))
     ids, sizes, nbytes = ids + [leaf_id], sizes + [size], nbytes + size * dtype.itemsize
-    cap = bucket_bytes if any(b.dtype == dtype for b in done) else first_cap
     if nbytes >= cap:
       done.append(Bucket(dtype, tuple(ids), tuple(sizes)))
       ids, sizes, nbytes = [], [], 0

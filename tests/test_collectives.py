@@ -161,6 +161,18 @@ def test_plan_buckets_cuts_last_leaf_first_with_a_small_first_bucket():
       fusion.plan_buckets(leaves, **bad)
 
 
+def test_plan_buckets_sends_a_leaf_that_fills_a_bucket_alone_after_the_leaves_before_it():
+  # Reversed: leaf 3 (40 bytes) is collected, leaf 2 (400 bytes) reaches the
+  # first cap alone, so leaf 3 leaves first and leaf 2 goes uncopied; leaf 1
+  # reaches the 160-byte cap alone too; leaf 0 stays small.
+  leaves = [jnp.ones(5), jnp.ones(40), jnp.ones(100), jnp.ones(10)]
+  buckets = fusion.plan_buckets(leaves, bucket_bytes=160, first_bucket_bytes=100)
+  assert [b.leaf_ids for b in buckets] == [(3,), (2,), (1,), (0,)]
+  big = buckets[1]
+  packed = jax.make_jaxpr(lambda *ls: fusion.pack(ls, big))(*leaves)
+  assert "concatenate" not in str(packed)
+
+
 def test_pack_unpack_and_ravel_round_trip():
   tree = {"a": jnp.arange(6.0).reshape(2, 3), "b": jnp.arange(4, dtype=jnp.bfloat16)}
   spec = fusion.flat_spec(tree)
