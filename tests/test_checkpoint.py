@@ -243,15 +243,21 @@ def test_fault_sigkill_during_save_keeps_previous_checkpoint(topo, shared_dir):
   assert manager.restore(template)[1] == {"step": 2}
 
 
+def _other_replica_count() -> int:
+  """A replica count unlike this job's: 3, or 5 where the job has 3."""
+  return 5 if jdist.init().replica_count == 3 else 3
+
+
 @pytest.fixture(scope="module")
 def other_world():
-  """Checkpoints written by a 1 process x 3 devices job (no topology here has 3)."""
+  """Checkpoints written by a 1 process x `_other_replica_count()` devices job."""
   directory = tempfile.mkdtemp(prefix="jdist_ckpt_world_") if jdist.init().is_primary else None
   directory = host.allgather_object(directory)[0]
+  count = _other_replica_count()
 
   def write():
-    done = launch.python([WRITER, "world", directory], devices=3, timeout=120)
-    assert done.returncode == 0 and "WROTE 3 replicas" in done.stdout, (
+    done = launch.python([WRITER, "world", directory], devices=count, timeout=120)
+    assert done.returncode == 0 and f"WROTE {count} replicas" in done.stdout, (
         done.stdout + done.stderr[-3000:])
 
   _on_rank0(write)
@@ -260,8 +266,9 @@ def other_world():
 
 
 def test_equal_replicas_reshard_into_another_world_size(topo, other_world, caplog):
+  count = _other_replica_count()
   manager = CheckpointManager(os.path.join(other_world, "identical"))
-  assert manager.read_metadata()["replica_count"] == 3
+  assert manager.read_metadata()["replica_count"] == count
   template = ckpt_writer.world_state(per_replica=False)
   caplog.clear()
   with caplog.at_level(logging.WARNING, logger="jdist.checkpoint"):
@@ -269,19 +276,20 @@ def test_equal_replicas_reshard_into_another_world_size(topo, other_world, caplo
   assert meta == {"step": 7, "model": "dense"}
   _assert_same_replicas(state, template)
   if topo.is_primary:
-    assert "written by 3 replicas" in caplog.text and "replica 0's copy" in caplog.text
+    assert f"written by {count} replicas" in caplog.text and "replica 0's copy" in caplog.text
 
 
 def test_per_replica_state_refuses_another_world_size(topo, other_world):
+  count = _other_replica_count()
   manager = CheckpointManager(os.path.join(other_world, "per_replica"))
   template = ckpt_writer.world_state(per_replica=False)
   with pytest.raises(errors.CheckpointError) as caught:
     manager.restore(template)
   message = str(caught.value)
-  assert "written by 3 replicas (1 processes x 3 devices)" in message
+  assert f"written by {count} replicas (1 processes x {count} devices)" in message
   assert "opt_state" in message and "trace" in message  # names a per-replica leaf
   assert f"this run's {topo.replica_count} replicas" in message
-  assert "jdist.sync_params" in message and "Resume with 3 replicas" in message
+  assert "jdist.sync_params" in message and f"Resume with {count} replicas" in message
 
 
 def test_other_model_names_first_differing_leaf(topo, shared_dir):

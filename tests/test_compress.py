@@ -184,7 +184,7 @@ def test_compressors_compose_with_optimizers_and_multisteps(topo, inner, mode):
   assert max(jax.tree.leaves(moved)) > 0
 
 
-def test_topk_one_percent_sends_under_three_percent_of_dense_bytes(topo):
+def test_topk_one_percent_sends_one_percent_per_process_of_dense_bytes(topo):
   size = 1 << 20  # a 1M-parameter gradient
   grads = {"w": np.random.default_rng(0).normal(
       size=(topo.local_device_count, size)).astype(np.float32)}
@@ -200,7 +200,8 @@ def test_topk_one_percent_sends_under_three_percent_of_dense_bytes(topo):
   assert half_sparse[0] == (processes - 1) * devices * k * 6
   assert dense_bytes[0] == pytest.approx(2 * (processes - 1) / processes * size * 4)
   if processes > 1 and devices == 1:
-    assert sparse_bytes[0] <= 0.03 * dense_bytes[0]
+    # The gather grows with the processes, the ring does not: 1% x P of it.
+    assert sparse_bytes[0] <= 0.0101 * processes * dense_bytes[0]
 
 
 def test_compressor_arguments_are_checked():

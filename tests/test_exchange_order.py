@@ -60,7 +60,8 @@ def test_exchanges_in_every_branch_of_a_switch(topo):
     branches = [
         lambda: jdist.psum(a),
         lambda: jdist.psum(a.astype(jnp.bfloat16)).astype(jnp.float32),
-        lambda: jdist.all_gather(a[:N // replicas]).reshape(-1)[:N] * 0.0 + 7.0,
+        # Any replica count: gather a slice, then fill N from it.
+        lambda: jnp.resize(jdist.all_gather(a[:N // replicas]).reshape(-1), (N,)) * 0.0 + 7.0,
     ]
     return lax.switch(index[0], branches), jdist.psum(a * 2.0)
 

@@ -93,8 +93,9 @@ def test_wire_bytes_are_the_factors_plus_dense_leaves_whatever_the_replica_count
   payload = ((36 + 8) * rank + (32 + 16) * rank + 3 * 4 + 16) * 4
   processes = topo.process_count
   sent = np.asarray(jdist.wire_bytes(state))
-  # A ring all-reduce of b bytes sends 2(P-1)/P * b per process: no R in it.
-  np.testing.assert_allclose(sent, 2 * (processes - 1) / processes * payload)
+  # A ring all-reduce of b bytes sends 2(P-1)/P * b per process: no R in it
+  # (each exchange's count is rounded to whole bytes: P, Q and the dense part).
+  np.testing.assert_allclose(sent, 2 * (processes - 1) / processes * payload, atol=1.5)
   if processes > 1:
     assert (sent > 0).all()
 

@@ -27,7 +27,12 @@ from jdist.app.cpu_devices import force_cpu_devices
 from jdist.app.train import TrainError
 from jdist.app.train import train
 
-GLOBAL_BATCH = 64
+GLOBAL_BATCH = 64  # about: a whole number of examples per replica
+
+
+def _global_batch(topo) -> int:
+  """The examples per step: GLOBAL_BATCH rounded down to the replica count."""
+  return GLOBAL_BATCH // topo.replica_count * topo.replica_count
 
 
 @pytest.fixture
@@ -43,7 +48,7 @@ def shared_dir():
 
 def _config(topo, **overrides) -> TrainConfig:
   settings = dict(model="mlp", dataset="digits", epochs=2, train_limit=512, test_limit=100,
-                  batch_size=GLOBAL_BATCH // topo.replica_count, lr=0.05, progress=False)
+                  batch_size=_global_batch(topo) // topo.replica_count, lr=0.05, progress=False)
   settings.update(overrides)
   return TrainConfig(**settings)
 
@@ -59,10 +64,10 @@ def test_cnn_learns_digits_with_exact_metrics(topo):
   summary = train(_config(topo, model="cnn", train_limit=None, test_limit=None, epochs=2,
                           check_replicas_every=5))
   first, last = summary["epochs"]
-  steps_per_epoch = 1437 // GLOBAL_BATCH
+  steps_per_epoch = 1437 // _global_batch(topo)
   assert last["step"] == summary["steps"] == 2 * steps_per_epoch
   # Training drops the last partial batch; evaluation sees every test example once.
-  assert first["train_examples"] == steps_per_epoch * GLOBAL_BATCH
+  assert first["train_examples"] == steps_per_epoch * _global_batch(topo)
   assert first["test_examples"] == last["test_examples"] == 360
   assert last["train_loss"] < first["train_loss"]
   assert summary["final_test_accuracy"] > 0.6, summary["final_test_accuracy"]
@@ -109,7 +114,7 @@ def test_json_log_has_one_record_per_epoch_and_a_summary(topo, shared_dir):
 def test_resume_mid_epoch_is_bit_for_bit(topo, shared_dir, mode):
   base = _config(topo, epochs=2, train_limit=256, checkpoint_every=3, check_replicas_every=2,
                  **mode)
-  steps_per_epoch = 256 // GLOBAL_BATCH
+  steps_per_epoch = 256 // _global_batch(topo)
   whole = train(_config(topo, **{**base.to_dict(),
                                  "checkpoint_dir": os.path.join(shared_dir, "whole")}),
                 return_state=True)
@@ -195,7 +200,7 @@ def test_data_errors_are_train_errors_on_every_rank(topo, tmp_path, monkeypatch)
   with pytest.raises(TrainError, match="truncated header"):
     train(_config(topo, dataset="mnist", data_dir=str(tmp_path), download=False))
   with pytest.raises(TrainError, match="no full step"):
-    train(_config(topo, train_limit=GLOBAL_BATCH - 1))
+    train(_config(topo, train_limit=_global_batch(topo) - 1))
 
 
 def test_bad_config_raises_before_anything_runs():
@@ -234,7 +239,7 @@ def test_skipped_steps_stay_out_of_the_metrics_and_the_log_is_standard_json(
     assert np.isfinite(record["train_loss"]) and record["nonfinite_loss_steps"] >= 1
     assert record["skipped_steps"] == record["nonfinite_loss_steps"]  # per epoch
     assert record["train_examples"] == (
-        (512 // GLOBAL_BATCH - record["nonfinite_loss_steps"]) * GLOBAL_BATCH)
+        (512 // _global_batch(topo) - record["nonfinite_loss_steps"]) * _global_batch(topo))
   assert epochs[1]["skipped_steps_total"] == sum(r["skipped_steps"] for r in epochs)
   host.barrier()
 
