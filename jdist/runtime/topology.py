@@ -18,13 +18,12 @@ import dataclasses
 import os
 import threading
 from typing import Callable
-import warnings
 
 import jax
 
 from jdist import errors
-from jdist import jax_internals
 from jdist.runtime import world
+from jdist.runtime import xla_cpu
 
 # Environment variables set by MPI launchers for every rank they start.
 _LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS")
@@ -167,37 +166,6 @@ def resolve_init_timeout(timeout: float) -> float:
   return max(timeout, MIN_INIT_TIMEOUT_S) if seconds is None else seconds
 
 
-MIN_HOST_THREADS = 16
-
-
-def _reserve_host_threads() -> None:
-  """Gives XLA's CPU client enough threads for blocking cross-process calls.
-
-  The callback route needs it (the native route's custom calls return at
-  once and block no thread), and even where the native library is built,
-  reductions in jit steps over global arrays take the callback route (see
-  `transport.global_step_exchange`), so every job with several devices per
-  process gets the threads. XLA sizes
-  the CPU client's thread pool from the NPROC environment variable, else the
-  core count. With several local devices, each device's host callback blocks
-  a pool thread inside MPI until its peer on the other process arrives; on a
-  2-core machine the pool (2 threads) is then full and the work the other
-  device still needs never runs: a deadlock on both processes (measured: 2
-  processes x 2 devices, buffers >= 64K floats). Extra pool threads cost
-  nothing while idle.
-  """
-  # Process-wide by necessity: XLA reads NPROC once, when it creates the CPU client.
-  if "NPROC" in os.environ:
-    return
-  os.environ["NPROC"] = str(max(os.cpu_count() or 1, MIN_HOST_THREADS))
-  if jax_internals.backends_initialized():
-    warnings.warn(
-        "jdist.init() ran after JAX created its backends, so XLA's CPU thread pool "
-        "keeps its size and several devices per process may deadlock in "
-        "cross-process exchanges. Call jdist.init() before any JAX computation, or "
-        f"set NPROC={MIN_HOST_THREADS} in the environment.", RuntimeWarning, stacklevel=3)
-
-
 def _start_jax_distributed(mpi_world) -> None:
   """Starts JAX's multi-process runtime, agreeing on a coordinator over MPI.
 
@@ -234,7 +202,7 @@ def _mpi_processes(backend: str):
   """The starter of a job of several processes launched by MPI, for `backend`."""
 
   def start(timeout: float, bind_gpu: bool | None) -> Topology:
-    _reserve_host_threads()
+    xla_cpu.reserve_host_threads()
     # Raises MissingMPIError if mpi4py is absent.
     mpi_world = world.start(timeout, resolve_init_timeout(timeout), launcher_rank())
     local_rank = _launcher_local_rank()
@@ -313,6 +281,7 @@ def init_world(*, timeout: float | None = None, backend: str | None = None,
       raise ValueError(
           "backend='none' but this process was started by mpirun with several "
           "processes; use backend='mpi' (the default) or 'jax'.")
+    xla_cpu.avoid_slow_concatenation()
     topology = _BACKENDS[backend](resolved_timeout, bind_gpu)
     if finish is not None:
       topology = finish(topology)

@@ -1,0 +1,88 @@
+"""Process-wide settings of XLA's CPU client that `jdist.init()` makes.
+
+XLA reads them once, when JAX creates its backends, so `jdist.init()` sets
+them first thing, and only where the user has not: a setting already in the
+environment (`NPROC`, or the flag in `XLA_FLAGS`) is left as it is.
+
+* `reserve_host_threads`: `NPROC`, the CPU client's thread pool, large
+  enough for host callbacks blocked in MPI (jobs launched by MPI only).
+* `avoid_slow_concatenation`: `--xla_cpu_use_fusion_emitters=false`, XLA's
+  previous CPU fusion code generator, in every job on the JAX releases where
+  it was measured (see its docstring for the numbers).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import jax
+
+from jdist import jax_internals
+
+MIN_HOST_THREADS = 16
+
+FUSION_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters"
+# The releases whose XLA has the flag and was measured with it (jax_internals.TESTED_JAX):
+# XLA stops the process at an XLA_FLAGS entry it does not know.
+_FUSION_EMITTERS_RELEASES = ((0, 10),)
+
+
+def reserve_host_threads() -> None:
+  """Gives XLA's CPU client enough threads for blocking cross-process calls.
+
+  The callback route needs it (the native route's custom calls return at
+  once and block no thread), and even where the native library is built,
+  reductions in jit steps over global arrays take the callback route (see
+  `transport.global_step_exchange`), so every job with several devices per
+  process gets the threads. XLA sizes the CPU client's thread pool from the
+  NPROC environment variable, else the core count. With several local
+  devices, each device's host callback blocks a pool thread inside MPI until
+  its peer on the other process arrives; on a 2-core machine the pool (2
+  threads) is then full and the work the other device still needs never
+  runs: a deadlock on both processes (measured: 2 processes x 2 devices,
+  buffers >= 64K floats). Extra pool threads cost nothing while idle.
+  """
+  if "NPROC" in os.environ:
+    return
+  os.environ["NPROC"] = str(max(os.cpu_count() or 1, MIN_HOST_THREADS))
+  if jax_internals.backends_initialized():
+    warnings.warn(
+        "jdist.init() ran after JAX created its backends, so XLA's CPU thread pool "
+        "keeps its size and several devices per process may deadlock in "
+        "cross-process exchanges. Call jdist.init() before any JAX computation, or "
+        f"set NPROC={MIN_HOST_THREADS} in the environment.", RuntimeWarning, stacklevel=3)
+
+
+def _release(version: str) -> tuple[int, int]:
+  major, minor = version.split(".")[:2]
+  return int(major), int(minor)
+
+
+def avoid_slow_concatenation() -> bool:
+  """Selects XLA's previous CPU fusion emitters, unless the user chose.
+
+  With more than one thread in XLA's CPU pool (any multi-core machine, and
+  `NPROC` above), the fusion emitters of jax 0.10 run a concatenation of
+  reshaped (2-D and larger) arrays about ten times slower than one thread
+  does: raveling the 10M-parameter MLP's gradient into one vector took
+  251-472 ms with NPROC=2 against 23 ms with NPROC=1 or with the previous
+  emitters (jax 0.10.2, one process). Gradient fusion (`jdist.fusion`) and
+  the top-K, threshold and error-feedback paths build such vectors every
+  step: 2 processes x 1 device, 10M-parameter MLP, top-K 1% took 2,649 ms a
+  step, 310 ms with this flag; threshold 2,671 -> 255 ms, block top-K
+  570 -> 151 ms, while the plain step (62.6 / 58.4 ms) and SINGA's CNN
+  (compute 15.4-16.2 / 12.2-15.3 ms) did not slow down
+  (docs/troubleshooting.md, "Slow concatenation on CPU").
+
+  Returns:
+    True when the flag was added to `XLA_FLAGS`; False where the user set it,
+    JAX's backends already exist, or this JAX release was not measured.
+  """
+  flags = os.environ.get("XLA_FLAGS", "")
+  if FUSION_EMITTERS_FLAG in flags or jax_internals.backends_initialized():
+    return False
+  if _release(jax.__version__) not in _FUSION_EMITTERS_RELEASES:
+    return False
+  os.environ["XLA_FLAGS"] = " ".join(flags.split() + [f"{FUSION_EMITTERS_FLAG}=false"])
+  return True

@@ -1,0 +1,61 @@
+"""The XLA:CPU settings jdist.init() makes: added where the user made none."""
+
+import os
+
+import jax
+import pytest
+
+from jdist.runtime import xla_cpu
+from tests import launch
+
+FLAG_OFF = f"{xla_cpu.FUSION_EMITTERS_FLAG}=false"
+
+
+@pytest.fixture
+def fresh_process(monkeypatch):
+  """As if JAX had not created its backends yet."""
+  monkeypatch.setattr(xla_cpu.jax_internals, "backends_initialized", lambda: False)
+  monkeypatch.setattr(jax, "__version__", "0.10.2")
+
+
+def test_fusion_emitters_flag_is_added_beside_the_users_flags(fresh_process, monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+  assert xla_cpu.avoid_slow_concatenation()
+  assert os.environ["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=2", FLAG_OFF]
+  monkeypatch.delenv("XLA_FLAGS")
+  assert xla_cpu.avoid_slow_concatenation()
+  assert os.environ["XLA_FLAGS"] == FLAG_OFF
+
+
+@pytest.mark.parametrize("users", [f"{xla_cpu.FUSION_EMITTERS_FLAG}=true", FLAG_OFF])
+def test_a_users_own_fusion_emitters_flag_is_kept(fresh_process, monkeypatch, users):
+  monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count=2 {users}")
+  assert not xla_cpu.avoid_slow_concatenation()
+  assert os.environ["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=2 {users}"
+
+
+def test_no_flag_after_backends_exist_or_on_an_unmeasured_release(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "")
+  jax.devices()  # the backends exist now: XLA would not read the flag
+  assert not xla_cpu.avoid_slow_concatenation()
+  monkeypatch.setattr(xla_cpu.jax_internals, "backends_initialized", lambda: False)
+  monkeypatch.setattr(jax, "__version__", "0.12.0")  # XLA may no longer know the flag
+  assert not xla_cpu.avoid_slow_concatenation()
+  assert os.environ["XLA_FLAGS"] == ""
+
+
+def test_host_threads_keep_a_users_nproc(monkeypatch):
+  monkeypatch.setenv("NPROC", "3")
+  xla_cpu.reserve_host_threads()
+  assert os.environ["NPROC"] == "3"
+
+
+def test_init_sets_the_flag_and_this_xla_accepts_it_in_a_subprocess():
+  # XLA stops a process at an XLA_FLAGS entry it does not know: a computation
+  # after jdist.init() proves the installed XLA takes the flag.
+  script = ("import os, jax, jax.numpy as jnp, jdist; jdist.init(); "
+            "print('FLAGS', os.environ['XLA_FLAGS']); "
+            "print('SUM', float(jnp.concatenate([jnp.ones((3, 4)).ravel(), jnp.ones(2)]).sum()))")
+  done = launch.python(["-c", script], devices=2, timeout=120)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert FLAG_OFF in done.stdout and "SUM 14.0" in done.stdout, done.stdout
