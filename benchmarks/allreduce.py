@@ -16,6 +16,10 @@ Variants, interleaved at each size in one job:
     route: the two side by side);
   * `jdist_native`: `jdist.psum` with the native route forced
     (`JDIST_ROUTE=native`) on one device per process, beside mpi4jax;
+  * `jdist_noop`: the same kind of step with no exchange, `x + 1`: what
+    any jitted call that returns a fresh buffer of that size costs (launch,
+    a new output's page faults, one pass), the floor of the one-per-call
+    variants above, which raw MPI on a reused numpy buffer does not pay;
   * `*_x8` (`mpi_x8`, `mpi4jax_x8`, `jdist_psum_x8`, `jdist_callback_x8`,
     `jdist_native_x8`): eight all-reduces, one
     after the other, per call (a Python loop for MPI, one jitted step for the
@@ -44,6 +48,7 @@ import optax
 import jdist
 from jdist import collectives
 from jdist.collectives import native
+from benchmarks import analysis
 from benchmarks import timing
 
 SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KB .. 64 MB
@@ -84,6 +89,7 @@ def jdist_mean(dtype=None) -> Callable:
 def _jdist_variants(topo: jdist.Topology) -> dict[str, tuple[Callable, str | None]]:
   """name -> (per-replica function, forced route or None)."""
   variants = {
+      "jdist_noop": (lambda x: x + 1.0, None),
       "jdist_psum": (jdist.psum, None),
       "jdist_mean": (jdist_mean(), None),
       "jdist_fp16": (jdist_mean(jnp.float16), None),
@@ -157,8 +163,8 @@ def measure_size(ctx, nbytes: int) -> list[dict]:
   for name, times in series.items():
     per_call = CHAIN if name.endswith("_x8") else 1
     # Host baselines reduce over one rank per process; jdist over every replica.
-    participants = (topo.replica_count if name in routes else
-                    1 if name == "memcpy" else topo.process_count)
+    participants = (1 if name in analysis.NO_EXCHANGE else
+                    topo.replica_count if name in routes else topo.process_count)
     rows.append({"variant": name, "route": routes.get(name, "host"), "bytes": nbytes,
                  "replicas": topo.replica_count, "participants": participants,
                  "processes": topo.process_count,

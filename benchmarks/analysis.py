@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 GB = 1e9
+# All-reduce variants that exchange nothing (floors): no bus bandwidth.
+NO_EXCHANGE = ("memcpy", "jdist_noop")
 # The targets the issue sets (name -> the bound on the measured ratio).
 OVERHEAD_BOUND = 1.03
 FP16_BYTES_BOUND = 0.5
@@ -36,9 +38,10 @@ def _index(rows: list[dict], *keys: str) -> dict[tuple, dict]:
 
 def bus_bandwidth(row: dict) -> float | None:
   """nccl-tests' bus bandwidth, 2(P-1)/P x bytes/time over the P ranks that
-  take part in the row's all-reduce (None for memcpy): it compares all-reduces
-  over different rank counts, as a job's 4 replicas and its 2 MPI ranks."""
-  if row["variant"] == "memcpy":
+  take part in the row's all-reduce (None for the floors that exchange
+  nothing, memcpy and jdist_noop): it compares all-reduces over different
+  rank counts, as a job's 4 replicas and its 2 MPI ranks."""
+  if row["variant"] in NO_EXCHANGE:
     return None
   ranks = row.get("participants", row["replicas"])  # older results: every replica
   return row["bytes"] / row["time_s"] / GB * 2 * (ranks - 1) / ranks

@@ -9,6 +9,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
+from benchmarks import analysis  # noqa: E402
+
 
 def _save(fig, out_dir: str, name: str) -> str:
   fig.tight_layout()
@@ -32,13 +34,13 @@ def allreduce_bandwidth(summary: dict, out_dir: str) -> str | None:
       bandwidth = [r["busbw_GBps"] if r["busbw_GBps"] is not None else r["algbw_GBps"]
                    for r in points]
       ax.plot([r["bytes"] for r in points], bandwidth,
-              "--" if variant in ("memcpy", "mpi") else "-", marker="o", markersize=3,
+              "--" if variant in ("mpi",) + analysis.NO_EXCHANGE else "-", marker="o", markersize=3,
               label=f"{variant} ({points[0]['route']})")
     ax.set(xscale="log", yscale="log", xlabel="bytes per replica (float32)",
            title=f"{job} ({mine[0]['backend']} backend)")
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
-  axes[0][0].set_ylabel("bus bandwidth, GB/s (memcpy: bytes/s)")
+  axes[0][0].set_ylabel("bus bandwidth, GB/s (memcpy, jdist_noop: bytes/s)")
   return _save(fig, out_dir, "allreduce_bandwidth")
 
 

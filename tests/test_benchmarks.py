@@ -110,7 +110,8 @@ def _reduce_row(variant, time_s, *, replicas, processes, participants, per_call=
 def test_bus_bandwidth_counts_the_ranks_each_all_reduce_spans():
   jobs = [{"job": "2x2", "sections": {"allreduce": {"rows": [
               _reduce_row("mpi", 0.010, replicas=4, processes=2, participants=2),
-              _reduce_row("jdist_psum", 0.015, replicas=4, processes=2, participants=4)]}}},
+              _reduce_row("jdist_psum", 0.015, replicas=4, processes=2, participants=4),
+              _reduce_row("jdist_noop", 0.005, replicas=4, processes=2, participants=1)]}}},
           {"job": "4x1", "sections": {"allreduce": {"rows": [
               _reduce_row("mpi", 0.030, replicas=4, processes=4, participants=4)]}}}]
   summary = analysis.summarize(jobs)
@@ -119,6 +120,10 @@ def test_bus_bandwidth_counts_the_ranks_each_all_reduce_spans():
   assert rows[("2x2", "mpi")]["busbw_GBps"] == pytest.approx((16 << 20) / 0.010 / 1e9)
   assert rows[("2x2", "jdist_psum")]["busbw_vs_mpi"] == pytest.approx(1.5 * 0.010 / 0.015)
   assert rows[("2x2", "jdist_psum")]["vs_mpi"] == pytest.approx(1.5)
+  # The no-exchange floor: a time beside MPI's, no bus bandwidth, no target.
+  noop = rows[("2x2", "jdist_noop")]
+  assert noop["busbw_GBps"] is None and noop["vs_mpi"] == pytest.approx(0.5)
+  assert noop["algbw_GBps"] == pytest.approx((16 << 20) / 0.005 / 1e9)
   target = next(t for t in summary["targets"] if t["where"] == "2x2 16 MB")
   assert target["bound"] == analysis.MULTI_DEVICE_BANDWIDTH_BOUND and target["met"]
   [pair] = summary["rank_per_replica"]
