@@ -9,6 +9,7 @@ only (its name has "subprocess": scripts/test.sh leaves it out of the
 """
 
 import json
+import os
 
 import jax
 import numpy as np
@@ -21,11 +22,22 @@ from jdist.app import models
 from tests import launch
 
 
+def _torch_or_skip():
+  """torch, or a skip outside CI (a failure under CI=true, which installs it)."""
+  missing = time_to_accuracy.network.torch_missing()
+  if missing:
+    if os.environ.get("CI") == "true":
+      pytest.fail(missing + " (.ci/run installs it)")
+    pytest.skip(missing)
+  import torch  # pylint: disable=import-outside-toplevel
+  return torch
+
+
 @pytest.mark.parametrize("input_shape", [(28, 28, 1), (8, 8, 1)])
 def test_flax_weights_in_torch_give_flax_logits(input_shape):
-  # torch is a benchmark-only extra (its CPU wheels are not on PyPI, so CI has
-  # none); only the DDP side of benchmarks.time_to_accuracy needs this.
-  torch = pytest.importorskip("torch", reason="the torch-peer extra is not installed")
+  # torch is a benchmark-only extra (only the DDP side of
+  # benchmarks.time_to_accuracy needs it); .ci/run installs it.
+  torch = _torch_or_skip()
   from benchmarks import torch_accuracy  # pylint: disable=import-outside-toplevel
   flax_model = models.create_model("cnn", num_classes=10, input_shape=input_shape)
   params, _ = models.init_model(flax_model, jax.random.key(3), input_shape)
