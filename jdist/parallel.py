@@ -13,6 +13,7 @@ not (decorating initializes nothing).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import threading
 from typing import Any, Callable, Sequence
@@ -240,6 +241,20 @@ def _local_mesh() -> Mesh:
   return context.axis_mesh(jax.local_devices())
 
 
+def _outside_mesh():
+  """A context without the mesh `jax.set_mesh(jdist.mesh())` may have set.
+
+  The host helpers index arrays that live on one device (a replica's copy);
+  under a context mesh of several devices, jit refuses such an operand
+  ("Received incompatible devices for jitted computation"). Inside a trace
+  (where `jax.set_mesh` is refused) nothing changes.
+  """
+  try:
+    return jax.set_mesh(None)
+  except ValueError:  # called while tracing
+    return contextlib.nullcontext()
+
+
 def replicate(tree: Any) -> Any:
   """Puts a copy of every leaf on each local device (leading device axis)."""
   devices = jax.local_devices()
@@ -250,17 +265,23 @@ def replicate(tree: Any) -> Any:
     pieces = [jax.device_put(leaf[None], d) for d in devices]
     return jax.make_array_from_single_device_arrays((len(devices),) + leaf.shape, sharding, pieces)
 
-  return jax.tree.map(put, tree)
+  with _outside_mesh():
+    return jax.tree.map(put, tree)
 
 
 def unreplicate(tree: Any) -> Any:
-  """The first local device's copy of every leaf (drops the device axis)."""
+  """The first local device's copy of every leaf (drops the device axis).
+
+  Works with or without a global mesh set by `jax.set_mesh(jdist.mesh())`.
+  """
   def first(leaf):
     if isinstance(leaf, jax.Array) and leaf.addressable_shards:
       shard = min(leaf.addressable_shards, key=lambda s: s.index[0].start or 0)
       return shard.data[0] if shard.data.shape[0] == 1 else leaf[0]
     return leaf[0]
-  return jax.tree.map(first, tree)
+
+  with _outside_mesh():
+    return jax.tree.map(first, tree)
 
 
 def local_replicas(tree: Any) -> list[Any]:

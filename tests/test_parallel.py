@@ -129,3 +129,28 @@ def test_outputs_a_user_reads_come_back_without_the_device_axis(topo):
   assert "%.4f" % loss  # what flax's examples print: only a scalar formats
   with pytest.raises(ValueError, match="out_axes="):
     jdist.data_parallel(lambda x: x, out_axes=1)
+
+
+def test_helpers_work_under_the_global_mesh(topo):
+  """The README sets `jax.set_mesh(jdist.mesh())`; the host helpers still work under it."""
+  tree = {"w": jnp.arange(6.0).reshape(2, 3), "step": jnp.int32(7)}
+  on_last = jax.device_put(tree, jax.local_devices()[-1])  # committed to one device
+
+  @jdist.data_parallel
+  def step(x):
+    return jax.tree.map(lambda a: a + jdist.pmean(jnp.ones_like(a)), x)
+
+  jax.set_mesh(jdist.mesh())
+  try:
+    replicated = jdist.replicate(on_last)
+    back = jdist.unreplicate(replicated)
+    again = jdist.replicate(back)  # an unreplicated (one-device) array, replicated again
+    stepped = jdist.unreplicate(step(jdist.replicate(jdist.unreplicate(again))))
+    synced = jdist.unreplicate(jdist.sync_params(again))
+  finally:
+    jax.set_mesh(None)
+  np.testing.assert_array_equal(back["w"], tree["w"])
+  assert int(back["step"]) == 7 and again["w"].shape == (topo.local_device_count, 2, 3)
+  np.testing.assert_array_equal(stepped["w"], tree["w"] + 1)
+  np.testing.assert_array_equal(stepped["step"], 8)
+  np.testing.assert_array_equal(synced["w"], tree["w"])
