@@ -1,4 +1,4 @@
-"""Flax NNX's MNIST tutorial CNN, data-parallel with jdist (nnx_mnist_single.py + 9 lines).
+"""Flax NNX's MNIST tutorial CNN, data-parallel with jdist (nnx_mnist_single.py + 10 lines).
 
 The model, optimizer, metrics and steps follow flax's NNX MNIST tutorial
 (`nnx.Optimizer`, `nnx.MultiMetric`, `nnx.jit`); the data come from
@@ -6,7 +6,8 @@ The model, optimizer, metrics and steps follow flax's NNX MNIST tutorial
 Fashion-MNIST from Debian's `dataset-fashion-mnist`). This is
 nnx_mnist_single.py made data-parallel with jdist in the jit-with-sharding
 style (`diff` the two): every process takes its rows of each global batch,
-sharded over its devices, and `jdist.dist_opt` averages the gradients.
+sharded over its devices, `jdist.dist_opt` averages the gradients and
+`jdist.pmean` the logged loss.
 
     .venv/bin/python examples/nnx_mnist.py --epochs 2      # every local device
     bash scripts/mpirun.sh -np 2 -x XLA_FLAGS=--xla_force_host_platform_device_count=2 \
@@ -55,7 +56,7 @@ def train_step(model: CNN, optimizer: nnx.Optimizer, metrics: nnx.MultiMetric, b
   (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
   metrics.update(loss=loss, logits=logits, labels=batch["label"])
   optimizer.update(model, grads)
-  return loss
+  return jdist.pmean(loss)  # this process's rows' loss, averaged over every process
 
 
 @nnx.jit
@@ -67,7 +68,7 @@ def eval_step(model: CNN, metrics: nnx.MultiMetric, batch):
 def batches(images, labels, batch_size, order):
   for start in range(0, len(order) - batch_size + 1, batch_size):  # drop the remainder
     rows = order[start:start + batch_size]
-    yield {"image": images[rows], "label": labels[rows]}
+    yield jdist.shard_global_batch({"image": images[rows], "label": labels[rows]})  # this process's rows
 
 
 def main(argv=None) -> dict:
@@ -90,7 +91,6 @@ def main(argv=None) -> dict:
   for epoch in range(args.epochs):
     order = np.random.default_rng(epoch).permutation(len(train_x))
     for batch in batches(train_x, data.train_y, args.batch_size, order):
-      batch = jdist.shard_global_batch(batch)  # this process's rows, split over its devices
       history["step_loss"].append(float(train_step(model, optimizer, metrics, batch)))
       if len(history["step_loss"]) == args.max_steps:
         return history
@@ -98,7 +98,7 @@ def main(argv=None) -> dict:
       history[f"train_{metric}"].append(float(value))
     metrics.reset()
     for batch in batches(test_x, data.test_y, args.batch_size, np.arange(len(test_x))):
-      eval_step(model, metrics, jdist.shard_global_batch(batch))
+      eval_step(model, metrics, batch)
     for metric, value in jdist.host_allreduce(metrics.compute(), mean=True).items():
       history[f"test_{metric}"].append(float(value))
     metrics.reset()
