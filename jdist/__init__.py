@@ -51,9 +51,13 @@ from jdist.compression.powersgd import powersgd
 from jdist.compression.sparse import SparsifyState
 from jdist.compression.sparse import threshold
 from jdist.compression.sparse import topk
+from jdist.transforms.diloco import DiLoCoState
+from jdist.transforms.diloco import diloco
 from jdist.transforms.dist_opt import dist_opt
 from jdist.transforms.finite import SkipNonFiniteState
 from jdist.transforms.finite import skip_nonfinite
+from jdist.transforms.local_sgd import LocalSGDState
+from jdist.transforms.local_sgd import local_sgd
 from jdist.transforms.partial import PartialSyncState
 from jdist.transforms.partial import partial_sync
 
@@ -91,6 +95,8 @@ __all__ = (
     "SkipNonFiniteState",
     "TrainConfig",
     "DATA_AXIS",
+    "DiLoCoState",
+    "LocalSGDState",
     "PartialSyncState",
     "PowerSGDState",
     "ReplicaMismatch",
@@ -107,6 +113,7 @@ __all__ = (
     "consistency",
     "data",
     "data_parallel",
+    "diloco",
     "datasets",
     "dist_opt",
     "errors",
@@ -114,6 +121,7 @@ __all__ = (
     "host_allreduce",
     "init",
     "local_replicas",
+    "local_sgd",
     "mesh",
     "metric_sums",
     "metrics",

@@ -1,0 +1,294 @@
+"""DiLoCo and Streaming DiLoCo: local inner steps, an outer step every H.
+
+DiLoCo (Douillard et al., arXiv 2311.08105): every replica takes `sync_every`
+(H) steps of the inner optimizer on its own gradients, with its own inner
+state. Then the *pseudo-gradient* `outer_params - local_params` is averaged
+over every replica, an outer optimizer (SGD with Nesterov momentum, lr 0.7)
+moves the shared outer parameters by it, and every replica's local
+parameters start again from the new outer ones. Parameters cross replicas
+once every H steps instead of gradients every step.
+
+Streaming DiLoCo (arXiv 2501.18512), `fragments=P`: the parameters are cut
+into P fragments of whole leaves (balanced by size); fragment p has its own
+outer step, at the inner steps s with `s % H == offset_p`, the offsets
+staggered by H/P, so one fragment's bytes cross per sync and each fragment
+still syncs once every H steps. `delay=τ`: the averaged pseudo-gradient of
+a fragment, exchanged at step s, is applied at step s + τ (the state holds
+it meanwhile); the τ steps between are what an exchange running in the
+background overlaps. On applying, the fragment's local parameters become
+`mix * local + (1 - mix) * outer` (the paper's merge; 0 replaces them).
+
+Steps are counted by the state, the same on every replica, so every replica
+takes the same branch of the `lax.switch` that holds a fragment's exchange:
+only sync steps send bytes (`DiLoCoState.wire_bytes`, by the collective
+layer's ledger).
+
+The updates returned move `params` to the new local parameters (on a
+fragment's apply step, to its merged outer parameters):
+`optax.apply_updates(params, updates)`, as with any optax optimizer. Other
+leaves get the inner optimizer's updates unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jdist import collectives
+from jdist.compression import half as half_lib
+from jdist.compression import protocol
+from jdist.runtime import topology as topology_lib
+
+PAYLOADS = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
+
+
+@protocol.register_wire_state
+class DiLoCoState(NamedTuple):
+  """State of `diloco`: a pytree of arrays (checkpointable as it is).
+
+  Attributes:
+    step: inner steps taken (the same on every replica).
+    inner_state: the inner optimizer's state, this replica's own.
+    outer_params: the shared outer parameters (equal on every replica).
+    outer_states: the outer optimizer's state, one per fragment.
+    pending: with `delay > 0`, averaged pseudo-gradients exchanged and not
+      yet applied (a fragment's leaves hold its latest); else ().
+    syncs: outer syncs so far (fragment exchanges).
+    wire_bytes: bytes this process sent across processes in the last step.
+  """
+  step: jax.Array
+  inner_state: Any
+  outer_params: Any
+  outer_states: tuple
+  pending: Any
+  syncs: jax.Array
+  wire_bytes: jax.Array
+
+
+def fragment_plan(sizes: list[int], fragments: int) -> list[list[int]]:
+  """Leaves of each fragment: whole leaves, the largest first to the lightest fragment.
+
+  Returns:
+    Per fragment, the indices of its leaves in leaf order.
+
+  Raises:
+    ValueError: fewer leaves than fragments.
+  """
+  if fragments > len(sizes):
+    raise ValueError(f"fragments={fragments} is more than the {len(sizes)} parameter "
+                     f"leaves: fragments are made of whole leaves.")
+  loads, plan = [0] * fragments, [[] for _ in range(fragments)]
+  for leaf in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+    lightest = min(range(fragments), key=lambda f: (loads[f], f))
+    plan[lightest].append(leaf)
+    loads[lightest] += sizes[leaf]
+  return [sorted(leaves) for leaves in plan]
+
+
+def sync_offsets(sync_every: int, fragments: int) -> list[int]:
+  """Fragment p syncs after the inner steps s (from 1) with `s % sync_every == offsets[p]`.
+
+  The last fragment syncs at H, 2H, ...; the others H/P, 2H/P, ... before.
+  """
+  return [(p + 1) * sync_every // fragments % sync_every for p in range(fragments)]
+
+
+def due(step: jax.Array, offsets: list[int], sync_every: int) -> jax.Array:
+  """0 where no fragment is due at `step` (counted from 1), else 1 + its index."""
+  hits = jnp.asarray(offsets, jnp.int32) == step % sync_every
+  return jnp.where(jnp.any(hits) & (step >= 1), jnp.argmax(hits).astype(jnp.int32) + 1, 0)
+
+
+def check_int(name: str, value: Any, minimum: int) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    raise ValueError(f"{name}={value!r} must be an int >= {minimum}.")
+
+
+def check_inner(inner: Any) -> None:
+  if not isinstance(inner, optax.GradientTransformation):
+    raise ValueError(f"inner={inner!r} is not an optax.GradientTransformation "
+                     f"(e.g. optax.adamw(1e-3)).")
+
+
+def payload_dtype(payload: Any):
+  """None (full precision) or the 16-bit dtype a payload setting names.
+
+  Raises:
+    ValueError: anything else.
+  """
+  if payload is None:
+    return None
+  dtype = PAYLOADS.get(payload, payload) if isinstance(payload, str) else payload
+  try:
+    dtype = np.dtype(dtype)
+  except TypeError:
+    dtype = None
+  if dtype not in protocol.HALF_DTYPES:
+    raise ValueError(f"payload={payload!r} must be None, 'fp16', 'bf16', jnp.float16 or "
+                     f"jnp.bfloat16.")
+  return dtype
+
+
+def replica_mean(tree: Any, dtype) -> Any:
+  """Mean over every replica, in full precision or through jdist's 16-bit codec."""
+  if dtype is None:
+    return collectives.reduce_payload(tree, mean=True)
+  scale = 1.0 / topology_lib.current().replica_count
+  return collectives.reduce_payload(half_lib.to_half(tree, dtype, scale), mean=True)
+
+
+def diloco(inner: optax.GradientTransformation, *, sync_every: int,
+           outer: optax.GradientTransformation | None = None, fragments: int = 1,
+           delay: int = 0, mix: float = 0.0, payload: Any = None) -> optax.GradientTransformation:
+  """DiLoCo (fragments=1) or Streaming DiLoCo (fragments > 1) around `inner`.
+
+  Use it in place of `jdist.dist_opt(inner)`, in a data-parallel step:
+  `updates, state = tx.update(grads, state, params)` with this replica's own
+  (un-averaged) gradients, then `optax.apply_updates(params, updates)`.
+
+  Args:
+    inner: the inner optimizer (e.g. `optax.adamw(...)`); its state stays
+      per replica.
+    sync_every: H, inner steps between two outer steps of a fragment.
+    outer: the outer optimizer, applied to the averaged pseudo-gradient
+      `outer_params - local_params`; default `optax.sgd(0.7, momentum=0.9,
+      nesterov=True)`. `optax.sgd(1.0)` makes it parameter averaging.
+    fragments: P, fragments of whole leaves, synced on staggered steps
+      (Streaming DiLoCo); 1 <= P <= H.
+    delay: τ, inner steps between a fragment's exchange and the outer step
+      that applies it; 0 <= τ < H.
+    mix: on applying, the local share kept: local becomes `mix * local +
+      (1 - mix) * outer` (0 <= mix < 1; Streaming DiLoCo uses 0.5 with a delay).
+    payload: None (full precision), "fp16"/"bf16" (or the jnp dtype): the
+      pseudo-gradient crosses replicas in 16 bits (`jdist.cast`'s codec).
+
+  Returns:
+    An `optax.GradientTransformation` whose state is a `DiLoCoState`.
+
+  Raises:
+    ValueError: a bad argument, naming it (more fragments than leaves at init).
+  """
+  check_inner(inner)
+  check_int("sync_every", sync_every, 1)
+  check_int("fragments", fragments, 1)
+  check_int("delay", delay, 0)
+  if outer is None:
+    outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+  elif not isinstance(outer, optax.GradientTransformation):
+    raise ValueError(f"outer={outer!r} is not an optax.GradientTransformation.")
+  if fragments > sync_every:
+    raise ValueError(f"fragments={fragments} must be <= sync_every={sync_every}: each "
+                     f"fragment syncs on a step of its own within every H steps.")
+  if delay >= sync_every:
+    raise ValueError(f"delay={delay} must be < sync_every={sync_every}: a fragment's "
+                     f"outer step lands before its next exchange.")
+  if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0.0 <= mix < 1.0:
+    raise ValueError(f"mix={mix!r} must be a number in [0, 1).")
+  dtype = payload_dtype(payload)
+  offsets = sync_offsets(sync_every, fragments)
+
+  def plan_for(leaves):
+    return fragment_plan([math.prod(leaf.shape) for leaf in leaves], fragments)
+
+  def init_fn(params):
+    leaves = jax.tree.leaves(params)
+    plan = plan_for(leaves)
+    return DiLoCoState(
+        step=jnp.zeros([], jnp.int32), inner_state=inner.init(params),
+        outer_params=jax.tree.map(jnp.array, params),
+        outer_states=tuple(outer.init([leaves[i] for i in leaves_p]) for leaves_p in plan),
+        pending=jax.tree.map(jnp.zeros_like, params) if delay else (),
+        syncs=jnp.zeros([], jnp.int32), wire_bytes=jnp.zeros([], jnp.float32))
+
+  def update_fn(grads, state, params=None):
+    if params is None:
+      raise ValueError("jdist.diloco keeps local parameters, so tx.update needs them: "
+                       "call tx.update(grads, opt_state, params).")
+    inner_updates, inner_state = inner.update(grads, state.inner_state, params)
+    updates, treedef = jax.tree.flatten(inner_updates)
+    param_leaves = treedef.flatten_up_to(params)
+    outer_leaves = treedef.flatten_up_to(state.outer_params)
+    plan = plan_for(param_leaves)
+    step = state.step + 1
+    sent = [0] * (fragments + 1)  # bytes of each branch, known once traced
+
+    def exchange(p, updates, params, outer_now):
+      """Fragment p's pseudo-gradient, averaged over every replica."""
+      delta = [outer_now[i] - (params[i] + updates[i]).astype(params[i].dtype)
+               for i in plan[p]]
+      with collectives.measure() as ledger:
+        averaged = replica_mean(delta, dtype)
+      sent[p + 1] = ledger.bytes
+      return averaged
+
+    def apply(p, averaged, updates, params, outer_now, outer_states):
+      """Fragment p's outer step; its updates move params to the merged values."""
+      mine = [outer_now[i] for i in plan[p]]
+      steps, state_p = outer.update(averaged, outer_states[p], mine)
+      moved = optax.apply_updates(mine, steps)
+      updates, outer_now, outer_states = list(updates), list(outer_now), list(outer_states)
+      for i, new in zip(plan[p], moved):
+        target = new
+        if mix:
+          local = params[i] + updates[i]
+          target = (mix * local + (1.0 - mix) * new).astype(new.dtype)
+        outer_now[i], updates[i] = new, (target - params[i]).astype(updates[i].dtype)
+      outer_states[p] = state_p
+      return updates, outer_now, tuple(outer_states)
+
+    pending = ()
+    if delay:
+      def stash(p, pending, updates, params, outer_now):
+        pending = list(pending)
+        for i, value in zip(plan[p], exchange(p, updates, params, outer_now)):
+          pending[i] = value
+        return pending
+
+      index = due(step, offsets, sync_every)
+      pending = lax.switch(index, [lambda pend, *_: pend] + [
+          functools.partial(stash, p) for p in range(fragments)],
+          treedef.flatten_up_to(state.pending), updates, param_leaves, outer_leaves)
+
+      def apply_pending(p, updates, params, outer_now, outer_states, pending):
+        return apply(p, [pending[i] for i in plan[p]], updates, params, outer_now,
+                     outer_states)
+
+      branches = [lambda u, pa, o, s, pend: (u, o, s)] + [
+          functools.partial(apply_pending, p) for p in range(fragments)]
+      updates, outer_leaves, outer_states = lax.switch(
+          due(step - delay, offsets, sync_every), branches, updates, param_leaves,
+          outer_leaves, state.outer_states, pending)
+      pending = jax.tree.unflatten(treedef, pending)
+    else:
+      def sync(p, updates, params, outer_now, outer_states):
+        return apply(p, exchange(p, updates, params, outer_now), updates, params, outer_now,
+                     outer_states)
+
+      index = due(step, offsets, sync_every)
+      branches = [lambda u, pa, o, s: (u, o, s)] + [
+          functools.partial(sync, p) for p in range(fragments)]
+      updates, outer_leaves, outer_states = lax.switch(
+          index, branches, updates, param_leaves, outer_leaves, state.outer_states)
+    new_state = DiLoCoState(
+        step=step, inner_state=inner_state,
+        outer_params=jax.tree.unflatten(treedef, outer_leaves), outer_states=outer_states,
+        pending=pending, syncs=state.syncs + (index > 0).astype(jnp.int32),
+        wire_bytes=jnp.asarray(sent, jnp.float32)[index])
+    return jax.tree.unflatten(treedef, updates), new_state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def outer_syncs(opt_state: Any) -> jax.Array:
+  """Outer syncs (fragment exchanges) so far, of every `diloco`/`local_sgd` state in `opt_state`."""
+  found = [jnp.asarray(state.syncs, jnp.int32)
+           for state in jax.tree.leaves(opt_state, is_leaf=protocol.is_wire_state)
+           if protocol.is_wire_state(state) and hasattr(state, "syncs")]
+  return sum(found, jnp.zeros([], jnp.int32))

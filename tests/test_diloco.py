@@ -1,0 +1,243 @@
+"""diloco (DiLoCo, Streaming DiLoCo) and local_sgd (post-local SGD).
+
+Every mode is compared with a single-process reference of the same
+algorithm: the K replicas of the job emulated on one device, each on its own
+slice of the global batch, with the schedule written as plain Python
+integers. The reference shares only optax (inner and outer optimizers) and
+the fragment plan (tested on its own) with the implementation.
+"""
+
+import shutil
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jdist
+from jdist.runtime import host
+from jdist.transforms import diloco as diloco_lib
+from tests import reference
+
+PER_REPLICA = 4
+STEPS = 9
+
+
+def _setup(topo, seed=0):
+  model = reference.TinyMLP()
+  x0, _ = reference.global_batch(1, 1)
+  params = model.init(jax.random.key(seed), x0)
+  batches = [reference.global_batch(topo.replica_count, PER_REPLICA, seed=s) for s in range(4)]
+  return model, params, batches
+
+
+def _worker_grads(model, workers, x, y):
+  grad = jax.jit(jax.grad(lambda p, xs, ys: reference.loss_fn(model, p, xs, ys)))
+  return [grad(p, x[k * PER_REPLICA:(k + 1) * PER_REPLICA], y[k * PER_REPLICA:(k + 1) * PER_REPLICA])
+          for k, p in enumerate(workers)]
+
+
+def _mean(trees):
+  return jax.tree.map(lambda *xs: np.mean(np.stack([np.asarray(x) for x in xs]), axis=0), *trees)
+
+
+def reference_diloco(model, params, inner, outer, batches, steps, replicas, *, sync_every,
+                     fragments=1, delay=0, mix=0.0):
+  """K workers on one device: inner steps, staggered fragment syncs, delayed outer steps."""
+  leaves, treedef = jax.tree.flatten(params)
+  plan = diloco_lib.fragment_plan([leaf.size for leaf in leaves], fragments)
+  offsets = [(p + 1) * sync_every // fragments % sync_every for p in range(fragments)]
+  workers = [params] * replicas
+  inner_states = [inner.init(params)] * replicas
+  outer_leaves = list(leaves)
+  outer_states = [outer.init([leaves[i] for i in frag]) for frag in plan]
+  in_flight = {}
+  for t in range(steps):
+    s = t + 1
+    x, y = batches[t % len(batches)]
+    grads = _worker_grads(model, workers, x, y)
+    for k in range(replicas):
+      updates, inner_states[k] = inner.update(grads[k], inner_states[k], workers[k])
+      workers[k] = optax.apply_updates(workers[k], updates)
+    for p, frag in enumerate(plan):
+      if s % sync_every == offsets[p]:
+        local = [jax.tree.leaves(w) for w in workers]
+        in_flight[p] = [jnp.asarray(np.mean([np.asarray(outer_leaves[i]) - np.asarray(w[i])
+                                             for w in local], axis=0)) for i in frag]
+      if s - delay >= 1 and (s - delay) % sync_every == offsets[p]:
+        mine = [outer_leaves[i] for i in frag]
+        steps_p, outer_states[p] = outer.update(in_flight.pop(p), outer_states[p], mine)
+        for i, new in zip(frag, optax.apply_updates(mine, steps_p)):
+          outer_leaves[i] = new
+          for k in range(replicas):
+            local = jax.tree.leaves(workers[k])
+            local[i] = mix * local[i] + (1.0 - mix) * new
+            workers[k] = jax.tree.unflatten(treedef, local)
+  return workers, jax.tree.unflatten(treedef, outer_leaves)
+
+
+def reference_local_sgd(model, params, inner, batches, steps, replicas, *, sync_every,
+                        warmup_steps):
+  workers = [params] * replicas
+  inner_states = [inner.init(params)] * replicas
+  for t in range(steps):
+    x, y = batches[t % len(batches)]
+    grads = _worker_grads(model, workers, x, y)
+    if t < warmup_steps:
+      grads = [_mean(grads)] * replicas
+    for k in range(replicas):
+      updates, inner_states[k] = inner.update(grads[k], inner_states[k], workers[k])
+      workers[k] = optax.apply_updates(workers[k], updates)
+    if t >= warmup_steps and (t + 1 - warmup_steps) % sync_every == 0:
+      workers = [_mean(workers)] * replicas
+  return workers
+
+
+def _check_replicas(topo, replicated, workers, atol=1e-6):
+  for device, replica in enumerate(topo.replica_indices):
+    reference.assert_trees_close(jax.tree.map(lambda x: x[device], replicated),
+                                 workers[replica], rtol=1e-5, atol=atol)
+
+
+CASES = {
+    "diloco": dict(sync_every=3),
+    "streaming": dict(sync_every=4, fragments=2),
+    "streaming_delay_mix": dict(sync_every=4, fragments=3, delay=1, mix=0.5),
+    "delay": dict(sync_every=3, delay=2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_diloco_matches_emulated_workers(topo, case):
+  model, params, batches = _setup(topo)
+  inner = optax.adam(1e-2) if "streaming" in case else optax.sgd(0.1, momentum=0.9)
+  outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+  tx = jdist.diloco(inner, outer=outer, **CASES[case])
+  replicated, state = reference.train_jdist(model, params, tx, batches, STEPS, topo,
+                                            PER_REPLICA)
+  workers, outer_params = reference_diloco(model, params, inner, outer, batches, STEPS,
+                                           topo.replica_count, **CASES[case])
+  _check_replicas(topo, replicated, workers)
+  # The outer parameters are the same on every replica and match the reference's.
+  for device in range(topo.local_device_count):
+    reference.assert_trees_close(jax.tree.map(lambda x: x[device], state.outer_params),
+                                 outer_params)
+  fragments = CASES[case].get("fragments", 1)
+  expected_syncs = sum(1 for s in range(1, STEPS + 1) for o in
+                       diloco_lib.sync_offsets(CASES[case]["sync_every"], fragments)
+                       if s % CASES[case]["sync_every"] == o)
+  assert np.all(np.asarray(state.syncs) == expected_syncs)
+
+
+def test_diloco_default_outer_and_16bit_payload(topo):
+  model, params, batches = _setup(topo, seed=3)
+  inner = optax.sgd(0.1)
+  tx = jdist.diloco(inner, sync_every=2, payload="bf16")
+  replicated, _ = reference.train_jdist(model, params, tx, batches, 6, topo, PER_REPLICA)
+  workers, _ = reference_diloco(model, params, inner, optax.sgd(0.7, momentum=0.9, nesterov=True),
+                                batches, 6, topo.replica_count, sync_every=2)
+  # bfloat16 keeps 8 bits of mantissa: the pseudo-gradient is off by up to 2^-8 of itself.
+  for device, replica in enumerate(topo.replica_indices):
+    reference.assert_trees_close(jax.tree.map(lambda x: x[device], replicated),
+                                 workers[replica], rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_local_sgd_matches_emulated_workers(topo, warmup):
+  model, params, batches = _setup(topo, seed=1)
+  inner = optax.sgd(0.1, momentum=0.9)
+  tx = jdist.local_sgd(inner, sync_every=2, warmup_steps=warmup)
+  replicated, state = reference.train_jdist(model, params, tx, batches, STEPS, topo,
+                                            PER_REPLICA)
+  workers = reference_local_sgd(model, params, inner, batches, STEPS, topo.replica_count,
+                                sync_every=2, warmup_steps=warmup)
+  _check_replicas(topo, replicated, workers)
+  assert np.all(np.asarray(state.syncs) == (STEPS - warmup) // 2)
+
+
+def _bytes_per_step(topo, tx, steps):
+  model, params, batches = _setup(topo)
+  replicated = jdist.replicate(params)
+  opt_state = jdist.data_parallel(tx.init)(replicated)
+  step = jdist.data_parallel(reference.train_step_fn(model, tx))
+  sent = []
+  for i in range(steps):
+    x, y = batches[i % len(batches)]
+    replicated, opt_state = step(replicated, opt_state,
+                                 reference.local_slices(x, topo, PER_REPLICA),
+                                 reference.local_slices(y, topo, PER_REPLICA))
+    sent.append(float(jdist.wire_bytes(jdist.unreplicate(opt_state))))
+  return sent
+
+
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_bytes_per_inner_step_are_one_hth_of_plain(topo, fragments):
+  sync_every = 4
+  plain = _bytes_per_step(topo, jdist.dist_opt(optax.sgd(0.1)), 1)[0]
+  sent = _bytes_per_step(topo, jdist.diloco(optax.sgd(0.1), sync_every=sync_every,
+                                            fragments=fragments), 2 * sync_every)
+  half = _bytes_per_step(topo, jdist.diloco(optax.sgd(0.1), sync_every=sync_every,
+                                            payload="fp16"), sync_every)
+  if topo.process_count == 1:
+    assert plain == 0 and sum(sent) == 0 and sum(half) == 0  # nothing crosses processes
+    return
+  # Only sync steps send, each fragment once per H steps: the model once per H steps.
+  assert sum(1 for b in sent if b) == 2 * fragments
+  assert sum(sent) / len(sent) == pytest.approx(plain / sync_every, rel=1e-3)
+  assert sum(half) / len(half) == pytest.approx(plain / sync_every / 2, rel=1e-2)
+
+
+def test_state_is_checkpointable_and_resumes_exactly(topo):
+  model, params, batches = _setup(topo, seed=2)
+  tx = jdist.diloco(optax.adam(1e-2), sync_every=3, fragments=2, delay=1)
+  replicated, state = reference.train_jdist(model, params, tx, batches, 4, topo, PER_REPLICA)
+  assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(state))
+  directory = tempfile.mkdtemp(prefix="jdist_diloco_") if topo.is_primary else None
+  directory = host.allgather_object(directory)[0]
+  try:
+    manager = jdist.CheckpointManager(directory)
+    manager.save(4, {"params": replicated, "opt_state": state})
+    restored, _ = manager.restore(jax.eval_shape(
+        lambda t: t, {"params": replicated, "opt_state": state}))
+  finally:
+    host.barrier()
+    if topo.is_primary:
+      shutil.rmtree(directory, ignore_errors=True)
+  step = jdist.data_parallel(reference.train_step_fn(model, tx))
+  original, again = (replicated, state), (restored["params"], restored["opt_state"])
+  for i in range(4, 8):  # through a sync and a delayed outer step
+    x, y = (reference.local_slices(a, topo, PER_REPLICA) for a in batches[i % len(batches)])
+    original, again = step(*original, x, y), step(*again, x, y)
+  for a, b in zip(jax.tree.leaves(original), jax.tree.leaves(again)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_arguments_are_checked_when_built():
+  sgd = optax.sgd(0.1)
+  with pytest.raises(ValueError, match="sync_every=0"):
+    jdist.diloco(sgd, sync_every=0)
+  with pytest.raises(ValueError, match="fragments=5"):
+    jdist.diloco(sgd, sync_every=4, fragments=5)
+  with pytest.raises(ValueError, match="delay=4"):
+    jdist.diloco(sgd, sync_every=4, delay=4)
+  with pytest.raises(ValueError, match="mix=1.0"):
+    jdist.diloco(sgd, sync_every=4, mix=1.0)
+  with pytest.raises(ValueError, match="payload='int3'"):
+    jdist.diloco(sgd, sync_every=4, payload="int3")
+  with pytest.raises(ValueError, match="inner="):
+    jdist.diloco("sgd", sync_every=4)
+  with pytest.raises(ValueError, match="outer="):
+    jdist.diloco(sgd, sync_every=4, outer=0.7)
+  with pytest.raises(ValueError, match="warmup_steps=-1"):
+    jdist.local_sgd(sgd, sync_every=2, warmup_steps=-1)
+  with pytest.raises(ValueError, match="fragments=3 is more than the 2"):
+    jdist.diloco(sgd, sync_every=4, fragments=3).init({"a": jnp.ones(2), "b": jnp.ones(3)})
+
+
+def test_fragment_plan_and_offsets():
+  assert diloco_lib.fragment_plan([2048, 32, 320, 10], 2) == [[0], [1, 2, 3]]
+  assert diloco_lib.fragment_plan([5, 5, 5], 3) == [[0], [1], [2]]
+  assert diloco_lib.sync_offsets(8, 1) == [0]
+  assert diloco_lib.sync_offsets(8, 4) == [2, 4, 6, 0]
