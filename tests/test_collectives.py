@@ -62,7 +62,8 @@ def test_hundred_leaves_cross_processes_as_few_buffers(topo, bucket_bytes, expec
   step = jdist.data_parallel(lambda t: jdist.psum(t, bucket_bytes=bucket_bytes))
   replicated = jdist.replicate(tree)
   jaxpr = jax.make_jaxpr(step.pmapped)(replicated).jaxpr
-  cross_process_calls = _count_primitives(jaxpr, ("allreduce_mpi", "pure_callback", "ffi_call"))
+  cross_process_calls = _count_primitives(jaxpr, ("allreduce_mpi", "pure_callback", "ffi_call",
+                                                         "jdist_cross_process"))
   with transport.measure() as ledger:  # a new function: pmap caches traces
     jax.make_jaxpr(jdist.data_parallel(lambda t: jdist.psum(t, bucket_bytes=bucket_bytes)).pmapped)(replicated)
   if topo.process_count == 1:
@@ -249,7 +250,7 @@ def _traced_mean(route):
 
 
 @pytest.mark.parametrize("route_class, exchange", [(routes.LocalRoute, "psum"),
-                                                   (routes.CallbackRoute, "pure_callback")])
+                                                   (routes.CallbackRoute, "jdist_cross_process")])
 def test_means_scale_before_the_sum_only_where_it_packs_buckets(topo, route_class, exchange):
   # Within one process (the local route) the sum is XLA's all-reduce of each
   # leaf: a multiply before it would be a pass of its own over the gradients

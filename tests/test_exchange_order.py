@@ -139,7 +139,7 @@ def test_native_route_is_taken_across_processes(topo):
   assert "route native" in str(topo)
   step = jdist.data_parallel(lambda x: jdist.psum(x))
   text = str(jax.make_jaxpr(step.pmapped)(jnp.ones((topo.local_device_count, 4))))
-  assert "ffi_call" in text and "pure_callback" not in text
+  assert "route=NativeRoute" in text and "pure_callback" not in text
 
 
 def test_reduced_buckets_are_read_through_one_join(topo):

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
+from jdist.collectives import autodiff
 from jdist.collectives import native
 from jdist.collectives import steps
 from jdist.collectives import wire
@@ -83,7 +84,11 @@ def local_sum16(buffer: jax.Array, axis_size: int) -> jax.Array:
 class Route:
   """How buffers cross processes: the three primitives and their wire bytes.
 
-  Subclasses implement `_sum`, `_sum16` and `_gather` for their transport.
+  Subclasses implement `_sum`, `_sum16` and `_gather` for their transport,
+  each given the exchange's ordinal (see `jdist.collectives.steps`). A route
+  that crosses processes runs them as the lowering of one primitive
+  (`jdist.collectives.autodiff.exchange`), which makes every exchange
+  differentiable and batchable; `LocalRoute` uses XLA's collectives directly.
 
   Attributes:
     name: the route's name, one of `ROUTES`.
@@ -95,11 +100,27 @@ class Route:
   """
 
   name = ""
+  chained = False  # whether a step's exchanges are ordered by `steps.chain_input`
 
   def __init__(self, topology):
     self.processes = topology.process_count
     self.devices = topology.local_device_count
+    self.process_index = topology.process_index
     self.global_step_route: Route = self
+
+  @property
+  def replicas(self) -> int:
+    """Replicas an exchange spans: every local device of every process."""
+    return self.processes * self.devices
+
+  def effects(self):
+    """The JAX effects of this route's exchanges (none but mpi4jax's)."""
+    return frozenset()
+
+  def lower(self, kind: str, buffer: jax.Array, ordinal: int) -> jax.Array:
+    """The exchange of a 1-D buffer, as `exchange_p` lowers it on this route."""
+    return {autodiff.SUM: self._sum, autodiff.SUM16: self._sum16,
+            autodiff.GATHER: self._gather}[kind](buffer, ordinal)
 
   def __repr__(self) -> str:
     return f"{type(self).__name__}({self.processes} x {self.devices})"
@@ -109,7 +130,7 @@ class Route:
     if buffer.dtype in HALF_DTYPES:
       return self.sum_all_16bit(buffer)  # MPI has no 16-bit float sum
     wire.record(2 * (self.processes - 1) / self.processes * buffer.nbytes, 1)
-    return self._sum(buffer)
+    return self._exchange(autodiff.SUM, buffer)
 
   def sum_all_16bit(self, buffer: jax.Array) -> jax.Array:
     """Sum over every replica of a float16/bfloat16 buffer.
@@ -119,25 +140,28 @@ class Route:
     """
     if self.processes > 1:
       wire.record(2 * (self.processes - 1) / self.processes * buffer.nbytes, 2)
-    return self._sum16(buffer)
+    return self._exchange(autodiff.SUM16, buffer)
 
   def gather_all(self, buffer: jax.Array) -> jax.Array:
     """Every replica's 1-D buffer, stacked in global replica order: [R, n]."""
     if self.processes > 1:
       wire.record((self.processes - 1) * self.devices * buffer.nbytes, 1)
-    return self._gather(buffer)
+    return self._exchange(autodiff.GATHER, buffer)
 
   def join(self, buffers: list[jax.Array]) -> list[jax.Array]:
     """The step's reduced buffers, read together (see `NativeRoute.join`)."""
     return list(buffers)
 
-  def _sum(self, buffer: jax.Array) -> jax.Array:
+  def _exchange(self, kind: str, buffer: jax.Array) -> jax.Array:
+    return autodiff.exchange(self, kind, buffer)
+
+  def _sum(self, buffer: jax.Array, ordinal: int) -> jax.Array:
     raise NotImplementedError
 
-  def _sum16(self, buffer: jax.Array) -> jax.Array:
+  def _sum16(self, buffer: jax.Array, ordinal: int) -> jax.Array:
     raise NotImplementedError
 
-  def _gather(self, buffer: jax.Array) -> jax.Array:
+  def _gather(self, buffer: jax.Array, ordinal: int) -> jax.Array:
     raise NotImplementedError
 
 
@@ -151,7 +175,14 @@ class LocalRoute(Route):
       wire.record(2 * (self.processes - 1) / self.processes * buffer.nbytes, 1)
     return lax.psum(buffer, DATA_AXIS)
 
-  def _sum16(self, buffer: jax.Array) -> jax.Array:
+  def _exchange(self, kind: str, buffer: jax.Array) -> jax.Array:
+    # XLA's collectives: differentiable and batchable as they are.
+    return self.lower(kind, buffer, -1)
+
+  def _sum(self, buffer: jax.Array, ordinal: int) -> jax.Array:
+    return lax.psum(buffer, DATA_AXIS)
+
+  def _sum16(self, buffer: jax.Array, ordinal: int) -> jax.Array:
     axis_size = lax.axis_size(DATA_AXIS)
     if axis_size == 1:
       return buffer
@@ -159,7 +190,7 @@ class LocalRoute(Route):
     shard = local_sum16(padded, axis_size).astype(buffer.dtype)
     return lax.all_gather(shard, DATA_AXIS, tiled=True)[:buffer.shape[0]]
 
-  def _gather(self, buffer: jax.Array) -> jax.Array:
+  def _gather(self, buffer: jax.Array, ordinal: int) -> jax.Array:
     return lax.all_gather(buffer, DATA_AXIS)
 
 
@@ -175,11 +206,17 @@ class Mpi4jaxRoute(Route):
   def _comm(self):
     return self.world.device_comm(0)
 
-  def _sum(self, buffer: jax.Array) -> jax.Array:
+  @functools.cache  # pylint: disable=method-cache-max-size-none
+  def effects(self):
+    """mpi4jax's ordered effect, read from a traced call (it has no public name)."""
+    probe = jax.ShapeDtypeStruct((1,), jnp.float32)
+    return frozenset(jax.make_jaxpr(lambda x: self._sum(x, -1))(probe).effects)
+
+  def _sum(self, buffer: jax.Array, ordinal: int) -> jax.Array:
     mpi4jax = world_lib.import_mpi4jax()
     return mpi4jax.allreduce(buffer, op=self.world.MPI.SUM, comm=self._comm())
 
-  def _sum16(self, buffer: jax.Array) -> jax.Array:
+  def _sum16(self, buffer: jax.Array, ordinal: int) -> jax.Array:
     mpi4jax = world_lib.import_mpi4jax()
     dtype, processes = buffer.dtype, self.processes
     chunks = bits(pad_to(buffer, processes).reshape(processes, -1))
@@ -188,7 +225,7 @@ class Mpi4jaxRoute(Route):
     gathered = mpi4jax.allgather(bits(mine), comm=self._comm())
     return from_bits(gathered, dtype).reshape(-1)[:buffer.shape[0]]
 
-  def _gather(self, buffer: jax.Array) -> jax.Array:
+  def _gather(self, buffer: jax.Array, ordinal: int) -> jax.Array:
     return world_lib.import_mpi4jax().allgather(buffer, comm=self._comm())
 
 
@@ -202,34 +239,36 @@ class NativeRoute(Route):
     run beside the rest of the backward pass (`native.join`)."""
     return native.join(buffers)
 
-  def _call(self, kind: int, buffer: jax.Array, result: jax.ShapeDtypeStruct) -> jax.Array:
-    return native.call(kind, buffer, result, steps.next_ordinal(), DATA_AXIS)
+  def _call(self, kind: int, buffer: jax.Array, result: jax.ShapeDtypeStruct,
+            ordinal: int) -> jax.Array:
+    return native.call(kind, buffer, result, ordinal, DATA_AXIS)
 
-  def _sum(self, buffer: jax.Array) -> jax.Array:
+  def _sum(self, buffer: jax.Array, ordinal: int) -> jax.Array:
     """Any numeric dtype: those the engine sums directly, others through them."""
     dtype = buffer.dtype
     if buffer.size == 0:
       return buffer
     if np.dtype(dtype) in native.SUM_DTYPES:
-      return self._call(native.SUM, buffer, jax.ShapeDtypeStruct(buffer.shape, dtype))
+      return self._call(native.SUM, buffer, jax.ShapeDtypeStruct(buffer.shape, dtype), ordinal)
     if jnp.issubdtype(dtype, jnp.complexfloating):  # a sum of (real, imag) pairs
       parts = jnp.stack([buffer.real, buffer.imag], axis=-1).reshape(-1)
-      summed = self._sum(parts).reshape(-1, 2)
+      summed = self._sum(parts, ordinal).reshape(-1, 2)
       return lax.complex(summed[:, 0], summed[:, 1]).astype(dtype)
     if jnp.issubdtype(dtype, jnp.floating):  # float8 and friends: in float32
-      return self._sum(buffer.astype(jnp.float32)).astype(dtype)
+      return self._sum(buffer.astype(jnp.float32), ordinal).astype(dtype)
     wide = jnp.int64 if jnp.dtype(dtype).itemsize == 8 else jnp.int32
-    return self._sum(buffer.astype(wide)).astype(dtype)  # bools, small ints
+    return self._sum(buffer.astype(wide), ordinal).astype(dtype)  # bools, small ints
 
-  def _sum16(self, buffer: jax.Array) -> jax.Array:
+  def _sum16(self, buffer: jax.Array, ordinal: int) -> jax.Array:
     if buffer.shape[0] == 0:
       return buffer
-    return self._call(native.SUM16, buffer, jax.ShapeDtypeStruct(buffer.shape, buffer.dtype))
+    return self._call(native.SUM16, buffer, jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
+                      ordinal)
 
-  def _gather(self, buffer: jax.Array) -> jax.Array:
-    rows = self.processes * self.devices
+  def _gather(self, buffer: jax.Array, ordinal: int) -> jax.Array:
     return self._call(native.GATHER, buffer,
-                      jax.ShapeDtypeStruct((rows,) + buffer.shape, buffer.dtype))
+                      jax.ShapeDtypeStruct((self.replicas,) + buffer.shape, buffer.dtype),
+                      ordinal)
 
 
 # On the callback route each device's host callback blocks an XLA thread in
@@ -239,7 +278,8 @@ class NativeRoute(Route):
 # all-gather for device 1, itself in exchange Y's MPI call waiting for process
 # B, where the roles are swapped, is a deadlock (seen in 2x2 with a flag
 # all-reduce beside a top-K all-gather). `steps.chain_input` makes each
-# exchange's input depend on the previous exchange's output in the trace.
+# exchange's input depend on the previous exchange's output in the trace
+# (`chained`: `autodiff.exchange` does it around the exchange's primitive).
 after_previous_exchange = steps.chain_input
 exchange_done = steps.chain_output
 
@@ -264,6 +304,7 @@ class CallbackRoute(Route):
   """
 
   name = "callback"
+  chained = True
 
   def __init__(self, topology, world):
     super().__init__(topology)
@@ -293,20 +334,20 @@ class CallbackRoute(Route):
     comm.Allgather(mine, out)
     return out.reshape(coded.shape)
 
-  def _sum(self, buffer: jax.Array) -> jax.Array:
+  def _sum(self, buffer: jax.Array, ordinal: int) -> jax.Array:
     devices, size = self.devices, buffer.shape[0]
-    shard = pad_to(after_previous_exchange(buffer), devices)
+    shard = pad_to(buffer, devices)
     if devices > 1:
       shard = lax.psum_scatter(shard, DATA_AXIS, tiled=True)
     shard = host_callback(self._host_allreduce,
                           jax.ShapeDtypeStruct(shard.shape, shard.dtype), shard)
     if devices > 1:
       shard = lax.all_gather(shard, DATA_AXIS, tiled=True)
-    return exchange_done(shard[:size])
+    return shard[:size]
 
-  def _sum16(self, buffer: jax.Array) -> jax.Array:
+  def _sum16(self, buffer: jax.Array, ordinal: int) -> jax.Array:
     dtype, devices, size = buffer.dtype, self.devices, buffer.shape[0]
-    padded = pad_to(after_previous_exchange(buffer), devices * self.processes)
+    padded = pad_to(buffer, devices * self.processes)
     shard = local_sum16(padded, devices).astype(dtype) if devices > 1 else padded
     is_bf16 = np.int32(dtype == jnp.bfloat16)
     shard_bits = host_callback(self._host_sum16,
@@ -315,18 +356,17 @@ class CallbackRoute(Route):
     shard = from_bits(shard_bits, dtype)
     if devices > 1:
       shard = lax.all_gather(shard, DATA_AXIS, tiled=True)
-    return exchange_done(shard[:size])
+    return shard[:size]
 
-  def _gather(self, buffer: jax.Array) -> jax.Array:
+  def _gather(self, buffer: jax.Array, ordinal: int) -> jax.Array:
     processes, devices = self.processes, self.devices
     per_process = host_callback(
         self._host_allgather, jax.ShapeDtypeStruct((processes,) + buffer.shape, buffer.dtype),
-        after_previous_exchange(buffer))
+        buffer)
     if devices == 1:
-      return exchange_done(per_process)
+      return per_process
     stacked = lax.all_gather(per_process, DATA_AXIS)  # [D, P, n]
-    return exchange_done(
-        jnp.swapaxes(stacked, 0, 1).reshape((processes * devices,) + buffer.shape))
+    return jnp.swapaxes(stacked, 0, 1).reshape((processes * devices,) + buffer.shape)
 
 
 def _start_native(topology, world) -> None:

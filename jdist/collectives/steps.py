@@ -94,7 +94,8 @@ def chain_input(buffer: jax.Array) -> jax.Array:
   trace = jax.extend.core.get_opaque_trace_state()
   for state, last in reversed(_chain()):
     if state == trace:
-      return buffer.at[0].add(_runtime_zero(last).astype(buffer.dtype))
+      # Not differentiated: the order is a schedule, not a dependency of values.
+      return buffer.at[0].add(_runtime_zero(jax.lax.stop_gradient(last)).astype(buffer.dtype))
   return buffer
 
 

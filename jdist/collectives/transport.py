@@ -19,6 +19,7 @@ import contextvars
 
 import jax
 
+from jdist.collectives import autodiff
 from jdist.collectives import routes
 from jdist.collectives import start
 from jdist.collectives.routes import ROUTE_ENV, ROUTES  # pylint: disable=unused-import
@@ -100,5 +101,10 @@ def gather_all(buffer: jax.Array) -> jax.Array:
 
 
 def join(buffers: list[jax.Array]) -> list[jax.Array]:
-  """Reduced buffers that the step reads only once all of them are reduced."""
-  return active().join(buffers)
+  """Reduced buffers that the step reads only once all of them are reduced.
+
+  Differentiable (the identity: tangents and cotangents pass unjoined).
+  """
+  if len(buffers) < 2:
+    return list(buffers)
+  return list(autodiff.join(active(), tuple(buffers)))

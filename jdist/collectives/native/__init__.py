@@ -191,7 +191,9 @@ def join(buffers: list[jax.Array]) -> list[jax.Array]:
   if len(buffers) < 2 or "cpu" not in _registered:
     return list(buffers)
   results = [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers]
+  # Under jax.vmap every buffer carries the batch axis (aliases need equal shapes).
   return list(jax.ffi.ffi_call(JOIN_TARGET, results, has_side_effect=True,
+                               vmap_method="broadcast_all",
                                input_output_aliases={i: i for i in range(len(buffers))})(
       *buffers))
 

@@ -1,0 +1,136 @@
+"""Cross-process exchanges as one JAX primitive: differentiable and batchable.
+
+A route's cross-process exchange (a sum, a 16-bit sum or an all-gather over
+every replica) is an XLA FFI custom call, a host callback or an mpi4jax
+call; none of them has a JVP, a transpose or (for the first two) a batching
+rule. `exchange(route, kind, buffer)` binds `exchange_p` instead, a
+primitive whose parameters say everything about the call (the route object,
+the kind, the exchange's ordinal), with:
+
+  * abstract evaluation: a sum keeps the buffer's shape and dtype; a gather
+    adds a leading axis of one row per replica;
+  * a JVP: the same exchange of the tangent (all three are linear);
+  * a transpose, as `lax.psum`'s in a `pmap` or in `jdist.data_parallel`'s
+    `shard_map` (`check_vma=False`): the transpose of a sum over replicas is
+    a sum over replicas; of a gather, the sum over replicas of the
+    cotangent's rows, each replica taking its own row (as
+    `lax.psum_scatter`). So `jax.grad` of a loss through `jdist.pmean`
+    gives, on every replica, what XLA's own collectives give in one process
+    with as many devices: averaged over replicas (as `jdist.allreduce`
+    does), the gradient of one device on the whole batch;
+  * a batching rule (`jax.vmap`): a sum is elementwise, so the batched
+    buffer crosses processes flattened, as one exchange;
+  * a lowering: `mlir.lower_fun` of the route's own implementation
+    (`Route.lower`), so each route keeps its transport.
+
+Everything the routes decided at trace time is decided at `bind`: the
+ordinal the native engine names the exchange by (`steps.next_ordinal`), the
+callback route's exchange chain (`steps.chain_input`/`chain_output`) and the
+bytes recorded in the ledger. Rules that exchange again (a JVP's tangent, a
+transpose) bind a new exchange the same way, with the route taken from the
+parameters: a global step's backward pass is traced outside the context of
+its forward reduction.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+from jax import lax
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.interpreters import mlir
+
+from jdist.collectives import steps
+from jdist.collectives.wire import DATA_AXIS
+
+SUM, SUM16, GATHER = "sum", "sum16", "gather"
+KINDS = (SUM, SUM16, GATHER)
+
+exchange_p = jax.extend.core.Primitive("jdist_cross_process")
+
+
+def exchange(route, kind: str, buffer: jax.Array) -> jax.Array:
+  """One exchange of `buffer` over every replica on `route`, as `exchange_p`.
+
+  Args:
+    route: a `jdist.collectives.routes.Route` that crosses processes; it
+      provides `lower(kind, buffer, ordinal)`, `replicas`, `process_index`,
+      `chained` and `effects()`.
+    kind: SUM, SUM16 or GATHER.
+    buffer: this replica's values (any shape; the routes send it flat).
+
+  Returns:
+    The sum (the buffer's shape) or the gather (a leading axis of one row per
+    replica, in global replica order).
+  """
+  if kind not in KINDS:
+    raise ValueError(f"unknown exchange kind {kind!r}; one of {KINDS}")
+  if route.chained:  # the callback route runs a step's exchanges in trace order
+    buffer = steps.chain_input(buffer)
+  out = exchange_p.bind(buffer, route=route, kind=kind, ordinal=steps.next_ordinal())
+  return steps.chain_output(out) if route.chained else out
+
+
+def _abstract_eval(aval, *, route, kind, ordinal):
+  del ordinal
+  shape = (route.replicas,) + aval.shape if kind == GATHER else aval.shape
+  return aval.update(shape=shape), route.effects()
+
+
+def _lowered(buffer, *, route, kind, ordinal):
+  out = route.lower(kind, buffer.reshape(-1), ordinal)
+  return out.reshape((route.replicas,) + buffer.shape if kind == GATHER else buffer.shape)
+
+
+def _jvp(primals, tangents, *, route, kind, ordinal):
+  (x,), (t,) = primals, tangents
+  y = exchange_p.bind(x, route=route, kind=kind, ordinal=ordinal)
+  if type(t) is ad.Zero:
+    return y, ad.Zero.from_primal_value(y)
+  return y, exchange(route, kind, t)  # linear: the tangent crosses processes alike
+
+
+def _transpose(ct, x, *, route, kind, ordinal):
+  del ordinal
+  if type(ct) is ad.Zero:
+    return (ad.Zero(x.aval),)
+  if kind != GATHER:
+    return (exchange(route, kind, ct),)
+  # Each replica's row i went to every replica; its cotangent is the sum
+  # over replicas of row i: a full sum, of which this replica keeps its row.
+  summed = exchange(route, SUM, ct)
+  mine = route.process_index * route.devices + lax.axis_index(DATA_AXIS)
+  return (lax.dynamic_index_in_dim(summed, mine, 0, keepdims=False),)
+
+
+def _batch(args, dims, *, route, kind, ordinal):
+  (x,), (dim,) = args, dims
+  x = jnp.moveaxis(x, dim, 0)
+  # The same one exchange (the same ordinal): it replaces the unbatched call.
+  out = exchange_p.bind(x.reshape(-1), route=route, kind=kind, ordinal=ordinal)
+  if kind == GATHER:
+    return out.reshape((route.replicas,) + x.shape), 1
+  return out.reshape(x.shape), 0
+
+
+exchange_p.def_effectful_abstract_eval(_abstract_eval)
+ad.primitive_jvps[exchange_p] = _jvp
+ad.primitive_transposes[exchange_p] = _transpose
+batching.primitive_batchers[exchange_p] = _batch
+mlir.register_lowering(exchange_p, mlir.lower_fun(_lowered, multiple_results=False))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def join(route, buffers: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+  """`route.join(buffers)`, the identity: differentiable, its tangents unjoined."""
+  return tuple(route.join(list(buffers)))
+
+
+@join.defjvp
+def _join_jvp(route, primals, tangents):
+  (buffers,), (dots,) = primals, tangents
+  return join(route, buffers), dots
