@@ -31,3 +31,11 @@ class CheckpointCorruptError(CheckpointError):
 
 class WorldMismatchError(JdistError):
   """The processes of one job differ where they must agree (devices, settings, data)."""
+
+
+class InitOrderError(JdistError):
+  """`jdist.init()` ran too late: JAX had started its backends in a way the job cannot use."""
+
+
+class CoordinatorError(JdistError):
+  """JAX's distributed runtime could not start: its coordinator was not reached in time."""

@@ -5,6 +5,7 @@ import os
 import jax
 import pytest
 
+from jdist import errors
 from jdist.runtime import xla_cpu
 from tests import launch
 
@@ -48,6 +49,21 @@ def test_host_threads_keep_a_users_nproc(monkeypatch):
   monkeypatch.setenv("NPROC", "3")
   xla_cpu.reserve_host_threads()
   assert os.environ["NPROC"] == "3"
+
+
+def test_host_threads_after_backends_exist_refuse_several_devices_on_a_small_pool(monkeypatch):
+  monkeypatch.delenv("NPROC", raising=False)
+  jax.devices()  # the backends exist now: XLA would not read NPROC
+  monkeypatch.setattr(xla_cpu.os, "cpu_count", lambda: 2)
+  if jax.local_device_count() > 1:
+    with pytest.raises(errors.InitOrderError, match="before any other JAX call") as info:
+      xla_cpu.reserve_host_threads()
+    assert f"NPROC={xla_cpu.MIN_HOST_THREADS}" in str(info.value)
+  else:
+    xla_cpu.reserve_host_threads()  # one device blocks at most one pool thread
+  monkeypatch.setattr(xla_cpu.os, "cpu_count", lambda: xla_cpu.MIN_HOST_THREADS)
+  xla_cpu.reserve_host_threads()  # a pool this large is enough
+  assert "NPROC" not in os.environ  # too late to matter: not set
 
 
 def test_init_sets_the_flag_and_this_xla_accepts_it_in_a_subprocess():

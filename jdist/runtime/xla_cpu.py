@@ -14,10 +14,10 @@ environment (`NPROC`, or the flag in `XLA_FLAGS`) is left as it is.
 from __future__ import annotations
 
 import os
-import warnings
 
 import jax
 
+from jdist import errors
 from jdist import jax_internals
 
 MIN_HOST_THREADS = 16
@@ -42,16 +42,31 @@ def reserve_host_threads() -> None:
   threads) is then full and the work the other device still needs never
   runs: a deadlock on both processes (measured: 2 processes x 2 devices,
   buffers >= 64K floats). Extra pool threads cost nothing while idle.
+
+  Raises:
+    jdist.errors.InitOrderError: JAX created its backends before this call
+      (a `jax.devices()` or an array came first), so the pool kept fewer than
+      `MIN_HOST_THREADS` threads, and this process drives several CPU
+      devices: its first cross-process step would deadlock (2 x 2 hung at
+      step 1 with no report). One device per process, or a pool that was
+      large enough, goes on.
   """
   if "NPROC" in os.environ:
     return
-  os.environ["NPROC"] = str(max(os.cpu_count() or 1, MIN_HOST_THREADS))
   if jax_internals.backends_initialized():
-    warnings.warn(
-        "jdist.init() ran after JAX created its backends, so XLA's CPU thread pool "
-        "keeps its size and several devices per process may deadlock in "
-        "cross-process exchanges. Call jdist.init() before any JAX computation, or "
-        f"set NPROC={MIN_HOST_THREADS} in the environment.", RuntimeWarning, stacklevel=3)
+    pool = os.cpu_count() or 1
+    devices = jax.local_device_count()
+    if jax.default_backend() == "cpu" and devices > 1 and pool < MIN_HOST_THREADS:
+      raise errors.InitOrderError(
+          f"jdist.init() ran after JAX started its backends (a jax.devices() call, an "
+          f"array or a computation came first), so XLA's CPU thread pool kept its "
+          f"{pool} threads, too few for {devices} devices per process exchanging across "
+          f"processes: the first step would deadlock. Fix: call jdist.init() before any "
+          f"other JAX call (right after the imports), or start the job with "
+          f"NPROC={MIN_HOST_THREADS} in the environment (mpirun -x "
+          f"NPROC={MIN_HOST_THREADS} ...).")
+    return
+  os.environ["NPROC"] = str(max(os.cpu_count() or 1, MIN_HOST_THREADS))
 
 
 def _release(version: str) -> tuple[int, int]:

@@ -1,0 +1,46 @@
+"""jdist.init() after JAX started its backends: a working run or a clear error, never a hang.
+
+Each case launches its own job (a hang must fail the test, not the suite),
+so these tests run in the plain session only (*subprocess*).
+"""
+
+import sys
+
+import pytest
+
+from tests import launch
+
+JOB = "tests/jobs/late_init.py"
+# A refusal comes before the first step: far below the deadlock's wait (the
+# job was killed after 150-170 s in 2 x 2).
+LIMIT_S = 150
+
+
+def _run(processes: int, devices: int, **env: str):
+  if processes == 1:
+    return launch.python([JOB], devices=devices, timeout=LIMIT_S,
+                         env=launch.clean_env(devices, **env))
+  return launch.mpirun([sys.executable, JOB], np=processes, timeout=LIMIT_S,
+                       env=launch.clean_env(devices, **env))
+
+
+@pytest.mark.parametrize("processes, devices", [(1, 2), (2, 1)])
+def test_late_init_works_where_nothing_depends_on_the_order_subprocess(processes, devices):
+  done = _run(processes, devices, JDIST_JAX_DISTRIBUTED="0")
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+  assert done.stdout.count("OK rank") == processes, done.stdout
+
+
+def test_late_init_with_several_cpu_devices_per_process_stops_at_once_subprocess():
+  done = _run(2, 2, JDIST_JAX_DISTRIBUTED="0")
+  assert done.returncode != 0 and "OK rank" not in done.stdout, done.stdout
+  assert "InitOrderError" in done.stderr, done.stderr[-4000:]
+  assert "call jdist.init() before any other JAX call" in done.stderr
+  assert "NPROC=16" in done.stderr
+
+
+def test_late_init_with_nproc_set_works_subprocess():
+  """The error's second fix, as written: NPROC=16 in the environment."""
+  done = _run(2, 2, JDIST_JAX_DISTRIBUTED="0", NPROC="16")
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+  assert done.stdout.count("OK rank") == 2, done.stdout
