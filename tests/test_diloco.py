@@ -7,6 +7,7 @@ integers. The reference shares only optax (inner and outer optimizers) and
 the fragment plan (tested on its own) with the implementation.
 """
 
+import re
 import shutil
 import tempfile
 
@@ -241,3 +242,70 @@ def test_fragment_plan_and_offsets():
   assert diloco_lib.fragment_plan([5, 5, 5], 3) == [[0], [1], [2]]
   assert diloco_lib.sync_offsets(8, 1) == [0]
   assert diloco_lib.sync_offsets(8, 4) == [2, 4, 6, 0]
+
+
+# `jdist train --diloco H` and `--local-sgd H` (the pattern of tests/test_cli.py).
+
+@pytest.fixture
+def rank0(monkeypatch):
+  """Parses as the launcher's rank 0 (under mpirun, only rank 0 prints usage errors)."""
+  monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--diloco", "0"], r"diloco \(--diloco\)=0 must be an integer >= 1"),
+    (["--diloco", "4", "--diloco-fragments", "5"], r"--diloco-fragments\)=5 must be <= --diloco 4"),
+    (["--diloco-fragments", "2"], r"only apply with --diloco H"),
+    (["--diloco", "4", "--diloco-outer-lr", "0"], r"diloco_outer_lr \(--diloco-outer-lr\)=0.0"),
+    (["--diloco", "4", "--powersgd", "2"], r"--diloco .* cannot be combined with --powersgd"),
+    (["--diloco", "4", "--local-sgd", "2"], r"cannot be combined with --local-sgd"),
+    (["--local-sgd", "2", "--half", "fp16"], r"--local-sgd .* cannot be combined with --half"),
+    (["--local-sgd-warmup", "3"], r"only applies with --local-sgd H"),
+])
+def test_bad_flags_name_the_flag_and_exit_2(capsys, rank0, argv, message):
+  from jdist.app import cli  # pylint: disable=import-outside-toplevel
+  with pytest.raises(SystemExit) as stop:
+    cli.parse_train_args(argv)
+  assert stop.value.code == cli.EXIT_USAGE
+  err = capsys.readouterr().err
+  assert len(err.strip().splitlines()) == 1 and err.startswith("jdist train: error: "), err
+  assert re.search(message, err), err
+
+
+def _train(topo, tmp_log, *flags):
+  from jdist.app import cli  # pylint: disable=import-outside-toplevel
+  from jdist.app import train as train_lib  # pylint: disable=import-outside-toplevel
+  config, _ = cli.parse_train_args(
+      ["--model", "mlp", "--epochs", "2", "--train-limit", "256", "--test-limit", "64",
+       "--batch-size", str(64 // topo.replica_count), "--no-progress", "--log-file", tmp_log]
+      + list(flags))
+  return train_lib.train(config, return_state=True)
+
+
+@pytest.mark.parametrize("flags, syncs", [
+    (("--diloco", "4"), [1, 2]),
+    (("--diloco", "4", "--diloco-fragments", "2", "--half", "bf16"), [2, 4]),
+    (("--local-sgd", "2", "--local-sgd-warmup", "2"), [1, 3]),
+])
+def test_jdist_train_reports_outer_syncs_and_bytes(topo, capsys, flags, syncs):
+  log = tempfile.mktemp(suffix=".jsonl")
+  plain = _train(topo, log)
+  run = _train(topo, log, *flags)
+  steps = plain["steps"] // 2  # per epoch: 256 examples in global batches of 64
+  assert steps == 4 and run["steps"] == plain["steps"]
+  assert [record["outer_syncs"] for record in run["epochs"]] == syncs
+  assert all(np.isfinite(record["test_loss"]) for record in run["epochs"])
+  printed = capsys.readouterr().out
+  if topo.is_primary:
+    assert f"{syncs[-1]} outer syncs so far" in printed
+  bytes_plain = [record["wire_bytes_per_step"] for record in plain["epochs"]]
+  bytes_run = [record["wire_bytes_per_step"] for record in run["epochs"]]
+  if topo.process_count == 1:
+    assert bytes_plain == bytes_run == [0.0, 0.0]
+  else:
+    # In 8 steps plain sends the model 8 times; diloco H=4 twice (in bf16: half the
+    # bytes); local SGD twice in warm-up and 3 averagings. The loss sums are a few bytes.
+    models = {"--diloco": 2 * (0.5 if "--half" in flags else 1.0), "--local-sgd": 5}[flags[0]]
+    assert sum(bytes_run) == pytest.approx(sum(bytes_plain) * models / 8, rel=0.01)
+  # The model handed back is one model: the replicas' mean (checked by train itself).
+  assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(run["state"]["params"]))

@@ -34,6 +34,11 @@ FLAG_CASES = {
     "--partial": ([], ["--partial", "2"]),
     "--powersgd": ([], ["--powersgd", "2"]),
     "--skip-nonfinite": ([], ["--skip-nonfinite"]),
+    "--diloco": ([], ["--diloco", "2"]),
+    "--diloco-fragments": (["--diloco", "2"], ["--diloco", "2", "--diloco-fragments", "2"]),
+    "--diloco-outer-lr": (["--diloco", "2"], ["--diloco", "2", "--diloco-outer-lr", "0.5"]),
+    "--local-sgd": ([], ["--local-sgd", "2"]),
+    "--local-sgd-warmup": (["--local-sgd", "2"], ["--local-sgd", "2", "--local-sgd-warmup", "2"]),
 }
 # Flags of the same argument groups that do not build the optimizer.
 NOT_OPTIMIZER = {"--epochs", "--batch-size", "--eval-batch-size", "--seed", "--max-steps",

@@ -95,6 +95,18 @@ def build_train_parser(prog: str = "jdist train") -> argparse.ArgumentParser:
   group.add_argument("--powersgd", type=int, metavar="RANK",
                      help="PowerSGD: gradient matrices cross replicas as rank-RANK factors, "
                      "with error feedback (not with --half/--sparsify/--partial)")
+  group.add_argument("--diloco", type=int, metavar="H",
+                     help="DiLoCo: H local inner steps, then the averaged pseudo-gradient "
+                     "takes an outer SGD step (Nesterov); with --half it travels in 16 bits")
+  group.add_argument("--diloco-fragments", type=int, default=defaults.diloco_fragments,
+                     metavar="P", help="Streaming DiLoCo: P fragments synced on staggered "
+                     "steps, one fragment's bytes per sync")
+  group.add_argument("--diloco-outer-lr", type=float, default=defaults.diloco_outer_lr,
+                     metavar="LR", help="DiLoCo's outer learning rate")
+  group.add_argument("--local-sgd", type=int, metavar="H",
+                     help="post-local SGD: local steps, parameters averaged every H steps")
+  group.add_argument("--local-sgd-warmup", type=int, default=defaults.local_sgd_warmup,
+                     metavar="STEPS", help="fully synchronous steps before --local-sgd starts")
   group.add_argument("--skip-nonfinite", action="store_true",
                      help="every replica skips steps whose gradients hold NaN or Inf")
   group.add_argument("--check-replicas-every", type=int,

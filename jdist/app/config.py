@@ -57,6 +57,12 @@ class TrainConfig:
     powersgd: None or a rank >= 1: gradient matrices cross replicas as
       rank-r factors (PowerSGD, with error feedback).
     skip_nonfinite: every replica skips steps whose gradients hold NaN/Inf.
+    diloco: None or H >= 1: DiLoCo (`jdist.diloco`), H local inner steps
+      between outer steps; with half, the pseudo-gradient travels in 16 bits.
+    diloco_fragments: Streaming DiLoCo's fragments, 1 <= P <= H.
+    diloco_outer_lr: the outer SGD's learning rate (Nesterov momentum 0.9).
+    local_sgd: None or H >= 1: post-local SGD (`jdist.local_sgd`).
+    local_sgd_warmup: synchronous steps before local SGD starts (>= 0).
     seed: seed of the initial parameters and of the data order (>= 0).
     train_limit, test_limit: use only the first N examples of each split.
     checkpoint_dir: where checkpoints go; None for none.
@@ -98,6 +104,11 @@ class TrainConfig:
   partial: int | None = OptimizerSpec.partial
   powersgd: int | None = OptimizerSpec.powersgd
   skip_nonfinite: bool = OptimizerSpec.skip_nonfinite
+  diloco: int | None = OptimizerSpec.diloco
+  diloco_fragments: int = OptimizerSpec.diloco_fragments
+  diloco_outer_lr: float = OptimizerSpec.diloco_outer_lr
+  local_sgd: int | None = OptimizerSpec.local_sgd
+  local_sgd_warmup: int = OptimizerSpec.local_sgd_warmup
   seed: int = 0
   train_limit: int | None = None
   test_limit: int | None = None
@@ -121,6 +132,11 @@ class TrainConfig:
   def optimizer_spec(self) -> OptimizerSpec:
     """What builds this run's optimizer; also its compilation cache key."""
     return OptimizerSpec.from_settings(self)
+
+  @property
+  def local_updates(self) -> bool:
+    """Whether replicas hold different parameters between syncs (partial, diloco, local SGD)."""
+    return bool(self.partial or self.diloco or self.local_sgd)
 
   @property
   def eval_batch(self) -> int:
@@ -183,6 +199,12 @@ def validate(config: TrainConfig) -> TrainConfig:
   _int(config, "cpu_devices", 1, optional=True)
   _int(config, "partial", 1, optional=True)
   _int(config, "powersgd", 1, optional=True)
+  _int(config, "diloco", 1, optional=True)
+  _int(config, "diloco_fragments", 1)
+  _int(config, "local_sgd", 1, optional=True)
+  _int(config, "local_sgd_warmup", 0)
+  _number(config, "diloco_outer_lr", 0.0, math.inf, low_open=True, high_open=True,
+          hint="DiLoCo's outer learning rate must be positive, e.g. 0.7")
   _number(config, "lr", 0.0, math.inf, low_open=True, high_open=True,
           hint="the learning rate must be positive, e.g. 0.05")
   _number(config, "momentum", 0.0, 1.0, low_open=False, high_open=True,
@@ -217,6 +239,7 @@ def validate(config: TrainConfig) -> TrainConfig:
     raise ConfigError(
         "--powersgd sends low-rank factors of the gradients and cannot be combined with "
         "--half, --sparsify or --partial; choose one communication mode.")
+  _check_local_modes(config)
   if config.on_nonfinite not in ON_NONFINITE:
     raise ConfigError(f"on_nonfinite (--on-nonfinite)={config.on_nonfinite!r} is unknown; "
                       f"choose one of {', '.join(ON_NONFINITE)}.")
@@ -228,3 +251,29 @@ def validate(config: TrainConfig) -> TrainConfig:
   if config.checkpoint_every and not config.checkpoint_dir:
     raise ConfigError("--checkpoint-every needs --checkpoint-dir DIR: where to write them.")
   return config
+
+
+def _check_local_modes(config: TrainConfig) -> None:
+  """--diloco and --local-sgd: alone (diloco with --half at most), their own flags only with them."""
+  if config.diloco is not None:
+    others = [name for name in ("sparsify", "partial", "powersgd", "local_sgd")
+              if getattr(config, name) is not None]
+    if others:
+      raise ConfigError(f"--diloco averages pseudo-gradients every H steps and cannot be "
+                        f"combined with --{others[0].replace('_', '-')}; choose one "
+                        f"communication mode (--half sets its payload).")
+    if config.diloco_fragments > config.diloco:
+      raise ConfigError(f"{flag('diloco_fragments')}={config.diloco_fragments} must be <= "
+                        f"--diloco {config.diloco}: each fragment syncs on a step of its own.")
+  elif (config.diloco_fragments != OptimizerSpec.diloco_fragments
+        or config.diloco_outer_lr != OptimizerSpec.diloco_outer_lr):
+    raise ConfigError("--diloco-fragments and --diloco-outer-lr only apply with --diloco H.")
+  if config.local_sgd is not None:
+    others = [name for name in ("half", "sparsify", "partial", "powersgd")
+              if getattr(config, name) is not None]
+    if others:
+      raise ConfigError(f"--local-sgd averages parameters every H steps in full precision "
+                        f"and cannot be combined with --{others[0]}; choose one "
+                        f"communication mode.")
+  elif config.local_sgd_warmup:
+    raise ConfigError("--local-sgd-warmup only applies with --local-sgd H.")

@@ -24,8 +24,10 @@ from typing import Any
 import jax.numpy as jnp
 import optax
 
+from jdist.transforms.diloco import diloco
 from jdist.transforms.dist_opt import dist_opt
 from jdist.transforms.finite import skip_nonfinite
+from jdist.transforms.local_sgd import local_sgd
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 HALF_CHOICES = ("fp16", "bf16")
@@ -55,6 +57,14 @@ class OptimizerSpec:
     powersgd: None or a rank: gradient matrices cross replicas as rank-r
       factors (PowerSGD, with error feedback).
     skip_nonfinite: every replica skips steps whose gradients hold NaN/Inf.
+    diloco: None or H: DiLoCo, H local inner steps between outer steps
+      (`jdist.diloco`; with `half`, the pseudo-gradient travels in 16 bits).
+    diloco_fragments: Streaming DiLoCo's fragments (1: plain DiLoCo).
+    diloco_outer_lr: the outer optimizer's learning rate (SGD, Nesterov
+      momentum 0.9). Must match on resume: the outer momentum is scaled by it.
+    local_sgd: None or H: post-local SGD, parameters averaged every H local
+      steps (`jdist.local_sgd`).
+    local_sgd_warmup: fully synchronous steps before local SGD starts.
   """
 
   optimizer: str = dataclasses.field(default="sgd", metadata=_STATE)
@@ -67,6 +77,11 @@ class OptimizerSpec:
   partial: int | None = dataclasses.field(default=None, metadata=_STATE)
   powersgd: int | None = dataclasses.field(default=None, metadata=_STATE)
   skip_nonfinite: bool = dataclasses.field(default=False, metadata=_STATE)
+  diloco: int | None = dataclasses.field(default=None, metadata=_STATE)
+  diloco_fragments: int = dataclasses.field(default=1, metadata=_STATE)
+  diloco_outer_lr: float = dataclasses.field(default=0.7, metadata=_STATE)
+  local_sgd: int | None = dataclasses.field(default=None, metadata=_STATE)
+  local_sgd_warmup: int = dataclasses.field(default=0, metadata=_STATE)
 
   @classmethod
   def from_settings(cls, settings: Any) -> "OptimizerSpec":
@@ -77,7 +92,8 @@ class OptimizerSpec:
     """The data-parallel optax transformation this spec describes.
 
     Returns:
-      `jdist.dist_opt` around the inner optimizer, wrapped in
+      `jdist.dist_opt` (or `jdist.diloco`, `jdist.local_sgd`) around the
+      inner optimizer, wrapped in
       `jdist.skip_nonfinite` when asked.
     """
     correction = self.momentum if self.momentum_correction else 0.0
@@ -93,12 +109,29 @@ class OptimizerSpec:
     else:
       raise ValueError(f"optimizer={self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}.")
     half = {None: False, "fp16": jnp.float16, "bf16": jnp.bfloat16}[self.half]
-    tx = dist_opt(inner, half=half, sparsify=self.sparsify, partial=self.partial,
-                  momentum_correction=correction, powersgd=self.powersgd)
+    if self.diloco:
+      outer = optax.sgd(self.diloco_outer_lr, momentum=0.9, nesterov=True)
+      tx = diloco(inner, sync_every=self.diloco, outer=outer, fragments=self.diloco_fragments,
+                  payload=self.half)
+    elif self.local_sgd:
+      tx = local_sgd(inner, sync_every=self.local_sgd, warmup_steps=self.local_sgd_warmup)
+    else:
+      tx = dist_opt(inner, half=half, sparsify=self.sparsify, partial=self.partial,
+                    momentum_correction=correction, powersgd=self.powersgd)
     return skip_nonfinite(tx) if self.skip_nonfinite else tx
 
   def describe(self) -> str:
     """The communication mode in words, e.g. "half bf16, sparsify topk:0.01"."""
+    if self.diloco:
+      fragments = (f", {self.diloco_fragments} fragments" if self.diloco_fragments > 1 else "")
+      payload = f", pseudo-gradient in {self.half}" if self.half else ""
+      return (f"diloco every {self.diloco} steps{fragments}, outer lr {self.diloco_outer_lr:g}"
+              f"{payload}" + (", skip non-finite" if self.skip_nonfinite else ""))
+    if self.local_sgd:
+      warmup = (f" after {self.local_sgd_warmup} synchronous steps"
+                if self.local_sgd_warmup else "")
+      return (f"local SGD, parameters averaged every {self.local_sgd} steps{warmup}"
+              + (", skip non-finite" if self.skip_nonfinite else ""))
     parts = [f"half {self.half}"] if self.half else []
     if self.sparsify:
       parts.append(f"sparsify {self.sparsify}"

@@ -86,6 +86,8 @@ def epoch_line(record: dict, epochs: int) -> str:
   if record.get("nonfinite_loss_steps"):
     notes.append(f"{record['nonfinite_loss_steps']} steps with a non-finite loss left out "
                  f"of the train metrics")
+  if "outer_syncs" in record:  # --diloco, --local-sgd
+    notes.append(f"{record['outer_syncs']} outer syncs so far")
   if record.get("rolled_back"):
     notes.append("rolled back: train metrics count the steps since")
   note = f" ({'; '.join(notes)})" if notes else ""

@@ -189,7 +189,7 @@ def train(config: TrainConfig, *, return_state: bool = False) -> dict[str, Any]:
       break
 
   # The state handed back (and the last checkpoint) must be finite and agree everywhere.
-  run.sync_for_use()
+  run.sync_for_use(final=True)
   run.finite("at the end of training")
   if config.check_replicas_every and not config.partial:
     run.check_replicas()

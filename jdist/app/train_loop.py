@@ -32,6 +32,7 @@ from jdist import errors
 from jdist.app import train_guard
 from jdist.runtime import host
 from jdist.app.resume_policy import resume_conflicts
+from jdist.transforms.diloco import outer_syncs
 
 _IN_FLIGHT = 2  # train steps dispatched ahead of the host before it waits
 MAX_ROLLBACKS = 3  # --on-nonfinite rollback gives up (stops) after this many
@@ -203,9 +204,17 @@ class Run:
     if problem:
       raise consistency.ReplicaMismatchError(problem)
 
-  def sync_for_use(self) -> None:
-    """Under partial sync, averages the parameters before they are evaluated or saved."""
-    if self.config.partial and self.synced_at != self.step:
+  def sync_for_use(self, final: bool = False) -> None:
+    """Makes the replicas' parameters one model where the mode lets them differ.
+
+    Under partial sync, averages them before they are evaluated or saved.
+    Under diloco and local SGD, whose checkpoints keep every replica's own
+    copy (a resume continues exactly), only at the end of training (`final`):
+    the model handed back is the replicas' mean.
+    """
+    if not final and (self.config.diloco or self.config.local_sgd):
+      return
+    if self.config.local_updates and self.synced_at != self.step:
       self.state["params"] = jdist.sync_params(self.state["params"])
       self.synced_at = self.step
       if self.config.check_replicas_every:
@@ -219,12 +228,15 @@ class Run:
   # Training -----------------------------------------------------------------
 
   def evaluate(self) -> dict:
+    """Test metrics; under diloco and local SGD, of the replicas' mean parameters."""
     self.sync_for_use()
+    params = self.state["params"]
+    if self.config.diloco or self.config.local_sgd:
+      params = jdist.sync_params(params)  # a copy: training goes on from the local ones
     accumulator = jdist.MetricAccumulator()
     with contextlib.closing(self.test_loader.epoch(0)) as batches:
       for batch in batches:
-        accumulator.add(self.program.eval_step(self.state["params"], self.state["model_state"],
-                                               batch))
+        accumulator.add(self.program.eval_step(params, self.state["model_state"], batch))
     return accumulator.result()
 
   def run_epoch(self, epoch: int) -> dict | None:
@@ -261,7 +273,7 @@ class Run:
             tally.restart(self.skipped_total())
             first_batch, epoch_start = batch_index, time.perf_counter()
         every = config.check_replicas_every
-        if every and not config.partial and self.step % every == 0:
+        if every and not config.local_updates and self.step % every == 0:
           self.check_replicas()
         if (config.checkpoint_every and self.step % config.checkpoint_every == 0
             and batch_index < self.steps_per_epoch):
@@ -291,6 +303,9 @@ class Run:
                                * self.topo.replica_count
                                / max(time.perf_counter() - epoch_start, 1e-9))
     record["wire_bytes_per_step"] = done["epoch_wire"] / self.steps_per_epoch
+    if config.diloco or config.local_sgd:  # syncs so far (fragment exchanges, averagings)
+      syncs = jax.device_get(outer_syncs(self.state["opt_state"]))
+      record["outer_syncs"] = int(np.asarray(syncs).reshape(-1)[0])
     if config.skip_nonfinite:
       total = self.skipped_total()
       record["skipped_steps"] = total - (tally.skipped_before or 0)
