@@ -34,9 +34,9 @@ def _setup(topo, seed=0):
   return model, params, batches
 
 
-def _worker_grads(model, workers, x, y):
+def _worker_grads(model, workers, x, y, rows=PER_REPLICA):
   grad = jax.jit(jax.grad(lambda p, xs, ys: reference.loss_fn(model, p, xs, ys)))
-  return [grad(p, x[k * PER_REPLICA:(k + 1) * PER_REPLICA], y[k * PER_REPLICA:(k + 1) * PER_REPLICA])
+  return [grad(p, x[k * rows:(k + 1) * rows], y[k * rows:(k + 1) * rows])
           for k, p in enumerate(workers)]
 
 
@@ -45,7 +45,7 @@ def _mean(trees):
 
 
 def reference_diloco(model, params, inner, outer, batches, steps, replicas, *, sync_every,
-                     fragments=1, delay=0, mix=0.0):
+                     fragments=1, delay=0, mix=0.0, per_worker=PER_REPLICA):
   """K workers on one device: inner steps, staggered fragment syncs, delayed outer steps."""
   leaves, treedef = jax.tree.flatten(params)
   plan = diloco_lib.fragment_plan([leaf.size for leaf in leaves], fragments)
@@ -58,7 +58,7 @@ def reference_diloco(model, params, inner, outer, batches, steps, replicas, *, s
   for t in range(steps):
     s = t + 1
     x, y = batches[t % len(batches)]
-    grads = _worker_grads(model, workers, x, y)
+    grads = _worker_grads(model, workers, x, y, per_worker)
     for k in range(replicas):
       updates, inner_states[k] = inner.update(grads[k], inner_states[k], workers[k])
       workers[k] = optax.apply_updates(workers[k], updates)
@@ -309,3 +309,24 @@ def test_jdist_train_reports_outer_syncs_and_bytes(topo, capsys, flags, syncs):
     assert sum(bytes_run) == pytest.approx(sum(bytes_plain) * models / 8, rel=0.01)
   # The model handed back is one model: the replicas' mean (checked by train itself).
   assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(run["state"]["params"]))
+
+
+def test_diloco_in_a_global_jit_step(topo):
+  # In a jit step over global arrays each process is one worker: XLA averages
+  # the gradients over its devices, jdist's exchange runs between processes.
+  model, params, batches = _setup(topo, seed=4)
+  inner, outer = optax.sgd(0.1, momentum=0.9), optax.sgd(0.7, momentum=0.9, nesterov=True)
+  settings = dict(sync_every=2, fragments=2, delay=1)
+  tx = jdist.diloco(inner, outer=outer, **settings)
+  step = jax.jit(reference.train_step_fn(model, tx))
+  with jax.set_mesh(jdist.mesh()):
+    state = jax.jit(tx.init)(params)
+    local = params
+    for i in range(5):
+      x, y = batches[i % len(batches)]
+      batch = jdist.shard_global_batch({"x": x, "y": y})
+      local, state = step(local, state, batch["x"], batch["y"])
+  rows = topo.local_device_count * PER_REPLICA  # one worker's rows: a process's
+  workers, _ = reference_diloco(model, params, inner, outer, batches, 5, topo.process_count,
+                                per_worker=rows, **settings)
+  reference.assert_trees_close(jax.device_get(local), workers[topo.process_index])
