@@ -226,3 +226,15 @@ def test_sync_batchnorm_trains_as_one_device_in_a_jit_step(topo):
     got = jax.jit(_norm_quantities, static_argnums=0)(
         graphdef, params, rest, jdist.shard_global_batch(x), jdist.shard_global_batch(y))
   _check_states(got, expected)
+
+
+def test_the_backward_pass_exchanges_are_on_the_byte_ledger(topo):
+  # jax.grad of a loss through jdist.pmean crosses processes twice: the
+  # forward sum and its transpose (the JVP's tangent sum is transposed, not run).
+  x, y = _data(topo)
+  step = jdist.data_parallel(lambda w, x, y: jax.grad(lambda w: jdist.pmean(
+      _mean_loss(w, x, y)))(w), in_axes=(None, 0, 0))
+  with transport.measure() as ledger:
+    jax.make_jaxpr(step.pmapped)(W0, reference.local_slices(x, topo, PER_REPLICA),
+                                 reference.local_slices(y, topo, PER_REPLICA))
+  assert ledger.calls == (0 if topo.process_count == 1 else 2)

@@ -75,6 +75,12 @@ def exchange(route, kind: str, buffer: jax.Array) -> jax.Array:
   return steps.chain_output(out) if route.chained else out
 
 
+def _again(route, kind: str, buffer: jax.Array) -> jax.Array:
+  """A further exchange that a rule adds (a tangent, a cotangent), on the ledger too."""
+  route.record(kind, buffer.nbytes)
+  return exchange(route, kind, buffer)
+
+
 def _abstract_eval(aval, *, route, kind, ordinal):
   del ordinal
   shape = (route.replicas,) + aval.shape if kind == GATHER else aval.shape
@@ -91,7 +97,9 @@ def _jvp(primals, tangents, *, route, kind, ordinal):
   y = exchange_p.bind(x, route=route, kind=kind, ordinal=ordinal)
   if type(t) is ad.Zero:
     return y, ad.Zero.from_primal_value(y)
-  return y, exchange(route, kind, t)  # linear: the tangent crosses processes alike
+  # Linear: the tangent crosses processes alike. Not on the ledger: under
+  # jax.grad this exchange is transposed, never run; the transpose counts.
+  return y, exchange(route, kind, t)
 
 
 def _transpose(ct, x, *, route, kind, ordinal):
@@ -99,10 +107,10 @@ def _transpose(ct, x, *, route, kind, ordinal):
   if type(ct) is ad.Zero:
     return (ad.Zero(x.aval),)
   if kind != GATHER:
-    return (exchange(route, kind, ct),)
+    return (_again(route, kind, ct),)
   # Each replica's row i went to every replica; its cotangent is the sum
   # over replicas of row i: a full sum, of which this replica keeps its row.
-  summed = exchange(route, SUM, ct)
+  summed = _again(route, SUM, ct)
   mine = route.process_index * route.devices + lax.axis_index(DATA_AXIS)
   return (lax.dynamic_index_in_dim(summed, mine, 0, keepdims=False),)
 
@@ -110,7 +118,9 @@ def _transpose(ct, x, *, route, kind, ordinal):
 def _batch(args, dims, *, route, kind, ordinal):
   (x,), (dim,) = args, dims
   x = jnp.moveaxis(x, dim, 0)
-  # The same one exchange (the same ordinal): it replaces the unbatched call.
+  # The same one exchange (the same ordinal): it replaces the unbatched call,
+  # whose bytes were counted for one row of the batch.
+  route.record(kind, (x.shape[0] - 1) * (x.nbytes // max(x.shape[0], 1)), calls=False)
   out = exchange_p.bind(x.reshape(-1), route=route, kind=kind, ordinal=ordinal)
   if kind == GATHER:
     return out.reshape((route.replicas,) + x.shape), 1

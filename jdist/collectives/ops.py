@@ -69,7 +69,15 @@ def _fused(tree: Any, what: str, reduce_buffer, bucket_bytes: int,
 
 
 def psum(tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> Any:
-  """Sum of `tree` over every replica (inside `jdist.data_parallel`)."""
+  """Sum of `tree` over every replica (inside `jdist.data_parallel` or a jit step).
+
+  Differentiable and batchable on every route, as `lax.psum` in a `pmap`:
+  `jax.grad`, `jax.jvp`, `jax.vmap` and `lax.scan` work through it, and its
+  transpose is again a sum over every replica. So a replica's gradient of
+  `pmean(its local mean loss)` is its local loss's gradient, and averaging
+  gradients over replicas (`jdist.allreduce`) gives one device's gradient on
+  the whole batch, in every topology (see `jdist.collectives.autodiff`).
+  """
   if context.in_global_step("jdist.psum"):
     return context.per_process(functools.partial(psum, bucket_bytes=bucket_bytes), tree)
   if not jax.tree.leaves(tree):
@@ -78,7 +86,11 @@ def psum(tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> Any:
 
 
 def pmean(tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> Any:
-  """Mean of `tree` over every replica; integer leaves are averaged as floats."""
+  """Mean of `tree` over every replica; integer leaves are averaged as floats.
+
+  Differentiable like `psum` (the transpose of a mean over replicas is the
+  mean over replicas of the cotangents).
+  """
   if context.in_global_step("jdist.pmean"):
     return context.per_process(functools.partial(pmean, bucket_bytes=bucket_bytes), tree)
   replicas = context.participant_count()
@@ -91,7 +103,9 @@ def all_gather(tree: Any) -> Any:
   """Every replica's value of each leaf, stacked: leaves get a leading [R] axis.
 
   Replicas are in global order (process-major, then local device); in a
-  global (jit) step, one row per process.
+  global (jit) step, one row per process. Differentiable like
+  `lax.all_gather`: a replica's cotangent is the sum over replicas of the
+  cotangents of its row.
   """
   if context.in_global_step("jdist.all_gather"):
     return context.per_process(lambda t: context.gather_rows_per_process(all_gather(t)), tree,

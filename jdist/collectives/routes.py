@@ -4,6 +4,10 @@ Every route offers three primitives over all replicas (local devices, then
 processes): `sum_all` (full precision), `sum_all_16bit` (16-bit payload,
 float32 accumulation) and `gather_all` (replica-ordered all-gather), and
 records the bytes they send across processes (`jdist.collectives.wire`).
+A route that crosses processes runs each exchange as the lowering of one JAX
+primitive (`jdist.collectives.autodiff`), so `jax.grad`, `jax.jvp`,
+`jax.vmap` and `lax.scan` work through it as through `lax.psum`; the base
+class and the 16-bit helpers are in `route_base`.
 
   * `LocalRoute` ("local"): one process, or backend "jax" (JAX's
     multi-process runtime): XLA collectives over `DATA_AXIS` already span
@@ -42,6 +46,8 @@ import numpy as np
 
 from jdist.collectives import autodiff
 from jdist.collectives import native
+from jdist.collectives.route_base import (  # pylint: disable=unused-import
+    HALF_DTYPES, Route, add_rows, bits, from_bits, local_sum16, pad_to)
 from jdist.collectives import steps
 from jdist.collectives import wire
 from jdist.collectives.wire import DATA_AXIS
@@ -49,120 +55,6 @@ from jdist.runtime import world as world_lib
 
 ROUTE_ENV = "JDIST_ROUTE"  # force "native", "mpi4jax" or "callback" (benchmarks)
 ROUTES = ("local", "mpi4jax", "native", "callback")
-# The floats MPI cannot sum: they cross processes as uint16 bit patterns.
-HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
-
-
-def pad_to(buffer: jax.Array, multiple: int) -> jax.Array:
-  extra = -buffer.shape[0] % multiple
-  return jnp.pad(buffer, (0, extra)) if extra else buffer
-
-
-def bits(x: jax.Array) -> jax.Array:
-  return lax.bitcast_convert_type(x, jnp.uint16)
-
-
-def from_bits(x: jax.Array, dtype) -> jax.Array:
-  return lax.bitcast_convert_type(x, dtype)
-
-
-def add_rows(rows: jax.Array) -> jax.Array:
-  """Float32 sum of the rows of a small [P, m] array.
-
-  Row by row rather than `.sum(axis=0)`: XLA:CPU runs the latter as a strided
-  column reduction, measured 80x slower at 16 MB (benchmarks/proposals.py).
-  """
-  return functools.reduce(jnp.add, [rows[i].astype(jnp.float32) for i in range(rows.shape[0])])
-
-
-def local_sum16(buffer: jax.Array, axis_size: int) -> jax.Array:
-  """Reduce-scatter of 16-bit values over DATA_AXIS, accumulated in float32."""
-  chunks = buffer.reshape(axis_size, -1)
-  return add_rows(lax.all_to_all(chunks, DATA_AXIS, 0, 0))
-
-
-class Route:
-  """How buffers cross processes: the three primitives and their wire bytes.
-
-  Subclasses implement `_sum`, `_sum16` and `_gather` for their transport,
-  each given the exchange's ordinal (see `jdist.collectives.steps`). A route
-  that crosses processes runs them as the lowering of one primitive
-  (`jdist.collectives.autodiff.exchange`), which makes every exchange
-  differentiable and batchable; `LocalRoute` uses XLA's collectives directly.
-
-  Attributes:
-    name: the route's name, one of `ROUTES`.
-    processes: processes in the job.
-    devices: local devices per process.
-    global_step_route: the route a global (jit) step's reductions take
-      (see `jdist.collectives.transport.global_step_exchange`): this one,
-      except for the native route chosen by default.
-  """
-
-  name = ""
-  chained = False  # whether a step's exchanges are ordered by `steps.chain_input`
-
-  def __init__(self, topology):
-    self.processes = topology.process_count
-    self.devices = topology.local_device_count
-    self.process_index = topology.process_index
-    self.global_step_route: Route = self
-
-  @property
-  def replicas(self) -> int:
-    """Replicas an exchange spans: every local device of every process."""
-    return self.processes * self.devices
-
-  def effects(self):
-    """The JAX effects of this route's exchanges (none but mpi4jax's)."""
-    return frozenset()
-
-  def lower(self, kind: str, buffer: jax.Array, ordinal: int) -> jax.Array:
-    """The exchange of a 1-D buffer, as `exchange_p` lowers it on this route."""
-    return {autodiff.SUM: self._sum, autodiff.SUM16: self._sum16,
-            autodiff.GATHER: self._gather}[kind](buffer, ordinal)
-
-  def __repr__(self) -> str:
-    return f"{type(self).__name__}({self.processes} x {self.devices})"
-
-  def sum_all(self, buffer: jax.Array) -> jax.Array:
-    """Sum of a 1-D buffer over every replica, in the buffer's dtype."""
-    if buffer.dtype in HALF_DTYPES:
-      return self.sum_all_16bit(buffer)  # MPI has no 16-bit float sum
-    wire.record(2 * (self.processes - 1) / self.processes * buffer.nbytes, 1)
-    return self._exchange(autodiff.SUM, buffer)
-
-  def sum_all_16bit(self, buffer: jax.Array) -> jax.Array:
-    """Sum over every replica of a float16/bfloat16 buffer.
-
-    Every hop carries 16 bits per value; sums are accumulated in float32 and
-    rounded once per hop. The caller pre-divides to keep sums in range.
-    """
-    if self.processes > 1:
-      wire.record(2 * (self.processes - 1) / self.processes * buffer.nbytes, 2)
-    return self._exchange(autodiff.SUM16, buffer)
-
-  def gather_all(self, buffer: jax.Array) -> jax.Array:
-    """Every replica's 1-D buffer, stacked in global replica order: [R, n]."""
-    if self.processes > 1:
-      wire.record((self.processes - 1) * self.devices * buffer.nbytes, 1)
-    return self._exchange(autodiff.GATHER, buffer)
-
-  def join(self, buffers: list[jax.Array]) -> list[jax.Array]:
-    """The step's reduced buffers, read together (see `NativeRoute.join`)."""
-    return list(buffers)
-
-  def _exchange(self, kind: str, buffer: jax.Array) -> jax.Array:
-    return autodiff.exchange(self, kind, buffer)
-
-  def _sum(self, buffer: jax.Array, ordinal: int) -> jax.Array:
-    raise NotImplementedError
-
-  def _sum16(self, buffer: jax.Array, ordinal: int) -> jax.Array:
-    raise NotImplementedError
-
-  def _gather(self, buffer: jax.Array, ordinal: int) -> jax.Array:
-    raise NotImplementedError
 
 
 class LocalRoute(Route):
