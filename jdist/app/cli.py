@@ -1,4 +1,4 @@
-"""The `jdist` command: `jdist train ...`, `jdist info`, `jdist bench ...`.
+"""The `jdist` command: `jdist train ...`, `jdist info`, `jdist bench ...`, `jdist launch ...`.
 
     jdist train --model cnn --dataset digits --epochs 3 --batch-size 32
     mpirun -np 2 jdist train --cpu-devices 2 --sparsify topk:0.01
@@ -268,7 +268,8 @@ def bench_main(argv=None) -> int:
 
 COMMANDS = {"train": "train a model (jdist train --help)",
             "info": "print versions, devices and the topology",
-            "bench": "run the benchmark suite (source checkouts)"}
+            "bench": "run the benchmark suite (source checkouts)",
+            "launch": "run mpirun so that a failed job always ends (jdist launch --help)"}
 
 
 def main(argv=None) -> int:
@@ -280,6 +281,9 @@ def main(argv=None) -> int:
     return info_main(argv[1:])
   if argv and argv[0] == "bench":
     return bench_main(argv[1:])
+  if argv and argv[0] == "launch":
+    from jdist.app import launch  # pylint: disable=g-import-not-at-top
+    return launch.main(argv[1:])
   parser = _Parser(prog="jdist", description="jdist: data-parallel training for JAX.",
                    epilog="\n".join(f"  {name:6} {text}" for name, text in COMMANDS.items()),
                    formatter_class=argparse.RawDescriptionHelpFormatter)
