@@ -28,6 +28,9 @@ class SyncBatchNorm(nnx.Module):
   with `jdist.pmean` (replicas hold equal batches), so every replica
   normalizes with the global batch's moments and keeps identical running
   statistics. `model.train()` / `model.eval()` switch it like BatchNorm.
+  Training differentiates through that `jdist.pmean` (in every topology and
+  both step styles): the replicas' gradients, averaged as `jdist.dist_opt`
+  does, are one device's gradients on the whole batch.
 
   Args:
     num_features: size of the last axis.

@@ -127,6 +127,7 @@ def _batch(args, dims, *, route, kind, ordinal):
   return out.reshape(x.shape), 0
 
 
+exchange_p.def_impl(_lowered)  # eager (a shard_map under jax.disable_jit): the route itself
 exchange_p.def_effectful_abstract_eval(_abstract_eval)
 ad.primitive_jvps[exchange_p] = _jvp
 ad.primitive_transposes[exchange_p] = _transpose
