@@ -1,5 +1,6 @@
 """jdist.init and Topology."""
 
+import socket
 import sys
 
 import pytest
@@ -119,3 +120,16 @@ def test_getter_under_an_mpi_launcher_names_init_and_starts_nothing():
 def test_topology_names_the_started_route(topo):
   assert topo.route == jdist.collectives.route()
   assert f"route {topo.route}" in str(topo)
+
+
+def test_nodes_are_numbered_by_their_lowest_rank():
+  assert topology_lib.nodes_of(["b", "b", "a", "a", "c"]) == [0, 0, 1, 1, 2]
+  assert topology_lib.nodes_of(["x"]) == [0]
+  assert topology_lib.nodes_of(["n1", "n2", "n1", "n2"]) == [0, 1, 0, 1]
+
+
+def test_topology_reports_this_processs_node(topo):
+  assert 0 <= topo.node_index < topo.node_count <= topo.process_count
+  assert topo.hostname == socket.gethostname()
+  if topo.process_count == 1:
+    assert topo.node_count == 1 and topo.node_index == 0

@@ -56,6 +56,19 @@ def test_report_names_ranks_that_did_not_answer_among_waiting_ones():
   assert "rank 0:" not in text  # the reporting rank does not list itself
 
 
+def test_report_names_the_host_of_ranks_that_stopped_answering():
+  hosts = ["nodeA", "nodeA", "nodeB", "nodeB"]
+  replies = {1: _reply(1, waiting_in="step 5 of train_step")}
+  text = watchdog.describe_stall(0, 4, "step 5 of train_step", 21.0, 20.0, replies, hosts)
+  assert ("ranks 2, 3 on host nodeB stopped answering (every rank of that node is silent: "
+          "the node is down or unreachable)") in text
+  one = watchdog.describe_stall(0, 4, "step 5 of train_step", 21.0, 20.0,
+                                {1: replies[1], 3: _reply(3)}, hosts)
+  assert "rank 2 on host nodeB stopped answering (down, unreachable, or hung" in one
+  unnamed = watchdog.describe_stall(0, 2, "step 5 of train_step", 21.0, 20.0, {})
+  assert "rank 1 stopped answering" in unnamed and "on host" not in unnamed
+
+
 def test_report_tells_a_stuck_exchange_from_diverged_control_flow():
   same = watchdog.describe_stall(0, 2, "step 7 of train_step", 10.5, 10.0,
                                  {1: _reply(1, waiting_in="step 7 of train_step")})

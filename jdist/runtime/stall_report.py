@@ -68,7 +68,7 @@ def is_missing(reply: dict[str, Any] | None) -> bool:
 
 
 def describe_stall(rank: int, size: int, label: str, waited: float, timeout: float,
-                   replies: dict[int, dict[str, Any]]) -> str:
+                   replies: dict[int, dict[str, Any]], hosts: list[str] | None = None) -> str:
   """The watchdog's report: who is missing, and where everyone is.
 
   Args:
@@ -79,6 +79,7 @@ def describe_stall(rank: int, size: int, label: str, waited: float, timeout: flo
     timeout: the deadline in seconds.
     replies: each answering peer's `Watchdog.status()`; peers absent from it
       did not answer.
+    hosts: each rank's host name, to say which nodes the silent ranks are on.
 
   Returns:
     A multi-line message naming the missing ranks first.
@@ -86,13 +87,14 @@ def describe_stall(rank: int, size: int, label: str, waited: float, timeout: flo
   lines = [f"jdist watchdog: rank {rank} waited {waited:.1f} s in {label} for the "
            f"other ranks (limit {timeout:g} s; raise it with jdist.init(timeout=...) "
            f"or the JDIST_TIMEOUT environment variable)."]
-  missing, waiting_in = [], set()
+  missing, silent, waiting_in = [], [], set()
   for peer in range(size):
     if peer == rank:
       continue
     reply = replies.get(peer)
     if reply is None:
       missing.append(peer)
+      silent.append(peer)
       lines.append(f"  rank {peer}: MISSING - did not answer (hung holding the Python "
                    f"interpreter, or exiting)")
       continue
@@ -108,6 +110,8 @@ def describe_stall(rank: int, size: int, label: str, waited: float, timeout: flo
       waiting_in.add(reply["waiting_in"])
       lines.append(f"  rank {peer}: waiting in {reply['waiting_in']} for "
                    f"{reply.get('waiting_s', 0.0):.1f} s{where}")
+  if silent:
+    lines.append(describe_silent(silent, hosts))
   if missing:
     names = ", ".join(str(m) for m in missing)
     lines.append(f"Rank(s) {names} did not reach {label}. Aborting the job so no rank "
@@ -124,6 +128,28 @@ def describe_stall(rank: int, size: int, label: str, waited: float, timeout: flo
     lines.append("The other ranks are still compiling after the grace period. Aborting "
                  "the job.")
   return "\n".join(lines)
+
+
+def describe_silent(silent: list[int], hosts: list[str] | None) -> str:
+  """'ranks 2, 3 on host nodeB stopped answering ...': the silent ranks, by host.
+
+  A rank whose watchdog does not answer at all is gone (its node is down or
+  cut off) or wedged holding the Python interpreter; naming the host tells an
+  operator which machine to look at.
+  """
+  by_host: dict[str, list[int]] = {}
+  for peer in silent:
+    by_host.setdefault(hosts[peer] if hosts else "", []).append(peer)
+  parts = []
+  for host, ranks in by_host.items():
+    noun = "rank" if len(ranks) == 1 else "ranks"
+    where = f" on host {host}" if host else ""
+    parts.append(f"{noun} {', '.join(map(str, ranks))}{where}")
+  every = hosts is not None and all(
+      ranks == [r for r, h in enumerate(hosts) if h == host] for host, ranks in by_host.items())
+  cause = ("every rank of that node is silent: the node is down or unreachable"
+           if every else "down, unreachable, or hung holding the Python interpreter")
+  return f"{'; '.join(parts)} stopped answering ({cause})."
 
 
 def describe_departure(rank: int, label: str, number: int, host: bool,

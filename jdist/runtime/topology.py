@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import threading
 from typing import Callable
 
 import jax
 
 from jdist import errors
+from jdist.runtime import abort
 from jdist.runtime import world
 from jdist.runtime import xla_cpu
 
@@ -47,6 +49,10 @@ class Topology:
     local_rank: rank of this process among the processes on its node; the
       GPU it binds when each process drives one GPU.
     local_process_count: processes on this node.
+    node_index: index of this process's node (host), numbered in the order
+      of each node's lowest rank; 0 in a single process.
+    node_count: number of nodes (distinct hosts) the job spans.
+    hostname: this process's host name, as MPI and its launcher see it.
     backend: "mpi" (mpi4jax across processes), "jax" (JAX's own
       multi-process collectives) or "none" (a single process).
     timeout: seconds any cross-process exchange may wait before the watchdog
@@ -63,6 +69,9 @@ class Topology:
   local_device_count: int
   local_rank: int = 0
   local_process_count: int = 1
+  node_index: int = 0
+  node_count: int = 1
+  hostname: str = dataclasses.field(default_factory=socket.gethostname)
   backend: str = "none"
   timeout: float = DEFAULT_TIMEOUT_S
   route: str = "local"
@@ -96,7 +105,8 @@ class Topology:
     return self.process_count > 1
 
   def __str__(self) -> str:
-    return (f"process {self.process_index}/{self.process_count} x "
+    nodes = f" on {self.node_count} nodes" if self.node_count > 1 else ""
+    return (f"process {self.process_index}/{self.process_count}{nodes} x "
             f"{self.local_device_count} local devices = {self.replica_count} "
             f"replicas (backend {self.backend}, route {self.route})")
 
@@ -166,13 +176,22 @@ def resolve_init_timeout(timeout: float) -> float:
   return max(timeout, MIN_INIT_TIMEOUT_S) if seconds is None else seconds
 
 
+def nodes_of(hosts: list[str]) -> list[int]:
+  """Each rank's node index, given each rank's host name.
+
+  Nodes are numbered in the order of their lowest rank, so rank 0 is always
+  on node 0, as launchers fill hosts in hostfile order.
+  """
+  order: dict[str, int] = {}
+  return [order.setdefault(host, len(order)) for host in hosts]
+
+
 def _start_jax_distributed(mpi_world) -> None:
   """Starts JAX's multi-process runtime, agreeing on a coordinator over MPI.
 
   `jax.distributed.initialize()` does not detect Open MPI 5's launcher, so
   rank 0 picks a free port and tells the others.
   """
-  import socket  # pylint: disable=g-import-not-at-top
   address = None
   if mpi_world.rank == 0:
     with socket.socket() as probe:
@@ -214,15 +233,23 @@ def _mpi_processes(backend: str):
       _bind_local_gpu(local_rank)
     if backend == "jax":
       _start_jax_distributed(mpi_world)
+    hosts = mpi_world.allgather_object(socket.gethostname(), "jdist.init: host names")
+    nodes = nodes_of(hosts)
     topology = Topology(
         process_index=mpi_world.rank,
         process_count=mpi_world.size,
         local_device_count=jax.local_device_count(),
         local_rank=local_rank,
         local_process_count=mpi_world.local_size,
+        node_index=nodes[mpi_world.rank],
+        node_count=max(nodes) + 1,
+        hostname=hosts[mpi_world.rank],
         backend=backend,
         timeout=timeout,
     )
+    mpi_world.watchdog.hosts = hosts
+    if mpi_world.rank == 0:
+      abort.announce_hosts(hosts)
     mpi_world.attach(topology)
     return topology
 

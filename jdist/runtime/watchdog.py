@@ -49,6 +49,7 @@ import threading
 import time
 from typing import Any
 
+from jdist.runtime import abort
 from jdist.runtime.stall_report import describe_departure
 from jdist.runtime.stall_report import describe_divergence  # re-exported
 from jdist.runtime.stall_report import find_divergence  # re-exported
@@ -117,6 +118,7 @@ class Watchdog:
     self._threads: list[threading.Thread] = []
     self._main_thread = threading.main_thread().ident
     self.on_timeout = self._abort  # tests may replace it
+    self.hosts: list[str] | None = None  # each rank's host, for reports (set by jdist.init)
 
   def start(self) -> None:
     if self._started or self.size < 2:
@@ -127,7 +129,7 @@ class Watchdog:
                                       daemon=True)]
     for thread in self._threads:
       thread.start()
-    self._install_excepthook()
+    abort.install_excepthook(self.comm, self.rank)
 
   def shutdown(self) -> None:
     """Stops the watchdog at exit, after the steps already dispatched finish.
@@ -359,7 +361,7 @@ class Watchdog:
         continue
       waited = time.monotonic() - wait.since
       self.on_timeout(describe_stall(self.rank, self.size, wait.label, waited,
-                                     self.timeout, replies))
+                                     self.timeout, replies, self.hosts))
       return True
 
   def _query_peers(self) -> dict[int, dict[str, Any]]:
@@ -380,21 +382,4 @@ class Watchdog:
     return replies
 
   def _abort(self, message: str) -> None:
-    sys.stderr.write(message + "\n")
-    sys.stderr.flush()
-    self.comm.Abort(1)
-
-  def _install_excepthook(self) -> None:
-    previous = sys.excepthook
-
-    def abort_on_uncaught(kind, value, traceback):
-      previous(kind, value, traceback)
-      if issubclass(kind, KeyboardInterrupt):
-        return  # the launcher forwards the interrupt to every rank
-      sys.stderr.write(
-          f"jdist: rank {self.rank} stopped on an uncaught {kind.__name__}; aborting the "
-          f"MPI job so the other ranks do not wait for it.\n")
-      sys.stderr.flush()
-      self.comm.Abort(1)
-
-    sys.excepthook = abort_on_uncaught
+    abort.abort_job(self.comm, message, self.rank)
