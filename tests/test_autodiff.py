@@ -83,9 +83,11 @@ def _quantities(w, x, y, a):
 
   trained = jax.lax.scan(sgd, w, None, length=3)[0]
   gather_grad = jax.grad(lambda v: jnp.sum(a * jdist.all_gather(v)))(jnp.tanh(w))
+  gathered = jax.vmap(jdist.all_gather)(jnp.stack([a[0], 2 * a[0]]))  # [2, participants, F]
   return dict(loss=loss, grad=grad, mean_grad=jdist.pmean(grad), tangent=tangent,
               ensemble=jdist.pmean(ensemble_grads), grad_of_vmap=jdist.pmean(grad_of_vmap),
-              grad_of_scan=jdist.pmean(grad_of_scan), trained=trained, gather_grad=gather_grad)
+              grad_of_scan=jdist.pmean(grad_of_scan), trained=trained, gather_grad=gather_grad,
+              gathered=gathered)
 
 
 def _expected(x, y, mine, weights, participant):
@@ -104,7 +106,8 @@ def _expected(x, y, mine, weights, participant):
       grad_of_vmap=jax.vmap(jax.grad(whole))(_ensemble()),
       grad_of_scan=jax.grad(scanned)(W0), trained=w,
       # all_gather's transpose: every participant's weights of my row, summed.
-      gather_grad=weights[:, participant].sum(0))
+      gather_grad=weights[:, participant].sum(0),
+      gathered=np.stack([weights[:, 0], 2 * weights[:, 0]]))
 
 
 def _gather_weights(participants):
