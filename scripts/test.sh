@@ -16,6 +16,7 @@ python="$venv/bin/python"
 mpi_selection=(tests --ignore=tests/test_data.py --ignore=tests/test_datasets.py
                --ignore=tests/test_models.py --ignore=tests/test_benchmarks.py
                --ignore=tests/test_watchdog.py --ignore=tests/test_network_bench.py
+               --ignore=tests/test_launch.py --ignore=tests/test_cluster.py
                -k "not test_fault and not subprocess"
                --capture=sys)
 
