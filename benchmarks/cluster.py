@@ -254,6 +254,16 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c "hostname $name; $*"
     return subprocess.Popen(self.mpirun_argv(command, processes_per_node, mpirun, extra),
                             env=full_env, **kwargs)
 
+  def node_argv(self, index: int, command: Sequence[str]) -> list[str]:
+    """`command` run on node `index` (its namespace and hostname), as the agent runs prted.
+
+    For launchers other than mpirun (e.g. one `torchrun` per node).
+    """
+    node = self.nodes[index]
+    return netns.exec_prefix(node.namespace) + [
+        "unshare", "--uts", "/bin/sh", "-c",
+        f"hostname {node.hostname}; exec {shell_command(command)}"]
+
   # -- faults --------------------------------------------------------------
 
   def link_down(self, index: int) -> None:

@@ -32,6 +32,7 @@ import jdist
 # Section name -> module in this package whose `run(ctx)` measures it.
 SECTIONS = {
     "allreduce": "allreduce",
+    "cluster_allreduce": "cluster_allreduce",
     "overhead": "overhead",
     "compression": "compression",
     "selection": "selection",
