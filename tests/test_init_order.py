@@ -1,6 +1,8 @@
 """jdist.init() after JAX started its backends: a working run or a clear error, never a hang.
 
-Each case launches its own job (a hang must fail the test, not the suite),
+Under mpirun JAX's distributed runtime is on by default and must start
+before JAX's backends, so a late init stops there; with it off
+(JDIST_JAX_DISTRIBUTED=0), the thread pool decides. Each case launches its own job (a hang must fail the test, not the suite),
 so these tests run in the plain session only (*subprocess*).
 """
 
@@ -44,3 +46,12 @@ def test_late_init_with_nproc_set_works_subprocess():
   done = _run(2, 2, JDIST_JAX_DISTRIBUTED="0", NPROC="16")
   assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
   assert done.stdout.count("OK rank") == 2, done.stdout
+
+
+def test_late_init_with_jax_distributed_on_stops_at_once_subprocess():
+  """JAX's distributed runtime (on by default under mpirun) cannot start after its backends."""
+  done = _run(2, 1)
+  assert done.returncode != 0 and "OK rank" not in done.stdout, done.stdout
+  assert "InitOrderError" in done.stderr, done.stderr[-4000:]
+  assert "call jdist.init() before any other JAX call" in done.stderr
+  assert "JDIST_JAX_DISTRIBUTED=0" in done.stderr

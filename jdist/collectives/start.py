@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 
 from jdist.collectives import routes
+from jdist.runtime import jax_distributed as jax_distributed_lib
 from jdist.runtime import topology as topology_lib
+from jdist.runtime import world
 
 _route: routes.Route | None = None  # the started route, set once by init()
 
@@ -26,7 +28,8 @@ def _start_route(topology: topology_lib.Topology) -> topology_lib.Topology:
 
 
 def init(*, timeout: float | None = None, backend: str | None = None,
-         bind_gpu: bool | None = None) -> topology_lib.Topology:
+         bind_gpu: bool | None = None,
+         jax_distributed: bool | None = None) -> topology_lib.Topology:
   """Sets up the data-parallel world and returns this process's `Topology`.
 
   Idempotent: later calls return the first call's object (arguments of later
@@ -43,6 +46,12 @@ def init(*, timeout: float | None = None, backend: str | None = None,
     bind_gpu: under mpirun on GPUs, bind GPU `local_rank` to this process
       (SINGA's `rank_in_local`). Default: True when several processes share
       a node and CUDA_VISIBLE_DEVICES is unset.
+    jax_distributed: under mpirun with backend "mpi", also start JAX's
+      distributed runtime, so that `jax.process_index()` and
+      `jax.process_count()` are the MPI rank and size (orbax, grain and
+      `jax.experimental.multihost_utils` rely on them); jdist's exchanges do
+      not change. Default: the `JDIST_JAX_DISTRIBUTED` environment variable
+      ("0" turns it off), else True. Backend "jax" always starts it.
 
   Returns:
     The `Topology` of this process; its `route` names how steps exchange
@@ -51,8 +60,14 @@ def init(*, timeout: float | None = None, backend: str | None = None,
   Raises:
     jdist.errors.MissingMPIError: launched by mpirun but mpi4py/mpi4jax are
       not installed.
+    jdist.errors.InitOrderError: called after JAX started its backends where
+      that cannot work (see docs/troubleshooting.md).
+    jdist.errors.CoordinatorError: JAX's coordinator was not reached.
     ValueError: an unknown backend, a bad timeout, or a bad `JDIST_ROUTE`.
   """
+  if not topology_lib.is_initialized():
+    # Backend "jax" starts JAX's runtime itself (topology.init_world).
+    world.want_jax_distributed(backend != "jax" and jax_distributed_lib.wanted(jax_distributed))
   return topology_lib.init_world(timeout=timeout, backend=backend, bind_gpu=bind_gpu,
                                  finish=_start_route)
 

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from jdist import errors
+from jdist.runtime import jax_distributed
 from jdist.runtime import watchdog as watchdog_lib
 
 _MISSING_MPI_HELP = (
@@ -280,21 +281,39 @@ class MpiWorld:
 
 _world: MpiWorld | None = None
 _lock = threading.Lock()
+_start_jax_distributed = True  # set by want_jax_distributed() before start()
+
+
+def want_jax_distributed(wanted: bool) -> None:
+  """Whether `start()` also starts JAX's distributed runtime (see `jax_distributed`)."""
+  global _start_jax_distributed
+  _start_jax_distributed = wanted
 
 
 def start(timeout: float, init_timeout: float, launcher_rank: int = 0) -> MpiWorld:
   """Initializes MPI once and returns the world.
+
+  Then, unless `want_jax_distributed(False)` was called, JAX's distributed
+  runtime, so that `jax.process_index()` is this MPI rank
+  (`jdist.runtime.jax_distributed`).
 
   Args:
     timeout: seconds an exchange may wait (the watchdog's deadline).
     init_timeout: seconds every rank has to start MPI and reach this call.
     launcher_rank: this process's rank as the launcher set it, for messages
       printed before MPI knows it.
+
+  Raises:
+    jdist.errors.InitOrderError: JAX's backends exist already, so its
+      distributed runtime cannot start.
+    jdist.errors.CoordinatorError: JAX's coordinator was not reached in time.
   """
   global _world
   with _lock:
     if _world is None:
       _world = MpiWorld(_import_mpi_within(init_timeout, launcher_rank), timeout, init_timeout)
+      if _start_jax_distributed:
+        jax_distributed.start(_world)
     return _world
 
 
