@@ -322,6 +322,9 @@ def test_fault_stalled_rank_aborts_the_job_naming_rank_and_step(fault_jobs, job)
   result = _job(fault_jobs, job)
   why = faults.check_stall_abort(result, timeout, step=5)
   assert why is None, f"{why}\n{_explain(result)}"
+  # The flight recorders: rank 0 posted step 5's exchanges, rank 1 never did.
+  for text in (_FLIGHT_STEP, _NEVER_1):
+    assert text in result.stderr, _explain(result)
   assert result.since("sleeping") >= timeout  # not before the deadline either
 
 
@@ -337,7 +340,12 @@ def test_fault_slow_compile_on_one_rank_does_not_count(fault_jobs, job):
 # job logs, seconds it must end within after that line); after: seconds it
 # must not end before; before_deadline: `within` ends it before the job's own
 # deadline; stdout/stderr: texts that must appear; absent: texts stderr must not hold.
-_RETRACE = ("rank 1 dispatched only", "Rank 1 is re-tracing a step the other ranks run compiled")
+# The flight recorder's section of every hang report (tests/test_flight_recorder.py).
+_FLIGHT_STEP = "Flight recorder: the ranks first disagree at exchange ordinal "
+_FLIGHT_HOST = "Flight recorder: the ranks first disagree at host exchange "
+_NEVER_1 = "never posted by rank(s) 1."
+_RETRACE = ("rank 1 dispatched only", "Rank 1 is re-tracing a step the other ranks run compiled",
+            "Flight recorder: the ranks first disagree at ", "never posted by rank(s) ")
 _OUTCOMES = {
     "tolerated": dict(ok=True, stdout=["jdist-job: done"], absent=["jdist watchdog"]),
     "kill": dict(ok=False, within=("killing", 15)),
@@ -350,7 +358,8 @@ _OUTCOMES = {
     # and announces how far it got; rank 0, waiting in step 5, aborts then.
     "exit": dict(ok=False, within=("exiting", watchdog.DEPARTURE_GRACE_S + 15),
                  before_deadline=True,
-                 stderr=["rank 0 waits in step 5 of train_step", "rank 1 exited after"]),
+                 stderr=["rank 0 waits in step 5 of train_step", "rank 1 exited after",
+                         _FLIGHT_STEP, _NEVER_1]),
     "preinit": dict(ok=False, within=("sleeping", 5 + 15),
                     stderr=["waited 5 s in jdist.init() for rank(s) 1, which never called it"]),
     # Rank 0 sits in MPI_Init until rank 1 starts MPI, 8 s late: past the 3 s
@@ -359,7 +368,8 @@ _OUTCOMES = {
                    stderr=["rank 0 has waited 3 s in jdist.init() for MPI to start"]),
     "barrier": dict(ok=False, after=("sleeping", _JOBS["barrier"]["timeout"]),
                     within=("sleeping", _JOBS["barrier"]["timeout"] + 15),
-                    stderr=["in jdist.barrier", "rank 1: MISSING"]),
+                    stderr=["in jdist.barrier", "rank 1: MISSING",
+                            _FLIGHT_HOST, "(jdist.barrier), first posted", _NEVER_1]),
     "back_to_back_2x2": dict(ok=True, stdout=["jdist-job: done"]),
     "back_to_back_1x2": dict(ok=True, stdout=["jdist-job: done"]),
     "retrace_2x1": dict(ok=False, within=("re-tracing", watchdog.DIVERGENCE_GRACE_S + 20),
@@ -379,7 +389,8 @@ _OUTCOMES = {
     # 20 barriers that complete at once must be counted alike on every rank.
     "hostexit": dict(ok=False, within=("exiting", watchdog.DEPARTURE_GRACE_S + 15),
                      before_deadline=True,
-                     stderr=["rank 0 waits in after the exit", "rank 1 exited after"]),
+                     stderr=["rank 0 waits in after the exit", "rank 1 exited after",
+                             _FLIGHT_HOST, "(after the exit), first posted", _NEVER_1]),
 }
 
 

@@ -46,6 +46,7 @@ from jax.interpreters import mlir
 
 from jdist.collectives import steps
 from jdist.collectives.wire import DATA_AXIS
+from jdist.runtime import flight_recorder
 
 SUM, SUM16, GATHER = "sum", "sum16", "gather"
 KINDS = (SUM, SUM16, GATHER)
@@ -71,7 +72,9 @@ def exchange(route, kind: str, buffer: jax.Array) -> jax.Array:
     raise ValueError(f"unknown exchange kind {kind!r}; one of {KINDS}")
   if route.chained:  # the callback route runs a step's exchanges in trace order
     buffer = steps.chain_input(buffer)
-  out = exchange_p.bind(buffer, route=route, kind=kind, ordinal=steps.next_ordinal())
+  ordinal = steps.next_ordinal()
+  flight_recorder.note_traced(route.name, kind, ordinal, buffer.nbytes, steps.scope_name())
+  out = exchange_p.bind(buffer, route=route, kind=kind, ordinal=ordinal)
   return steps.chain_output(out) if route.chained else out
 
 

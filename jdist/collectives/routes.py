@@ -51,6 +51,7 @@ from jdist.collectives.route_base import (  # pylint: disable=unused-import
 from jdist.collectives import steps
 from jdist.collectives import wire
 from jdist.collectives.wire import DATA_AXIS
+from jdist.runtime import flight_recorder
 from jdist.runtime import world as world_lib
 
 ROUTE_ENV = "JDIST_ROUTE"  # force "native", "mpi4jax" or "callback" (benchmarks)
@@ -202,6 +203,18 @@ class CallbackRoute(Route):
     super().__init__(topology)
     self.world = world
 
+  def _recorded(self, host_fn, kind: str, ordinal: int, buffer: jax.Array):
+    """`host_fn` (its last argument the device), in the flight recorder."""
+    nbytes, devices = buffer.nbytes, self.devices
+
+    def run(*args):
+      key = flight_recorder.device_posted(int(args[-1]), ordinal, kind, nbytes, devices)
+      try:
+        return host_fn(*args)
+      finally:
+        flight_recorder.device_done(key)
+    return run
+
   def _host_allreduce(self, shard: np.ndarray, device: np.ndarray) -> np.ndarray:
     out = np.empty_like(shard)
     self.world.device_comm(int(device)).Allreduce(np.ascontiguousarray(shard), out,
@@ -231,7 +244,7 @@ class CallbackRoute(Route):
     shard = pad_to(buffer, devices)
     if devices > 1:
       shard = lax.psum_scatter(shard, DATA_AXIS, tiled=True)
-    shard = host_callback(self._host_allreduce,
+    shard = host_callback(self._recorded(self._host_allreduce, autodiff.SUM, ordinal, buffer),
                           jax.ShapeDtypeStruct(shard.shape, shard.dtype), shard)
     if devices > 1:
       shard = lax.all_gather(shard, DATA_AXIS, tiled=True)
@@ -242,7 +255,7 @@ class CallbackRoute(Route):
     padded = pad_to(buffer, devices * self.processes)
     shard = local_sum16(padded, devices).astype(dtype) if devices > 1 else padded
     is_bf16 = np.int32(dtype == jnp.bfloat16)
-    shard_bits = host_callback(self._host_sum16,
+    shard_bits = host_callback(self._recorded(self._host_sum16, autodiff.SUM16, ordinal, buffer),
                                jax.ShapeDtypeStruct(shard.shape, jnp.uint16),
                                bits(shard), is_bf16)
     shard = from_bits(shard_bits, dtype)
@@ -253,7 +266,8 @@ class CallbackRoute(Route):
   def _gather(self, buffer: jax.Array, ordinal: int) -> jax.Array:
     processes, devices = self.processes, self.devices
     per_process = host_callback(
-        self._host_allgather, jax.ShapeDtypeStruct((processes,) + buffer.shape, buffer.dtype),
+        self._recorded(self._host_allgather, autodiff.GATHER, ordinal, buffer),
+        jax.ShapeDtypeStruct((processes,) + buffer.shape, buffer.dtype),
         buffer)
     if devices == 1:
       return per_process

@@ -70,6 +70,12 @@ def next_ordinal() -> int:
   return ordinal
 
 
+def scope_name() -> str | None:
+  """The name of the step being traced (`step_scope`), or None outside one."""
+  scope = _scope.get()
+  return scope.name if scope is not None else None
+
+
 def _chain() -> list[tuple[Any, jax.Array]]:
   scope = _scope.get()
   return scope.chain if scope is not None else _unscoped_chain

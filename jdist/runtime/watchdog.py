@@ -50,6 +50,9 @@ import time
 from typing import Any
 
 from jdist.runtime import abort
+from jdist.runtime import flight_recorder
+from jdist.runtime import flight_report
+from jdist.runtime import watchdog_peers
 from jdist.runtime.stall_report import describe_departure
 from jdist.runtime.stall_report import describe_divergence  # re-exported
 from jdist.runtime.stall_report import find_divergence  # re-exported
@@ -59,8 +62,6 @@ from jdist.runtime.stall_report import in_jax_compiler
 from jdist.runtime.stall_report import is_missing
 from jdist.runtime.stall_report import user_location
 
-_QUERY_TAG = 7401
-_REPLY_TAG = 7402
 _DEPART_TAG = 7403
 DEPARTURE_GRACE_S = 5.0  # a wait this old, that a departed rank never reached, is a stall
 DIVERGENCE_GRACE_S = 5.0  # waits this old, in a step and a host exchange that exclude each other
@@ -106,8 +107,7 @@ class Watchdog:
     self._last_done = time.monotonic()
     self._last_activity = time.monotonic()
     self._steps: queue.Queue = queue.Queue()
-    self._pending_sends: list[Any] = []
-    self._queries = 0
+    self._peers = watchdog_peers.Peers(comm, mpi)
     self._host_count = 0
     self._departed: dict[int, dict[str, int]] = {}  # rank -> its counts when it left
     self._traces: dict[str, list] = {}  # step function name -> its last traced signature
@@ -162,9 +162,11 @@ class Watchdog:
       self._host_count += 1
       wait = self._new_wait(label, time.monotonic(), self._host_count, host=True)
       self._host_waits.append(wait)
+    entry = flight_recorder.host_posted(wait.number, label)
     try:
       yield
     finally:
+      flight_recorder.host_done(entry)
       with self._lock:
         self._host_waits.remove(wait)
         self._last_activity = time.monotonic()
@@ -187,6 +189,7 @@ class Watchdog:
         label = f"step {self._calls[name]} of {name}"
       self._last_dispatched = label
       number = self._dispatched
+    flight_recorder.step_dispatched(number, name, time.monotonic_ns())
     if self._started:
       self._steps.put((number, label, marker, time.monotonic()))
 
@@ -225,10 +228,11 @@ class Watchdog:
       except Exception:  # pylint: disable=broad-except
         pass  # the step failed; its caller sees the error
       with self._lock:
-        self._step_wait = None
+        started, self._step_wait = self._step_wait.since, None
         self._completed = number
         self._last_completed = label
         self._last_done = self._last_activity = time.monotonic()
+      flight_recorder.step_done(number, int(started * 1e9), int(self._last_done * 1e9))
 
   def _current_wait(self) -> _Wait | None:
     # Caller holds the lock. A host wait is what the main thread is in.
@@ -256,16 +260,8 @@ class Watchdog:
           "compiling": (not self._host_waits and frame is not None
                         and in_jax_compiler(frame)),
           "where": user_location(frame) if frame is not None else None,
+          "flight": flight_recorder.summary(),
       }
-
-  def _answer_queries(self) -> None:
-    mpi_status = self._mpi.Status()
-    while self.comm.Iprobe(source=self._mpi.ANY_SOURCE, tag=_QUERY_TAG, status=mpi_status):
-      source = mpi_status.Get_source()
-      query = self.comm.recv(source=source, tag=_QUERY_TAG)
-      reply = dict(self.status(), query=query)
-      self._pending_sends.append(self.comm.isend(reply, dest=source, tag=_REPLY_TAG))
-    self._pending_sends = [r for r in self._pending_sends if not r.Test()]
 
   def _overrun(self) -> _Wait | None:
     now = time.monotonic()
@@ -295,14 +291,15 @@ class Watchdog:
 
   def _announce_departure(self) -> None:
     """Tells every peer how far this rank got, as it exits (see module doc)."""
-    counts = {"rank": self.rank, "steps": self._dispatched, "host": self._host_count}
+    counts = {"rank": self.rank, "steps": self._dispatched, "host": self._host_count,
+              "flight": flight_recorder.summary()}
     sends = [self.comm.isend(counts, dest=peer, tag=_DEPART_TAG)
              for peer in range(self.size) if peer != self.rank]
     deadline = time.monotonic() + 2.0  # small messages; never hold up the exit
     while sends and time.monotonic() < deadline:
       sends = [r for r in sends if not r.Test()]
       time.sleep(0.01)
-    self._pending_sends += sends
+    self._peers.pending += sends
 
   def _departure_stall(self) -> str | None:
     """The report, if this rank waits where a departed rank never went."""
@@ -318,8 +315,13 @@ class Watchdog:
         return None
       gone = {rank: counts for rank, counts in self._departed.items()
               if wait.number > counts["host" if wait.host else "steps"]}
-      return describe_departure(self.rank, wait.label, wait.number, wait.host, gone) \
-          if gone else None
+    if not gone:
+      return None
+    # The departed ranks' recorders came with their departure; ask the others.
+    replies = self._query_peers() if len(gone) < self.size - 1 else {}
+    replies.update({rank: counts for rank, counts in gone.items() if "flight" in counts})
+    return self._with_flight(describe_departure(self.rank, wait.label, wait.number, wait.host,
+                                                gone), replies)
 
   def _divergence(self) -> str | None:
     """The report, if this rank's wait and a peer's exclude each other (module doc)."""
@@ -334,7 +336,7 @@ class Watchdog:
     replies = self._query_peers()
     replies[self.rank] = self.status()
     found = find_divergence(replies, DIVERGENCE_GRACE_S)
-    return describe_divergence(self.rank, *found) if found else None
+    return self._with_flight(describe_divergence(self.rank, *found), replies) if found else None
 
   def _serve_once(self) -> bool:
     """Answers queries and checks the deadline; True once the job was aborted."""
@@ -360,26 +362,23 @@ class Watchdog:
           wait.grace_s += extension
         continue
       waited = time.monotonic() - wait.since
-      self.on_timeout(describe_stall(self.rank, self.size, wait.label, waited,
-                                     self.timeout, replies, self.hosts))
+      self.on_timeout(self._with_flight(describe_stall(
+          self.rank, self.size, wait.label, waited, self.timeout, replies, self.hosts), replies))
       return True
 
-  def _query_peers(self) -> dict[int, dict[str, Any]]:
-    self._queries += 1
-    for peer in range(self.size):
-      if peer != self.rank:
-        self._pending_sends.append(self.comm.isend(self._queries, dest=peer, tag=_QUERY_TAG))
-    replies: dict[int, dict[str, Any]] = {}
-    mpi_status = self._mpi.Status()
-    deadline = time.monotonic() + min(5.0, max(1.0, self.timeout / 2))
-    while len(replies) < self.size - 1 and time.monotonic() < deadline:
-      self._answer_queries()
-      while self.comm.Iprobe(source=self._mpi.ANY_SOURCE, tag=_REPLY_TAG, status=mpi_status):
-        reply = self.comm.recv(source=mpi_status.Get_source(), tag=_REPLY_TAG)
-        if reply.get("query") == self._queries:  # not a late answer to an earlier query
-          replies[reply["rank"]] = reply
-      time.sleep(0.02)
-    return replies
+  def _with_flight(self, report: str, replies: dict[int, dict[str, Any]]) -> str:
+    """`report` and the flight recorders' section (`flight_report.describe`)."""
+    return flight_report.with_section(report, replies, self.rank, self.size)
+
+  def _answer_queries(self) -> None:
+    self._peers.answer(self.status)
+
+  def _query_peers(self, final: bool = False) -> dict[int, dict[str, Any]]:
+    """Every peer's `status()`; `final`: they run their abort hooks first."""
+    return self._peers.query(self.status, min(5.0, max(1.0, self.timeout / 2)), final)
 
   def _abort(self, message: str) -> None:
+    if flight_recorder.has_abort_hooks():  # e.g. jdist.timeline: every rank writes its part
+      self._query_peers(final=True)
+      flight_recorder.run_abort_hooks()
     abort.abort_job(self.comm, message, self.rank)

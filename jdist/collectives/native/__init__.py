@@ -27,6 +27,8 @@ import jax
 import numpy as np
 from jax import lax
 
+from jdist.runtime import flight_recorder
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUILD_DIR = os.path.join(HERE, "_build")  # written by `build`, ignored by git
 CPU_LIBRARY = os.path.join(BUILD_DIR, "libjdist_exchange.so")
@@ -66,6 +68,10 @@ def _load() -> ctypes.CDLL:
     library.jdist_running.restype = ctypes.c_int
     library.jdist_trace_take.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     library.jdist_trace_take.restype = ctypes.c_int64
+    library.jdist_trace_enable.argtypes = [ctypes.c_int]
+    library.jdist_trace_enable.restype = ctypes.c_int
+    library.jdist_flight_snapshot.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    library.jdist_flight_snapshot.restype = ctypes.c_int64
     _library = library
   return _library
 
@@ -126,6 +132,7 @@ def start(world, local_devices: int, timeout: float) -> str | None:
       _unavailable = library.jdist_last_error().decode()
       return _unavailable
     _started = True
+    flight_recorder.add_source(flight_rows)
     # After the steps in flight at exit end (they post to the engine), before
     # MPI_Finalize; a plain atexit hook would run first and strand them.
     world.on_exit(stop)
@@ -219,6 +226,38 @@ def take_trace(max_rows: int = 1 << 16) -> np.ndarray:
   rows = np.zeros((max_rows, len(TRACE_COLUMNS)), np.int64)
   taken = _library.jdist_trace_take(rows.ctypes.data, max_rows)
   return rows[:taken]
+
+
+def enable_trace(on: bool) -> bool:
+  """Turns the engine's exchange timeline (`take_trace`) on or off; returns
+  whether it was on. False when the engine never loaded."""
+  if _library is None:
+    return False
+  return bool(_library.jdist_trace_enable(int(on)))
+
+
+# flight.h's columns (the engine's flight recorder, always on).
+FLIGHT_COLUMNS = ("id", "ordinal", "call", "kind", "bytes", "state", "posted_ns", "wire_ns",
+                  "done_ns")
+FLIGHT_SLOTS = 256
+_KIND_NAMES = ("sum", "sum16", "gather")  # JdistKind, as jdist.collectives.autodiff names them
+
+
+def flight_snapshot() -> np.ndarray:
+  """The engine's flight recorder: its newest rows (FLIGHT_COLUMNS), oldest first."""
+  if _library is None:
+    return np.zeros((0, len(FLIGHT_COLUMNS)), np.int64)
+  rows = np.zeros((FLIGHT_SLOTS, len(FLIGHT_COLUMNS)), np.int64)
+  taken = _library.jdist_flight_snapshot(rows.ctypes.data, FLIGHT_SLOTS)
+  return rows[:taken]
+
+
+def flight_rows() -> list[flight_recorder.Entry]:
+  """The engine's flight recorder as `flight_recorder.Entry` rows (its source)."""
+  return [flight_recorder.Entry(
+      ordinal=int(r[1]), call=int(r[2]), kind=_KIND_NAMES[int(r[3])], nbytes=int(r[4]),
+      state=flight_recorder.STATES[int(r[5])], posted_ns=int(r[6]), wire_ns=int(r[7]),
+      done_ns=int(r[8]), route="native") for r in flight_snapshot()]
 
 
 def call(kind: int, buffer: jax.Array, result: jax.ShapeDtypeStruct, ordinal: int,

@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "exchange.h"
+#include "flight.h"
 #include "local.h"
 #include "point_to_point.h"
 #include "pools.h"
@@ -87,6 +88,10 @@ class Engine {
   int64_t completed() const { return completed_.load(); }
   int64_t segments_completed() const { return segments_completed_.load(); }
   int64_t TakeTrace(int64_t* rows, int64_t max_rows) { return tracer_.Take(rows, max_rows); }
+  int EnableTrace(int on) { return tracer_.SetEnabled(on != 0) ? 1 : 0; }
+  int64_t FlightSnapshot(int64_t* rows, int64_t max_rows) {
+    return flight_.Snapshot(rows, max_rows);
+  }
   int64_t SetSegmentBytes(int64_t bytes) { return wire_.SetSegmentBytes(bytes); }
 
   void Post(int device, int64_t ordinal, int kind, int elem, int64_t count, const void* in,
@@ -135,6 +140,8 @@ class Engine {
       slot->parts.resize(devices_);
       slot->present.assign(devices_, false);
       slot->since = Clock::now();
+      const int64_t unit = kind == JDIST_SUM16 ? 2 : static_cast<int64_t>(ElemSize(elem));
+      slot->flight_id = flight_.Posted(ordinal, seq, kind, count * unit, slot->since);
     } else if (slot->count != count || slot->elem != elem || slot->kind != kind ||
                slot->present[device]) {
       // The devices disagree on what exchange this is: a program error
@@ -181,7 +188,10 @@ class Engine {
       ReduceLocal(*e, segment->begin, segment->count);
       auto reduced = Clock::now();
       if (profiling) profile.local_ns += Ns(start, reduced);
-      if (index == 0) e->mpi_at = reduced;
+      if (index == 0) {
+        e->mpi_at = reduced;
+        flight_.Advance(e->flight_id, kFlightStateWire, reduced);
+      }
       wire_.Begin(*segment);
       std::lock_guard<std::mutex> lock(mu_);
       queue_.push_back(std::move(segment));
@@ -196,8 +206,10 @@ class Engine {
                        ? e->count * ElemSize(e->elem) * devices_ * wire_.size()
                        : e->count * WireSize(*e);
     completed_.fetch_add(1);
+    auto finished = Clock::now();
+    if (!error) flight_.Advance(e->flight_id, kFlightStateDone, finished);
     tracer_.Record(e->ordinal, e->seq, e->kind, static_cast<int64_t>(bytes), e->since,
-                   e->ready_at, e->mpi_at, Clock::now());
+                   e->ready_at, e->mpi_at, finished);
     std::string message = error ? error : "";
     auto complete = [e, message](int d) {
       const Part& part = e->parts[d];
@@ -348,6 +360,7 @@ class Engine {
   PointToPoint wire_{&pool_};
   Completions completions_;
   Tracer tracer_;
+  FlightRecorder flight_;
 };
 
 // Never destroyed: completion threads may outlive static destruction.
@@ -370,6 +383,10 @@ const char* jdist_last_error(void) { return jdist::TheEngine().last_error(); }
 int64_t jdist_completed(void) { return jdist::TheEngine().completed(); }
 int64_t jdist_trace_take(int64_t* rows, int64_t max_rows) {
   return jdist::TheEngine().TakeTrace(rows, max_rows);
+}
+int jdist_trace_enable(int on) { return jdist::TheEngine().EnableTrace(on); }
+int64_t jdist_flight_snapshot(int64_t* rows, int64_t max_rows) {
+  return jdist::TheEngine().FlightSnapshot(rows, max_rows);
 }
 int64_t jdist_segments_completed(void) { return jdist::TheEngine().segments_completed(); }
 int64_t jdist_set_segment_bytes(int64_t bytes) {

@@ -67,6 +67,14 @@ int64_t jdist_segments_completed(void);
 // timeline (trace.h's columns, 8 int64 each) into `rows`; returns how many.
 int64_t jdist_trace_take(int64_t* rows, int64_t max_rows);
 
+// Turns the exchange timeline on (1) or off (0) at run time; returns whether
+// it was on. JDIST_NATIVE_TRACE turns it on at start.
+int jdist_trace_enable(int on);
+
+// Copies the flight recorder's newest rows (flight.h's columns, 9 int64 each,
+// oldest first, at most 256) into `rows`; returns how many. Always recorded.
+int64_t jdist_flight_snapshot(int64_t* rows, int64_t max_rows);
+
 // Sets how many wire bytes of a sum cross processes as one segment (a
 // reduce-scatter and all-gather of their own, pipelined with the local
 // reduction of the next); <= 0 sends each sum whole. Every process must use

@@ -68,6 +68,7 @@ struct Exchange {
   std::shared_ptr<char> acc;  // sums: count wire elements; gathers: all replicas
   std::atomic<int> segments_left{0};
   Clock::time_point ready_at, mpi_at;  // tracing: last local post, MPI start
+  uint64_t flight_id = 0;  // its row in the flight recorder (flight.h)
 };
 
 // Bytes per element on the wire: 16-bit sums stay 16-bit.

@@ -1,4 +1,5 @@
-// The engine's exchange timeline, kept when JDIST_NATIVE_TRACE is set: one
+// The engine's exchange timeline, kept when JDIST_NATIVE_TRACE is set (or
+// jdist_trace_enable(1): jdist.timeline turns it on for its window): one
 // row per completed exchange with the steady-clock times (CLOCK_MONOTONIC,
 // the clock of Python's time.monotonic_ns) at which its first local device
 // posted it, the last one did, its MPI part started and it completed. Read
@@ -8,6 +9,7 @@
 #define JDIST_COLLECTIVES_NATIVE_TRACE_H_
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -26,11 +28,13 @@ class Tracer {
  public:
   using Clock = std::chrono::steady_clock;
 
-  bool enabled() const { return enabled_; }
+  bool enabled() const { return enabled_.load(std::memory_order_relaxed); }
+  // Returns whether it was enabled.
+  bool SetEnabled(bool on) { return enabled_.exchange(on); }
 
   void Record(int64_t ordinal, uint64_t seq, int kind, int64_t bytes, Clock::time_point first,
               Clock::time_point last, Clock::time_point mpi, Clock::time_point done) {
-    if (!enabled_) return;
+    if (!enabled()) return;
     int64_t row[kTraceColumns] = {ordinal, static_cast<int64_t>(seq), kind, bytes, Ns(first),
                                   Ns(last), Ns(mpi), Ns(done)};
     std::lock_guard<std::mutex> lock(mu_);
@@ -52,7 +56,7 @@ class Tracer {
   static int64_t Ns(Clock::time_point t) {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
   }
-  const bool enabled_ = std::getenv("JDIST_NATIVE_TRACE") != nullptr;
+  std::atomic<bool> enabled_{std::getenv("JDIST_NATIVE_TRACE") != nullptr};
   std::mutex mu_;
   std::vector<int64_t> rows_;
 };

@@ -1,0 +1,134 @@
+"""The flight recorder and the first exchange the ranks disagree on.
+
+Unit tests on fabricated recorder contents (`flight_report`), and of the
+recorder's own bookkeeping (`flight_recorder`). The hang tests of
+tests/test_watchdog.py check the recorder's section in real abort reports.
+"""
+
+import pytest
+
+from jdist.runtime import flight_recorder
+from jdist.runtime import flight_report
+
+
+@pytest.fixture(autouse=True)
+def _fresh_recorder():
+  flight_recorder.reset()
+  yield
+  flight_recorder.reset()
+
+
+def _row(ordinal, call, state, age, kind="sum", nbytes=4096, label=""):
+  return {"ordinal": ordinal, "call": call, "kind": kind, "nbytes": nbytes, "state": state,
+          "age_s": age, "label": label or f"allreduce: {kind}"}
+
+
+def _steps(calls, ordinals=3, last_state="done", age=20.0):
+  """A rank that ran `calls` steps of `ordinals` exchanges; the last call in `last_state`."""
+  rows = []
+  for call in range(calls):
+    for ordinal in range(ordinals):
+      state = last_state if call == calls - 1 else "done"
+      rows.append(_row(ordinal, call, state, age - call - ordinal / 10))
+  return {"entries": rows, "progress": {o: calls - 1 for o in range(ordinals)}, "host": 2}
+
+
+def test_a_rank_that_stopped_early_never_posted_the_exchange_the_others_wait_in():
+  # Ranks 0 and 2 posted step 5's exchanges (call 4); rank 1 finished 4 steps.
+  recorders = {0: _steps(5, last_state="wire"), 1: _steps(4), 2: _steps(5, last_state="wire")}
+  found = flight_report.first_divergence(recorders)
+  assert found["key"] == ("step", 0, 4)  # the oldest of the exchanges rank 1 never posted
+  assert found["never"] == [1]
+  assert found["states"] == {0: "wire", 1: "never", 2: "wire"}
+  text = flight_report.describe(recorders, size=3)
+  assert "first disagree at exchange ordinal 0 (call 4, allreduce: sum, 4,096 B)" in text
+  assert "posted by rank 0 (wire), rank 2 (wire); never posted by rank(s) 1." in text
+  assert "rank 1 last exchanges (ordinal.call): #2.2 sum done, #0.3 sum done" in text
+
+
+def test_entries_evicted_from_a_ring_count_as_posted_by_progress():
+  # Rank 1's ring holds only the last call, but its progress shows it passed the others.
+  behind = _steps(6)
+  behind["entries"] = [row for row in behind["entries"] if row["call"] >= 5]
+  recorders = {0: _steps(6), 1: behind}
+  assert flight_report.first_divergence(recorders) is None
+  assert "every recorded exchange finished" in flight_report.describe(recorders)
+
+
+def test_every_rank_posted_but_the_exchange_did_not_finish():
+  recorders = {0: _steps(3, last_state="wire"), 1: _steps(3, last_state="posted")}
+  found = flight_report.first_divergence(recorders)
+  assert found["key"] == ("step", 0, 2) and found["never"] == []
+  assert "every rank posted it, and it did not finish" in flight_report.describe(recorders)
+
+
+def test_host_exchanges_are_compared_by_their_count():
+  waiting = {"entries": [_row(6, 0, "done", 9.0, kind="host", nbytes=0, label="jdist.barrier"),
+                         _row(7, 0, "wire", 5.0, kind="host", nbytes=0, label="jdist.barrier")],
+             "progress": {}, "host": 7}
+  late = {"entries": [_row(6, 0, "done", 9.0, kind="host", nbytes=0, label="jdist.barrier")],
+          "progress": {}, "host": 6}
+  found = flight_report.first_divergence({0: waiting, 1: late})
+  assert found["key"] == ("host", 7) and found["never"] == [1]
+  assert "host exchange 7 (jdist.barrier)" in flight_report.describe({0: waiting, 1: late})
+
+
+def test_a_silent_rank_is_named_and_nothing_recorded_says_nothing():
+  text = flight_report.describe({0: _steps(2, last_state="wire")}, size=2)
+  assert "no recorder from rank(s) 1" in text
+  assert flight_report.describe({0: {"entries": [], "progress": {}, "host": 0}}) == ""
+
+
+def test_callback_devices_make_one_entry_done_when_the_last_device_leaves():
+  keys = [flight_recorder.device_posted(d, 3, "sum", 64, devices=2) for d in (0, 1)]
+  assert keys[0] == keys[1] == (3, 0)
+  flight_recorder.device_done(keys[0])
+  (entry,) = flight_recorder.snapshot()
+  assert (entry.ordinal, entry.call, entry.state) == (3, 0, "wire")
+  flight_recorder.device_done(keys[1])
+  assert flight_recorder.snapshot()[0].state == "done"
+  assert flight_recorder.device_posted(0, 3, "sum", 64, devices=2) == (3, 1)  # the next call
+  summary = flight_recorder.summary()
+  assert summary["progress"] == {3: 1} and len(summary["entries"]) == 2
+
+
+def test_trace_level_steps_and_host_exchanges():
+  # The mpi4jax route: traced exchanges are posted at dispatch, done at the step's end.
+  flight_recorder.note_traced("mpi4jax", "sum", 0, 40, "train_step")
+  flight_recorder.note_traced("native", "sum", 1, 40, "train_step")  # records itself
+  flight_recorder.step_dispatched(1, "train_step", 100)
+  (entry,) = flight_recorder.snapshot()
+  assert (entry.ordinal, entry.call, entry.state, entry.route) == (0, 0, "posted", "mpi4jax")
+  assert entry.label == "psum/pmean: dense sum"
+  flight_recorder.step_done(1, 100, 200)
+  assert flight_recorder.snapshot()[0].state == "done"
+  host = flight_recorder.host_posted(4, "jdist.barrier")
+  assert flight_recorder.summary()["host"] == 4
+  flight_recorder.host_done(host)
+  assert flight_recorder.snapshot()[-1].state == "done"
+
+
+def test_labels_name_the_scheme_that_traced_the_exchange():
+  from jdist.compression import powersgd  # pylint: disable=import-outside-toplevel
+
+  class Code:
+    def __init__(self, path):
+      self.co_filename = path
+
+  class Frame:
+    def __init__(self, path, back):
+      self.f_code, self.f_back = Code(path), back
+
+  outer = Frame("/x/jdist/transforms/diloco.py", None)
+  inner = Frame(powersgd.__file__.replace("powersgd", "half"), outer)
+  assert flight_recorder.scheme_label("sum16", inner) == "DiLoCo / 16-bit: 16-bit sum"
+  assert flight_recorder.scheme_label("gather", Frame("/u/train.py", None)) == \
+      "psum/pmean: gather"
+
+
+def test_the_ring_keeps_the_last_slots():
+  for number in range(flight_recorder.SLOTS + 10):
+    flight_recorder.host_done(flight_recorder.host_posted(number + 1, "jdist.barrier"))
+  entries = flight_recorder.snapshot()
+  assert len(entries) == flight_recorder.SLOTS
+  assert entries[0].ordinal == 11 and entries[-1].ordinal == flight_recorder.SLOTS + 10
