@@ -48,6 +48,8 @@ from jdist.transforms.allreduce import wire_bytes
 from jdist.compression.half import cast
 from jdist.compression.powersgd import PowerSGDState
 from jdist.compression.powersgd import powersgd
+from jdist.compression.qsgd import QSGDState
+from jdist.compression.qsgd import qsgd
 from jdist.compression.sparse import SparsifyState
 from jdist.compression.sparse import threshold
 from jdist.compression.sparse import topk
@@ -60,6 +62,7 @@ from jdist.transforms.local_sgd import LocalSGDState
 from jdist.transforms.local_sgd import local_sgd
 from jdist.transforms.partial import PartialSyncState
 from jdist.transforms.partial import partial_sync
+from jdist.timeline_recorder import timeline
 
 __version__ = "0.1.0"
 
@@ -139,6 +142,7 @@ __all__ = (
     "skip_nonfinite",
     "sync_params",
     "threshold",
+    "timeline",
     "topk",
     "unreplicate",
     "wire_bytes",

@@ -33,6 +33,7 @@ FLAG_CASES = {
                               ["--sparsify", "topk:0.5", "--momentum-correction"]),
     "--partial": ([], ["--partial", "2"]),
     "--powersgd": ([], ["--powersgd", "2"]),
+    "--qsgd": ([], ["--qsgd"]),
     "--skip-nonfinite": ([], ["--skip-nonfinite"]),
     "--diloco": ([], ["--diloco", "2"]),
     "--diloco-fragments": (["--diloco", "2"], ["--diloco", "2", "--diloco-fragments", "2"]),

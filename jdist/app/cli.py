@@ -13,6 +13,7 @@ a traceback from inside JAX unless `--debug` asks for one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from importlib import metadata
 import os
 import platform
@@ -25,6 +26,7 @@ import jdist
 from jdist import errors
 from jdist.app import config as config_lib
 from jdist.app import cpu_devices
+from jdist.app.optimizer_spec import OptimizerSpec
 from jdist.app.train_loop import TrainError
 from jdist.collectives import native
 from jdist.consistency import ReplicaMismatchError
@@ -107,6 +109,9 @@ def build_train_parser(prog: str = "jdist train") -> argparse.ArgumentParser:
                      help="post-local SGD: local steps, parameters averaged every H steps")
   group.add_argument("--local-sgd-warmup", type=int, default=defaults.local_sgd_warmup,
                      metavar="STEPS", help="fully synchronous steps before --local-sgd starts")
+  for field in dataclasses.fields(OptimizerSpec):  # schemes whose spec field declares its flag
+    if "flag" in field.metadata:
+      group.add_argument("--" + field.name.replace("_", "-"), **field.metadata["flag"])
   group.add_argument("--skip-nonfinite", action="store_true",
                      help="every replica skips steps whose gradients hold NaN or Inf")
   group.add_argument("--check-replicas-every", type=int,

@@ -28,7 +28,16 @@ class ConfigError(ValueError):
   """A training setting is out of range or contradicts another one."""
 
 
+def _with_optimizer_fields(cls):
+  """Gives the settings class every `OptimizerSpec` field: same name, type and default."""
+  for field in dataclasses.fields(OptimizerSpec):
+    cls.__annotations__[field.name] = field.type
+    setattr(cls, field.name, field.default)
+  return cls
+
+
 @dataclasses.dataclass
+@_with_optimizer_fields
 class TrainConfig:
   """Settings of one data-parallel training run.
 
@@ -42,27 +51,9 @@ class TrainConfig:
       batch_size x replica_count.
     eval_batch_size: examples per replica per evaluation step (0: the
       larger of batch_size and 128).
-    optimizer: "sgd" (with momentum), "adam" or "adamw".
-    lr: learning rate (> 0).
-    momentum: SGD momentum, or Adam's b1, in [0, 1).
-    weight_decay: decoupled weight decay (>= 0; adamw's, or added to sgd).
-    half: None, "fp16" or "bf16": gradients cross replicas in 16 bits.
-    sparsify: None, "topk:RATIO" (RATIO in (0, 1]) or "threshold:VALUE"
-      (VALUE > 0): send only selected gradient entries, with error feedback.
-    momentum_correction: with sparsify and sgd: apply the momentum locally
-      before the selection (Deep Gradient Compression) instead of in the
-      optimizer after the exchange.
-    partial: None or a number of chunks >= 1: SINGA's partial update (local
-      steps, one rotating chunk of parameters averaged per step).
-    powersgd: None or a rank >= 1: gradient matrices cross replicas as
-      rank-r factors (PowerSGD, with error feedback).
-    skip_nonfinite: every replica skips steps whose gradients hold NaN/Inf.
-    diloco: None or H >= 1: DiLoCo (`jdist.diloco`), H local inner steps
-      between outer steps; with half, the pseudo-gradient travels in 16 bits.
-    diloco_fragments: Streaming DiLoCo's fragments, 1 <= P <= H.
-    diloco_outer_lr: the outer SGD's learning rate (Nesterov momentum 0.9).
-    local_sgd: None or H >= 1: post-local SGD (`jdist.local_sgd`).
-    local_sgd_warmup: synchronous steps before local SGD starts (>= 0).
+    (optimizer settings): every field of `OptimizerSpec` (optimizer, lr,
+      momentum, half, sparsify, diloco, ...), with its default; the class
+      takes them from there, and `optimizer_spec` is them as a spec.
     seed: seed of the initial parameters and of the data order (>= 0).
     train_limit, test_limit: use only the first N examples of each split.
     checkpoint_dir: where checkpoints go; None for none.
@@ -94,21 +85,6 @@ class TrainConfig:
   epochs: int = 3
   batch_size: int = 32
   eval_batch_size: int = 0
-  optimizer: str = OptimizerSpec.optimizer
-  lr: float = OptimizerSpec.lr
-  momentum: float = OptimizerSpec.momentum
-  weight_decay: float = OptimizerSpec.weight_decay
-  half: str | None = OptimizerSpec.half
-  sparsify: str | None = OptimizerSpec.sparsify
-  momentum_correction: bool = OptimizerSpec.momentum_correction
-  partial: int | None = OptimizerSpec.partial
-  powersgd: int | None = OptimizerSpec.powersgd
-  skip_nonfinite: bool = OptimizerSpec.skip_nonfinite
-  diloco: int | None = OptimizerSpec.diloco
-  diloco_fragments: int = OptimizerSpec.diloco_fragments
-  diloco_outer_lr: float = OptimizerSpec.diloco_outer_lr
-  local_sgd: int | None = OptimizerSpec.local_sgd
-  local_sgd_warmup: int = OptimizerSpec.local_sgd_warmup
   seed: int = 0
   train_limit: int | None = None
   test_limit: int | None = None
@@ -230,16 +206,11 @@ def validate(config: TrainConfig) -> TrainConfig:
     raise ConfigError(
         "--momentum-correction moves SGD's momentum before the gradient selection: it needs "
         "--sparsify, --optimizer sgd and a --momentum above 0.")
-  if config.partial is not None and (config.half is not None or config.sparsify is not None):
-    raise ConfigError(
-        "--partial averages parameters in full precision and cannot be combined with "
-        "--half or --sparsify (which compress gradients); choose one communication mode.")
-  if config.powersgd is not None and (config.half is not None or config.sparsify is not None
-                                      or config.partial is not None):
-    raise ConfigError(
-        "--powersgd sends low-rank factors of the gradients and cannot be combined with "
-        "--half, --sparsify or --partial; choose one communication mode.")
   _check_local_modes(config)
+  try:  # which schemes combine: their own declarations, as jdist.dist_opt reads them
+    config.optimizer_spec.check()
+  except ValueError as err:
+    raise ConfigError(str(err)) from None
   if config.on_nonfinite not in ON_NONFINITE:
     raise ConfigError(f"on_nonfinite (--on-nonfinite)={config.on_nonfinite!r} is unknown; "
                       f"choose one of {', '.join(ON_NONFINITE)}.")
@@ -254,26 +225,13 @@ def validate(config: TrainConfig) -> TrainConfig:
 
 
 def _check_local_modes(config: TrainConfig) -> None:
-  """--diloco and --local-sgd: alone (diloco with --half at most), their own flags only with them."""
+  """--diloco's and --local-sgd's own flags: only with them (their combinations: `check`)."""
   if config.diloco is not None:
-    others = [name for name in ("sparsify", "partial", "powersgd", "local_sgd")
-              if getattr(config, name) is not None]
-    if others:
-      raise ConfigError(f"--diloco averages pseudo-gradients every H steps and cannot be "
-                        f"combined with --{others[0].replace('_', '-')}; choose one "
-                        f"communication mode (--half sets its payload).")
     if config.diloco_fragments > config.diloco:
       raise ConfigError(f"{flag('diloco_fragments')}={config.diloco_fragments} must be <= "
                         f"--diloco {config.diloco}: each fragment syncs on a step of its own.")
   elif (config.diloco_fragments != OptimizerSpec.diloco_fragments
         or config.diloco_outer_lr != OptimizerSpec.diloco_outer_lr):
     raise ConfigError("--diloco-fragments and --diloco-outer-lr only apply with --diloco H.")
-  if config.local_sgd is not None:
-    others = [name for name in ("half", "sparsify", "partial", "powersgd")
-              if getattr(config, name) is not None]
-    if others:
-      raise ConfigError(f"--local-sgd averages parameters every H steps in full precision "
-                        f"and cannot be combined with --{others[0]}; choose one "
-                        f"communication mode.")
-  elif config.local_sgd_warmup:
+  if config.local_sgd is None and config.local_sgd_warmup:
     raise ConfigError("--local-sgd-warmup only applies with --local-sgd H.")

@@ -8,12 +8,16 @@ optimizer is this" derives from it instead of listing settings again:
 - the spec itself is hashable, so it is the trainer's compilation cache key;
 - `MUST_MATCH_ON_RESUME` / `MAY_DIFFER_ON_RESUME` come from each field's
   `resume` metadata (does the setting shape the optimizer state?);
-- `spec.describe()` is the communication mode as the trainer prints it.
+- `spec.describe()` is the communication mode as the trainer prints it;
+- `spec.check()` is `jdist.dist_opt`'s own check of which schemes combine
+  (the schemes' declarations), with the errors naming flags.
 
-A new optimizer setting is one new field here (with its `resume` metadata)
-and its use in `build`; `TrainConfig` and the command line carry a field of
-the same name, and `tests/test_optimizer_spec.py` fails for any optimizer
-flag of `jdist train` that does not change the optimizer that runs.
+A new optimizer setting is one new field here (with its `resume` metadata,
+and a `flag` entry: the arguments of its `jdist train` flag) and its use in
+`build`; `TrainConfig` takes its optimizer fields from this class and the
+command line adds the flags, and `tests/test_optimizer_spec.py` fails for
+any optimizer flag of `jdist train` that does not change the optimizer that
+runs.
 """
 
 from __future__ import annotations
@@ -24,10 +28,8 @@ from typing import Any
 import jax.numpy as jnp
 import optax
 
-from jdist.transforms.diloco import diloco
-from jdist.transforms.dist_opt import dist_opt
+from jdist.transforms import dist_opt as dist_opt_lib
 from jdist.transforms.finite import skip_nonfinite
-from jdist.transforms.local_sgd import local_sgd
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 HALF_CHOICES = ("fp16", "bf16")
@@ -38,6 +40,11 @@ _STATE = {"resume": "must_match"}
 # A hyperparameter may change on resume; the run then differs from an
 # uninterrupted one, which the trainer says.
 _HYPER = {"resume": "may_differ"}
+
+
+def _scheme(**flag: Any) -> dict[str, Any]:
+  """A communication scheme's field: must match on resume; `flag`: its argparse arguments."""
+  return {**_STATE, "flag": flag}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +63,8 @@ class OptimizerSpec:
     partial: None or a number of chunks (SINGA's partial update).
     powersgd: None or a rank: gradient matrices cross replicas as rank-r
       factors (PowerSGD, with error feedback).
+    qsgd: gradients cross replicas as 8-bit stochastically rounded levels
+      (QSGD, buckets of 512, with error feedback).
     skip_nonfinite: every replica skips steps whose gradients hold NaN/Inf.
     diloco: None or H: DiLoCo, H local inner steps between outer steps
       (`jdist.diloco`; with `half`, the pseudo-gradient travels in 16 bits).
@@ -76,6 +85,9 @@ class OptimizerSpec:
   momentum_correction: bool = dataclasses.field(default=False, metadata=_STATE)
   partial: int | None = dataclasses.field(default=None, metadata=_STATE)
   powersgd: int | None = dataclasses.field(default=None, metadata=_STATE)
+  qsgd: bool = dataclasses.field(default=False, metadata=_scheme(
+      action="store_true", help="QSGD: gradients cross replicas as 8-bit stochastically "
+      "rounded levels, one float32 scale per 512 entries, with error feedback"))
   skip_nonfinite: bool = dataclasses.field(default=False, metadata=_STATE)
   diloco: int | None = dataclasses.field(default=None, metadata=_STATE)
   diloco_fragments: int = dataclasses.field(default=1, metadata=_STATE)
@@ -92,8 +104,7 @@ class OptimizerSpec:
     """The data-parallel optax transformation this spec describes.
 
     Returns:
-      `jdist.dist_opt` (or `jdist.diloco`, `jdist.local_sgd`) around the
-      inner optimizer, wrapped in
+      `jdist.dist_opt` around the inner optimizer, wrapped in
       `jdist.skip_nonfinite` when asked.
     """
     correction = self.momentum if self.momentum_correction else 0.0
@@ -108,17 +119,35 @@ class OptimizerSpec:
       inner = optax.adamw(self.lr, b1=self.momentum, weight_decay=self.weight_decay)
     else:
       raise ValueError(f"optimizer={self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}.")
-    half = {None: False, "fp16": jnp.float16, "bf16": jnp.bfloat16}[self.half]
-    if self.diloco:
-      outer = optax.sgd(self.diloco_outer_lr, momentum=0.9, nesterov=True)
-      tx = diloco(inner, sync_every=self.diloco, outer=outer, fragments=self.diloco_fragments,
-                  payload=self.half)
-    elif self.local_sgd:
-      tx = local_sgd(inner, sync_every=self.local_sgd, warmup_steps=self.local_sgd_warmup)
-    else:
-      tx = dist_opt(inner, half=half, sparsify=self.sparsify, partial=self.partial,
-                    momentum_correction=correction, powersgd=self.powersgd)
+    tx = dist_opt_lib.dist_opt(inner, **self._settings(), **self._options(correction))
     return skip_nonfinite(tx) if self.skip_nonfinite else tx
+
+  def _settings(self) -> dict[str, Any]:
+    """The `jdist.dist_opt` scheme keywords this spec sets (the fields of the same names)."""
+    settings = {name: getattr(self, name) for name in dist_opt_lib.SCHEMES}
+    settings["half"] = {None: False, "fp16": jnp.float16, "bf16": jnp.bfloat16}.get(
+        self.half, self.half)
+    return settings
+
+  def _options(self, correction: float = 0.0) -> dict[str, Any]:
+    """The `jdist.dist_opt` options this spec sets."""
+    outer = None
+    if self.diloco_outer_lr != OptimizerSpec.diloco_outer_lr or self.diloco:
+      outer = optax.sgd(self.diloco_outer_lr, momentum=0.9, nesterov=True)
+    return {"momentum_correction": correction, "diloco_fragments": self.diloco_fragments,
+            "diloco_outer": outer, "local_sgd_warmup": self.local_sgd_warmup}
+
+  def check(self, spell=lambda name: "--" + name.replace("_", "-")) -> None:
+    """`jdist.dist_opt`'s check of these schemes and options, errors naming flags.
+
+    Raises:
+      ValueError: two schemes that do not combine, or an option no chosen
+        scheme reads (`jdist.transforms.dist_opt.check_schemes`).
+    """
+    flags = {"diloco_outer": "--diloco-outer-lr"}
+    options = self._options(self.momentum if self.momentum_correction else 0.0)
+    dist_opt_lib.check_schemes(self._settings(), options,
+                               spell=lambda name: flags.get(name, spell(name)))
 
   def describe(self) -> str:
     """The communication mode in words, e.g. "half bf16, sparsify topk:0.01"."""
@@ -138,6 +167,7 @@ class OptimizerSpec:
                    + (" with momentum correction" if self.momentum_correction else ""))
     parts += [f"partial {self.partial}"] if self.partial else []
     parts += [f"powersgd rank {self.powersgd}"] if self.powersgd else []
+    parts += ["qsgd 8-bit"] if self.qsgd else []
     parts += ["skip non-finite"] if self.skip_nonfinite else []
     return ", ".join(parts) or "plain all-reduce"
 

@@ -108,3 +108,15 @@ def cast(dtype: Any = jnp.float16) -> optax.GradientTransformation:
     return to_half(updates, dtype, scale), state
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def _half_setting(half: Any):
+  """dist_opt's `half`: True is float16; a 16-bit dtype is itself."""
+  if half is None or half is False:
+    return None
+  return _check_dtype(jnp.float16 if half is True else half)
+
+
+SCHEME = protocol.Scheme(
+    "half", "encode", _half_setting, lambda dtype, options: cast(dtype),
+    combines_with=("sparsify", "diloco"), does="sends gradients as 16-bit floats")

@@ -171,3 +171,11 @@ def powersgd(rank: int, *, error_feedback: bool = True, mean: bool = True,
         new_qs, residual, state.step + 1, jnp.asarray(ledger.bytes, jnp.float32))
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+SCHEME = protocol.Scheme(
+    "powersgd", "exchange", protocol.enabled,
+    lambda rank, o: powersgd(rank, error_feedback=o.error_feedback, mean=o.mean,
+                             bucket_bytes=o.bucket_bytes),
+    options=("error_feedback", "mean"),
+    does="sends low-rank factors of the gradients in its own exchange")

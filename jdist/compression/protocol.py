@@ -8,8 +8,10 @@ collective layer knows no format: `jdist.allreduce` hands the payload an
 `Exchange` and calls `payload.reduce_over_replicas(exchange, factor)`; a plain
 pytree of arrays is the dense all-reduce.
 
-Adding a scheme is one file here (a `WirePayload` subclass and the
-transformation that emits it) and one line in `jdist.transforms.dist_opt.MODES`.
+Adding a scheme is one file here (a `WirePayload` subclass, the
+transformation that emits it, and its `Scheme`: where `jdist.dist_opt` puts
+it and which other schemes it combines with) and one keyword of
+`jdist.dist_opt`.
 
 Schemes whose reduction changes their own state (PowerSGD keeps the
 error-feedback residual of what came back) cannot hand a payload on, since a
@@ -24,7 +26,8 @@ field `wire_bytes`; their state types are registered with
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import dataclasses
+from typing import Any, Callable, Protocol
 
 import jax
 
@@ -82,6 +85,53 @@ class WirePayload:
     """
     raise ValueError(f"jdist.cast cannot follow {type(self).__name__}: its values do not "
                      f"travel as 16-bit floats. Remove jdist.cast from the chain.")
+
+
+STAGES = ("wrap", "select", "encode", "exchange", "after")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+  """How `jdist.dist_opt` builds one communication scheme, and what it combines with.
+
+  Declared once, next to the scheme's transformation; `jdist.dist_opt` and
+  `jdist train`'s validation both read it.
+
+  Attributes:
+    keyword: its `jdist.dist_opt` keyword (and `jdist train` flag).
+    stage: where it goes in `dist_opt`'s chain, `select, encode, allreduce
+      (or exchange), inner, after`: "select" chooses what is sent (first),
+      "encode" is the wire format (before `jdist.allreduce`), "exchange"
+      replaces `jdist.allreduce`, "after" follows the inner optimizer, and
+      "wrap" takes the inner optimizer and replaces the whole chain.
+    parse: the keyword's setting -> None (off) or the value `build` takes;
+      raises ValueError for a setting it does not understand.
+    build: (value, options) -> the `optax.GradientTransformation`, where
+      `options` holds `dist_opt`'s options by name. A "wrap" scheme's is
+      called with `inner=` (the inner optimizer) and `chosen=` (the other
+      chosen schemes' values) too.
+    options: the `dist_opt` options it reads; another option set to a
+      non-default value with no chosen scheme reading it is an error.
+    combines_with: the keywords of the schemes it works with. Two schemes
+      combine only when each names the other.
+    does: what it does, in words, for error messages ("sends ...").
+  """
+  keyword: str
+  stage: str
+  parse: Callable[[Any], Any]
+  build: Callable[..., Any]
+  options: tuple[str, ...] = ()
+  combines_with: tuple[str, ...] = ()
+  does: str = ""
+
+  def __post_init__(self):
+    if self.stage not in STAGES:
+      raise ValueError(f"stage={self.stage!r} is not one of {STAGES}.")
+
+
+def enabled(setting: Any) -> Any:
+  """A setting that is on unless None or False, passed on as given (the scheme checks it)."""
+  return None if setting is None or setting is False else setting
 
 
 _WIRE_STATES: set[type] = set()

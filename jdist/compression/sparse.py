@@ -154,6 +154,14 @@ def sparsify(setting: Any, *, error_feedback: bool = True, capacity: float | int
               momentum=momentum)
 
 
+SCHEME = protocol.Scheme(
+    "sparsify", "select", parse_sparsify,
+    lambda setting, o: sparsify(setting, error_feedback=o.error_feedback,
+                                capacity=o.threshold_capacity, momentum=o.momentum_correction),
+    options=("error_feedback", "threshold_capacity", "momentum_correction"),
+    combines_with=("half",), does="sends only selected gradient entries")
+
+
 class SparsifyState(NamedTuple):
   """State of `topk` and `threshold`.
 

@@ -1,7 +1,7 @@
 """`dist_opt`: any optax optimizer, made data-parallel in one call.
 
 It builds the `optax.chain` for each of SINGA DistOpt's update modes, and
-PowerSGD's:
+the schemes added since:
 
 | mode (SINGA)                   | dist_opt(...)                 | chain                                   |
 | ------------------------------ | ----------------------------- | --------------------------------------- |
@@ -12,125 +12,165 @@ PowerSGD's:
 |   (threshold)                  | sparsify="threshold:1e-3"     | threshold, [cast], allreduce, inner     |
 |   (DGC momentum correction)    | ..., momentum_correction=0.9  | topk(momentum=0.9), ...; inner w/o mom. |
 | backward_and_partial_update    | partial=4                     | inner, partial_sync(4)                  |
+| (QSGD, 8-bit)                  | qsgd=True                     | qsgd, allreduce, inner                  |
 | (PowerSGD, low-rank)           | powersgd=4                    | powersgd(4), inner                      |
+| (DiLoCo)                       | diloco=8 [, half=...]         | diloco(inner, sync_every=8)             |
+| (post-local SGD)               | local_sgd=8                   | local_sgd(inner, sync_every=8)          |
 
-The modes are named in one place, `MODES`: a new compression scheme is one
-module in `jdist.compression` and one line there.
+Each scheme declares, next to its transformation, a
+`jdist.compression.protocol.Scheme`: its stage in the chain, the options it
+reads and the schemes it combines with. `dist_opt` and `jdist train`'s
+validation both read those declarations (`SCHEMES`, `check_schemes`), so a
+new scheme is one module and one keyword here.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+import inspect
+import types
+from typing import Any, Callable
 
-import jax.numpy as jnp
 import optax
 
 from jdist import fusion
 from jdist.compression import half as half_lib
 from jdist.compression import powersgd as powersgd_lib
+from jdist.compression import protocol
+from jdist.compression import qsgd as qsgd_lib
 from jdist.compression import sparse as sparse_lib
 from jdist.compression.sparse import SPARSIFY_KINDS  # noqa: F401  (the CLI's reader)
-from jdist.compression.sparse import parse_sparsify
+from jdist.compression.sparse import parse_sparsify  # noqa: F401  (the CLI's reader)
+from jdist.transforms import partial as partial_lib
 from jdist.transforms.allreduce import allreduce
-from jdist.transforms.partial import partial_sync
+from jdist.transforms.diloco import diloco as diloco_tx
+from jdist.transforms.local_sgd import local_sgd as local_sgd_tx
+
+_DILOCO = protocol.Scheme(
+    "diloco", "wrap", protocol.enabled,
+    lambda every, o, inner, chosen: diloco_tx(inner, sync_every=every, outer=o.diloco_outer,
+                                              fragments=o.diloco_fragments,
+                                              payload=chosen.get("half")),
+    options=("diloco_fragments", "diloco_outer"), combines_with=("half",),
+    does="averages pseudo-gradients every H steps")
+_LOCAL_SGD = protocol.Scheme(
+    "local_sgd", "wrap", protocol.enabled,
+    lambda every, o, inner, chosen: local_sgd_tx(inner, sync_every=every,
+                                                 warmup_steps=o.local_sgd_warmup),
+    options=("local_sgd_warmup",), does="averages parameters every H steps in full precision")
+
+# Every scheme, by keyword; when two conflict, the error names the earlier first.
+SCHEMES = {scheme.keyword: scheme for scheme in (
+    _DILOCO, _LOCAL_SGD, partial_lib.SCHEME, powersgd_lib.SCHEME, qsgd_lib.SCHEME,
+    sparse_lib.SCHEME, half_lib.SCHEME)}
+_ALWAYS = ("bucket_bytes",)  # read by the all-reduce, or by the exchange that replaces it
 
 
-class Options(NamedTuple):
-  """The settings of `dist_opt` that modes read (besides their own value)."""
-  mean: bool
-  error_feedback: bool
-  threshold_capacity: float | int
-  momentum_correction: float
-  bucket_bytes: int
+def _keyword(name: str) -> str:
+  return f"{name}=..."
 
 
-class Mode(NamedTuple):
-  """One communication mode of `dist_opt`.
+def check_schemes(settings: dict[str, Any], options: dict[str, Any], *,
+                  spell: Callable[[str], str] = _keyword) -> dict[str, Any]:
+  """Parses each scheme's setting and checks the combination and the options.
 
-  Attributes:
-    stage: where its transformation goes: "select" (chooses what is sent,
-      first), "encode" (the wire format, before `allreduce`), "exchange"
-      (replaces `allreduce`) or "after" (after the inner optimizer).
-      "exchange" and "after" modes combine with no other mode.
-    parse: its setting -> None when off, else the value `build` takes.
-    build: (value, Options) -> the transformation.
-    options: the `Options` fields it honours (others must keep defaults).
-    does: what it does, for error messages.
+  The one reader of the `Scheme` declarations' rules, for `dist_opt` and
+  `jdist train` alike.
+
+  Args:
+    settings: scheme keyword -> its setting (None or False: off).
+    options: `dist_opt` option -> its value; a value other than
+      `dist_opt`'s default must be read by a chosen scheme (or the
+      all-reduce, for `mean`).
+    spell: how errors name a keyword or option (`jdist train` names flags).
+
+  Returns:
+    The chosen schemes, keyword -> parsed value, in `SCHEMES` order.
+
+  Raises:
+    ValueError: an unknown keyword, a bad setting, two schemes that do not
+      combine, or an option no chosen scheme reads.
   """
-  stage: str
-  parse: Callable[[Any], Any]
-  build: Callable[[Any, Options], optax.GradientTransformation]
-  options: tuple[str, ...]
-  does: str
-
-
-def _half_dtype(half: Any):
-  if half is False or half is None:
-    return None
-  return jnp.float16 if half is True else half
-
-
-def _as_given(value: Any) -> Any:
-  return value  # the transformation checks it when built
-
-
-STAGES = ("select", "encode", "exchange", "after")
-MODES = {
-    "sparsify": Mode("select", parse_sparsify, lambda kind_number, o: sparse_lib.sparsify(
-        kind_number, error_feedback=o.error_feedback, capacity=o.threshold_capacity,
-        momentum=o.momentum_correction), ("error_feedback", "threshold_capacity",
-                                          "momentum_correction", "mean"),
-        "compresses gradients by sending selected entries"),
-    "half": Mode("encode", _half_dtype, lambda dtype, o: half_lib.cast(dtype), ("mean",),
-                 "compresses gradients to 16 bits"),
-    "powersgd": Mode("exchange", _as_given, lambda rank, o: powersgd_lib.powersgd(
-        rank, error_feedback=o.error_feedback, mean=o.mean, bucket_bytes=o.bucket_bytes),
-        ("error_feedback", "mean"), "sends low-rank factors of the gradients in its own exchange"),
-    "partial": Mode("after", _as_given, lambda chunks, o: partial_sync(chunks), (),
-                    "averages parameters with a full-precision exchange of one chunk"),
-}
-# The options' defaults: another value needs a chosen mode that reads it.
-_DEFAULTS = Options(mean=True, error_feedback=True, threshold_capacity=0.05,
-                    momentum_correction=0.0, bucket_bytes=fusion.DEFAULT_BUCKET_BYTES)
-_ALWAYS = ("bucket_bytes",)
-
-
-def _check_combination(chosen: dict[str, Any], options: Options) -> None:
-  alone = [name for name in chosen if MODES[name].stage in ("exchange", "after")]
-  for name in alone:
-    others = [other for other in chosen if other != name]
-    if others:
-      raise ValueError(
-          f"{name}=... {MODES[name].does}; it does not combine with "
-          f"{', '.join(f'{other}=...' for other in others)} (which "
-          f"{MODES[others[0]].does}). Choose one mode.")
-  honoured = set(_ALWAYS) | {option for name in chosen for option in MODES[name].options}
-  if not alone:
-    honoured.add("mean")  # the plain all-reduce's
-  for field, default in zip(Options._fields, _DEFAULTS):
-    value = getattr(options, field)
-    if field not in honoured and value != default:
-      users = [name for name, mode in MODES.items() if field in mode.options]
-      readers = " or ".join(f"{name}=..." for name in users)
+  unknown = sorted(set(settings) - set(SCHEMES))
+  if unknown:
+    raise ValueError(f"{unknown[0]}=... is not a dist_opt scheme; the schemes are "
+                     f"{', '.join(SCHEMES)}.")
+  chosen = {}
+  for name, scheme in SCHEMES.items():
+    value = scheme.parse(settings.get(name))
+    if value is not None:
+      chosen[name] = value
+  names = list(chosen)
+  for index, name in enumerate(names):
+    for other in names[index + 1:]:
+      if other not in SCHEMES[name].combines_with or name not in SCHEMES[other].combines_with:
+        raise ValueError(
+            f"{spell(name)} {SCHEMES[name].does} and cannot be combined with {spell(other)}, "
+            f"which {SCHEMES[other].does}: one does not combine with the other. Choose one "
+            f"communication mode.")
+  honoured = set(_ALWAYS) | {option for name in chosen for option in SCHEMES[name].options}
+  if _uses_allreduce(chosen):
+    honoured.add("mean")
+  for field, value in options.items():
+    default = _OPTION_DEFAULTS[field]
+    if field not in honoured and value is not default and value != default:
+      readers = " or ".join(spell(name) for name, scheme in SCHEMES.items()
+                            if field in scheme.options)
+      if field == "mean":
+        readers = "the all-reduce (no exchange, after or wrap scheme)"
       hint = (" Use the inner optimizer's momentum instead."
               if field == "momentum_correction" else "")
-      raise ValueError(f"{field}={value!r} only applies with {readers}; "
-                       f"{', '.join(f'{name}=...' for name in chosen) or 'the plain all-reduce'} "
-                       f"does not use it.{hint}")
+      used = ", ".join(spell(name) for name in chosen) or "the plain all-reduce"
+      raise ValueError(f"{spell(field).removesuffix('=...')}={value!r} only applies with "
+                       f"{readers}; {used} does not use it.{hint}")
+  return chosen
 
 
-def dist_opt(inner: optax.GradientTransformation, *, mean: bool = True,
-             error_feedback: bool = True, threshold_capacity: float | int = 0.05,
+def _uses_allreduce(chosen: dict[str, Any]) -> bool:
+  return not any(SCHEMES[name].stage in ("exchange", "after", "wrap") for name in chosen)
+
+
+def dist_opt(inner: optax.GradientTransformation, *,
+             half: Any = False,
+             sparsify: str | tuple[str, float] | None = None,
+             qsgd: bool | int = False,
+             powersgd: int | None = None,
+             partial: int | None = None,
+             diloco: int | None = None,
+             local_sgd: int | None = None,
+             mean: bool = True,
+             error_feedback: bool = True,
+             threshold_capacity: float | int = 0.05,
              momentum_correction: float = 0.0,
              bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES,
-             **modes: Any) -> optax.GradientTransformation:
+             diloco_fragments: int = 1,
+             diloco_outer: optax.GradientTransformation | None = None,
+             local_sgd_warmup: int = 0) -> optax.GradientTransformation:
   """Wraps `inner` so its gradients are averaged over every replica.
+
+  The schemes (off when None or False; see the module table):
 
   Args:
     inner: any optax optimizer (sgd, adam, ...).
+    half: True (float16) or a 16-bit dtype: gradients travel in 16 bits
+      (`jdist.cast`); with `sparsify`, the selected values; with `diloco`,
+      the pseudo-gradient.
+    sparsify: "topk:RATIO", "topk_block:RATIO" or "threshold:VALUE" (or a
+      (kind, number) tuple): send only selected entries (`jdist.topk`,
+      `jdist.threshold`).
+    qsgd: True (buckets of 512) or a bucket size: gradients travel as 8-bit
+      stochastically rounded levels with one float32 scale per bucket
+      (`jdist.qsgd`).
+    powersgd: a rank: gradient matrices travel as rank-r factors
+      (`jdist.powersgd`, in place of `jdist.allreduce`).
+    partial: a number of chunks: local updates and one rotating chunk of
+      parameters averaged per step (SINGA's partial update).
+    diloco: H: DiLoCo, H local steps of `inner` between outer steps
+      (`jdist.diloco`).
+    local_sgd: H: post-local SGD, parameters averaged every H local steps
+      (`jdist.local_sgd`).
     mean: average (True) or sum (False) the gradients.
-    error_feedback: keep what was not sent for later steps (sparsify and
-      powersgd).
+    error_feedback: keep what was not sent for later steps (sparsify, qsgd
+      and powersgd).
     threshold_capacity: most entries sent per step in threshold mode.
     momentum_correction: sparsify only: the momentum, applied locally before
       the selection (Deep Gradient Compression), so `inner` must have none
@@ -141,40 +181,37 @@ def dist_opt(inner: optax.GradientTransformation, *, mean: bool = True,
       small digits set, where 330 steps are too few for error feedback to
       catch up (94.17% against 92.22%); see docs/communication.md.
     bucket_bytes: tensor-fusion bucket size.
-    **modes: the communication modes of `MODES`, off when None or False:
-      half: True (float16) or a 16-bit dtype: gradients travel in 16 bits.
-      sparsify: "topk:RATIO", "topk_block:RATIO" or "threshold:VALUE" (or a
-        (kind, number) tuple): send only selected entries (combines with half).
-      partial: a number of chunks: local updates and one rotating chunk of
-        parameters averaged per step (SINGA's partial update).
-      powersgd: a rank: gradient matrices travel as rank-r factors
-        (`jdist.powersgd`, in place of `jdist.allreduce`).
+    diloco_fragments: diloco only: Streaming DiLoCo's fragments.
+    diloco_outer: diloco only: the outer optimizer (None: SGD, lr 0.7,
+      Nesterov momentum 0.9).
+    local_sgd_warmup: local_sgd only: fully synchronous steps first.
 
   Returns:
     The chained `optax.GradientTransformation`.
 
   Raises:
-    ValueError: a bad argument, an unknown mode, or a combination that makes
-      no sense.
+    ValueError: a bad argument, or a combination that makes no sense.
   """
   if not isinstance(inner, optax.GradientTransformation):
     raise ValueError(f"inner={inner!r} is not an optax.GradientTransformation "
                      f"(e.g. optax.sgd(0.01)).")
-  unknown = sorted(set(modes) - set(MODES))
-  if unknown:
-    raise ValueError(f"{unknown[0]}=... is not a dist_opt mode; the modes are "
-                     f"{', '.join(MODES)}.")
-  chosen = {}
-  for name, setting in modes.items():
-    if setting is not None and setting is not False:
-      value = MODES[name].parse(setting)
-      if value is not None:
-        chosen[name] = value
-  options = Options(mean, error_feedback, threshold_capacity, momentum_correction,
-                    bucket_bytes)
-  _check_combination(chosen, options)
-  built = {stage: [MODES[name].build(value, options) for name, value in chosen.items()
-                   if MODES[name].stage == stage] for stage in STAGES}
-  exchange = built["exchange"] or ([] if built["after"] else [allreduce(mean,
-                                                                       bucket_bytes=bucket_bytes)])
+  given = locals()
+  chosen = check_schemes({name: given[name] for name in SCHEMES},
+                         {name: given[name] for name in _OPTION_DEFAULTS})
+  options = types.SimpleNamespace(**{name: given[name] for name in _OPTION_DEFAULTS})
+  wrap = [name for name in chosen if SCHEMES[name].stage == "wrap"]
+  if wrap:
+    others = {name: value for name, value in chosen.items() if name != wrap[0]}
+    return SCHEMES[wrap[0]].build(chosen[wrap[0]], options, inner=inner, chosen=others)
+  built = {stage: [SCHEMES[name].build(value, options) for name, value in chosen.items()
+                   if SCHEMES[name].stage == stage] for stage in protocol.STAGES}
+  exchange = built["exchange"] or ([allreduce(mean, bucket_bytes=bucket_bytes)]
+                                   if _uses_allreduce(chosen) else [])
   return optax.chain(*built["select"], *built["encode"], *exchange, inner, *built["after"])
+
+
+# dist_opt's options (its keyword arguments that are not schemes) and their defaults.
+_OPTION_DEFAULTS = {name: parameter.default
+                    for name, parameter in inspect.signature(dist_opt).parameters.items()
+                    if parameter.kind is parameter.KEYWORD_ONLY and name not in SCHEMES}
+OPTIONS = tuple(_OPTION_DEFAULTS)

@@ -129,3 +129,8 @@ def partial_sync(num_chunks: int) -> optax.GradientTransformation:
             PartialSyncState(state.step + 1, jnp.asarray(ledger.bytes, jnp.float32)))
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+SCHEME = protocol.Scheme(
+    "partial", "after", protocol.enabled, lambda chunks, o: partial_sync(chunks),
+    does="averages parameters with a full-precision exchange of one chunk per step")
