@@ -142,6 +142,11 @@ def build_train_parser(prog: str = "jdist train") -> argparse.ArgumentParser:
   group.add_argument("--cpu-devices", type=int, metavar="N",
                      help="for CPU testing: run N host (CPU) devices per process, as "
                      "XLA_FLAGS=--xla_force_host_platform_device_count=N would")
+  group.add_argument("--timeline", metavar="FILE",
+                     help="write a Chrome/Perfetto trace of every rank's steps and exchanges "
+                     "(docs/timeline.md; read it with `jdist timeline summarize FILE`)")
+  group.add_argument("--timeline-steps", metavar="A:B",
+                     help="with --timeline: record train steps A to B-1 only")
   group.add_argument("--debug", action="store_true",
                      help="show the full traceback when the run fails")
   return parser
@@ -274,7 +279,8 @@ def bench_main(argv=None) -> int:
 COMMANDS = {"train": "train a model (jdist train --help)",
             "info": "print versions, devices and the topology",
             "bench": "run the benchmark suite (source checkouts)",
-            "launch": "run mpirun so that a failed job always ends (jdist launch --help)"}
+            "launch": "run mpirun so that a failed job always ends (jdist launch --help)",
+            "timeline": "summarize or plot a --timeline trace (jdist timeline --help)"}
 
 
 def main(argv=None) -> int:
@@ -289,6 +295,9 @@ def main(argv=None) -> int:
   if argv and argv[0] == "launch":
     from jdist.app import launch  # pylint: disable=g-import-not-at-top
     return launch.main(argv[1:])
+  if argv and argv[0] == "timeline":
+    from jdist.app import timeline_cli  # pylint: disable=g-import-not-at-top
+    return timeline_cli.main(argv[1:])
   parser = _Parser(prog="jdist", description="jdist: data-parallel training for JAX.",
                    epilog="\n".join(f"  {name:6} {text}" for name, text in COMMANDS.items()),
                    formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -76,6 +76,9 @@ class TrainConfig:
     progress: show a progress bar on rank 0.
     cpu_devices: force this many host (CPU) devices per process, for testing
       data parallelism without accelerators; None leaves JAX's default.
+    timeline: write a Chrome / Perfetto trace of every rank's steps and
+      exchanges to this file (`jdist.timeline`, docs/timeline.md), or None.
+    timeline_steps: "A:B": record train steps A to B-1 only (needs timeline).
   """
 
   model: str = "cnn"
@@ -100,6 +103,8 @@ class TrainConfig:
   backend: str = "auto"
   progress: bool = True
   cpu_devices: int | None = None
+  timeline: str | None = None
+  timeline_steps: str | None = None
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -173,6 +178,7 @@ def validate(config: TrainConfig) -> TrainConfig:
   _int(config, "eval_every", 0)
   _int(config, "check_replicas_every", 0)
   _int(config, "cpu_devices", 1, optional=True)
+  _check_timeline(config)
   _int(config, "partial", 1, optional=True)
   _int(config, "powersgd", 1, optional=True)
   _int(config, "diloco", 1, optional=True)
@@ -222,6 +228,16 @@ def validate(config: TrainConfig) -> TrainConfig:
   if config.checkpoint_every and not config.checkpoint_dir:
     raise ConfigError("--checkpoint-every needs --checkpoint-dir DIR: where to write them.")
   return config
+
+
+def _check_timeline(config: TrainConfig) -> None:
+  from jdist import timeline_recorder  # pylint: disable=g-import-not-at-top
+  if config.timeline_steps is not None and not config.timeline:
+    raise ConfigError("timeline_steps (--timeline-steps) needs --timeline FILE.")
+  try:
+    timeline_recorder.parse_steps(config.timeline_steps)
+  except ValueError as err:
+    raise ConfigError(str(err)) from None
 
 
 def _check_local_modes(config: TrainConfig) -> None:

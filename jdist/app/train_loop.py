@@ -78,6 +78,9 @@ class Run:
     self.train_loader, self.test_loader = loaders
     self.steps_per_epoch = len(self.train_loader)
     self.position = fresh_position()
+    # Records from here; written (gathered to rank 0) by the final sync_for_use.
+    self.timeline = (jdist.timeline(config.timeline, steps=config.timeline_steps,
+                                    function="train_step") if config.timeline else None)
     self.manager, self.synced_at, self.rollbacks = None, -1, 0
 
   @property
@@ -212,6 +215,12 @@ class Run:
     copy (a resume continues exactly), only at the end of training (`final`):
     the model handed back is the replicas' mean.
     """
+    if final and self.timeline is not None:
+      path = self.timeline.close()
+      self.timeline = None
+      if path:
+        self.out.say(f"timeline: {path} (open it in ui.perfetto.dev, or run `jdist timeline "
+                     f"summarize {path}`)")
     if not final and (self.config.diloco or self.config.local_sgd):
       return
     if self.config.local_updates and self.synced_at != self.step:

@@ -183,8 +183,8 @@ def host_done(entry: Entry) -> None:
   entry.state, entry.done_ns = "done", time.monotonic_ns()
 
 
-def step_dispatched(number: int, name: str | None, at_ns: int) -> None:
-  """Compiled step `number` was dispatched (from the watchdog)."""
+def step_dispatched(number: int, name: str | None, at_ns: int, call: int | None = None) -> None:
+  """Compiled step `number` (call `call` of function `name`) was dispatched (the watchdog)."""
   with _state.lock:
     traced = _state.traced_steps.get(name or "", ())
     entries = [Entry(ordinal, _next_call(("step", ordinal)), kind, nbytes, "posted", at_ns,
@@ -194,7 +194,7 @@ def step_dispatched(number: int, name: str | None, at_ns: int) -> None:
       _state.step_entries[number] = entries
     listeners = list(_state.listeners)
   for listener in listeners:
-    listener.step_dispatched(number, name, at_ns)
+    listener.step_dispatched(number, name, at_ns, number if call is None else call)
 
 
 def step_done(number: int, start_ns: int, done_ns: int) -> None:
@@ -208,7 +208,7 @@ def step_done(number: int, start_ns: int, done_ns: int) -> None:
 
 
 def add_listener(listener: Any) -> None:
-  """`listener.step_dispatched(number, name, ns)` and `.step_done(number, start, done)`."""
+  """`listener.step_dispatched(number, name, ns, call)`, `.step_done(number, start, done)`."""
   with _state.lock:
     _state.listeners.append(listener)
 

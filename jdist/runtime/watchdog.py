@@ -188,8 +188,8 @@ class Watchdog:
         self._calls[name] = self._calls.get(name, 0) + 1
         label = f"step {self._calls[name]} of {name}"
       self._last_dispatched = label
-      number = self._dispatched
-    flight_recorder.step_dispatched(number, name, time.monotonic_ns())
+      number, call = self._dispatched, self._calls.get(name or "", self._dispatched)
+    flight_recorder.step_dispatched(number, name, time.monotonic_ns(), call)
     if self._started:
       self._steps.put((number, label, marker, time.monotonic()))
 

@@ -1,0 +1,265 @@
+"""`jdist.timeline(path, steps=...)`: a Chrome / Perfetto trace of every rank.
+
+While a timeline records, each rank keeps a bounded ring of records: every
+compiled step (when it ran on the devices, from the watchdog's step monitor)
+and every cross-process exchange in the window (from the native engine's
+exchange trace, or the flight recorder on the other routes). At `close()`
+(the end of a `with` block, or of `jdist train --timeline`) rank 0 gathers
+the rings over the host exchange and writes one file: ranks on several
+nodes need no shared filesystem, and nothing is written during the steps.
+`jdist timeline summarize FILE` reads it (docs/timeline.md).
+
+The file is valid JSON however the run ends: written through a temporary
+file and a rename; on SIGINT/SIGTERM or a watchdog abort, where no collective
+can run, every rank writes its own part (rank 0 to `path`, rank r to
+`path.rank<r>.json`), which `jdist timeline summarize` merges.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import signal
+import socket
+import threading
+import time
+from typing import Any
+
+from jdist import timeline_format
+from jdist.collectives import native
+from jdist.runtime import flight_recorder
+from jdist.runtime import host
+from jdist.runtime import topology as topology_lib
+
+DEFAULT_MAX_RECORDS = 20_000  # per rank: a few MB of JSON (docs/timeline.md)
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def parse_steps(text: str | None) -> tuple[int | None, int | None] | None:
+  """'A:B' -> (A, B): steps A <= step < B (1-based; either side may be empty).
+
+  Raises:
+    ValueError: not of that form, or B <= A.
+  """
+  if text in (None, ""):
+    return None
+  first, sep, last = str(text).partition(":")
+  try:
+    window = (int(first) if first else None, int(last) if last else None)
+  except ValueError:
+    window = None
+  if not sep or window is None or (None not in window and window[1] <= window[0]):
+    raise ValueError(f"--timeline-steps {text!r}: use A:B (steps A to B-1; A: or :B too)")
+  return window
+
+
+class Timeline:
+  """Records this rank's steps and exchanges; `close()` writes the merged trace.
+
+  Args:
+    path: the trace file (JSON, Chrome "traceEvents" format).
+    steps: (first, end) step numbers to record (1-based, `end` excluded;
+      None on either side: unbounded), or None for every step.
+    max_records: the ring's size per rank (older records are dropped).
+    function: count the window in steps of this step function only (e.g.
+      "train_step"); other steps are recorded while the window is open.
+  """
+
+  def __init__(self, path: str, steps: tuple[int | None, int | None] | None = None,
+               max_records: int = DEFAULT_MAX_RECORDS, function: str | None = None):
+    self.path = str(path)
+    self.window = steps or (None, None)
+    self.function = function
+    self._open = False
+    self.records: collections.deque = collections.deque(maxlen=max_records)
+    self.dropped = 0
+    self._lock = threading.Lock()
+    self._recording = False
+    self._closed = False
+    self._seen_ns = 0  # newest flight-recorder entry already taken
+    self._native_was_on = False
+    self._previous_handlers: dict[int, Any] = {}
+    self._names: dict[int, str] = {}
+    self.rank = topology_lib.current().process_index
+
+  # -- recording -------------------------------------------------------------
+
+  def in_window(self, number: int) -> bool:
+    first, end = self.window
+    return (first is None or number >= first) and (end is None or number < end)
+
+  def start(self) -> "Timeline":
+    self._native_was_on = native.enable_trace(True)
+    native.take_trace()  # forget rows from before the timeline
+    self._seen_ns = time.monotonic_ns()
+    flight_recorder.add_listener(self)
+    flight_recorder.on_abort(self.write_part)
+    for sig in _SIGNALS:
+      try:
+        self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
+      except ValueError:  # not the main thread: no handlers, the abort path remains
+        break
+    atexit.register(self._at_exit)
+    self._recording = True
+    return self
+
+  def step_dispatched(self, number: int, name: str | None, at_ns: int, call: int) -> None:
+    """Decides whether step `number` is recorded (it is, when it ends, with its times)."""
+    del at_ns
+    if self.function is None:
+      record = self.in_window(number)
+    else:  # the window counts `function`'s steps; other steps while it is open
+      if name == self.function:
+        self._open = self.in_window(call)
+      record = self._open
+    if self._recording and record:
+      self._names[number] = name or ""
+
+  def step_done(self, number: int, start_ns: int, done_ns: int) -> None:
+    """From the watchdog's step monitor: the step ran from `start_ns` to `done_ns`."""
+    exchanges = self._take_exchanges()  # those that ended since the last step ended
+    name = self._names.pop(number, None)
+    if not self._recording or name is None:
+      return
+    with self._lock:
+      self._append(("step", number, name, start_ns, done_ns))
+      for record in exchanges:
+        self._append(record)
+
+  def _append(self, record: tuple) -> None:
+    if len(self.records) == self.records.maxlen:
+      self.dropped += 1
+    self.records.append(record)
+
+  def _take_exchanges(self) -> list[tuple]:
+    """Exchanges finished since the last call: the engine's rows, then the recorder's."""
+    out = []
+    devices = max(1, topology_lib.current().local_device_count)
+    processes = max(1, topology_lib.current().process_count)
+    for row in native.take_trace():
+      ordinal, call, kind, nbytes, first, last, wire, done = (int(v) for v in row)
+      kind_name = ("sum", "sum16", "gather")[kind]
+      if kind_name == "gather":  # the engine counts the gathered result
+        nbytes //= devices * processes
+      entry = flight_recorder.Entry(ordinal, call, kind_name, nbytes, "done", first)
+      out.append(("x", ordinal, call, kind_name, flight_recorder.label_of(entry), nbytes,
+                  first, last, wire, done, "native"))
+    for entry in flight_recorder.snapshot():
+      if entry.route in ("native", "host") or entry.state != "done":
+        continue
+      if entry.done_ns > self._seen_ns:
+        out.append(("x", entry.ordinal, entry.call, entry.kind, entry.label, entry.nbytes,
+                    entry.posted_ns, entry.posted_ns, entry.wire_ns or entry.posted_ns,
+                    entry.done_ns, entry.route))
+        self._seen_ns = max(self._seen_ns, entry.done_ns)
+    return out
+
+  def stop(self) -> None:
+    if not self._recording:
+      return
+    self._recording = False
+    flight_recorder.remove_listener(self)
+    native.enable_trace(self._native_was_on)
+
+  # -- writing ---------------------------------------------------------------
+
+  def part(self) -> dict[str, Any]:
+    """This rank's records, as `timeline_format.chrome_trace` takes them."""
+    with self._lock:
+      records = list(self.records)
+    return {"steps": [r for r in records if r[0] == "step"],
+            "exchanges": [r for r in records if r[0] == "x"],
+            "wall_minus_mono_ns": time.time_ns() - time.monotonic_ns(),
+            "host": socket.gethostname(), "dropped": self.dropped}
+
+  def close(self) -> str | None:
+    """Stops recording; gathers every rank's part to rank 0, which writes `path`.
+
+    Collective: every process calls it (a `with` block's end does). Returns
+    the path written on rank 0, else None.
+    """
+    if self._closed:
+      return None
+    self.stop()
+    parts = host.allgather_object(self.part(), "jdist.timeline (gathering the trace)")
+    self._closed = True
+    self._uninstall()
+    if self.rank != 0:
+      return None
+    timeline_format.write_atomically(
+        self.path, timeline_format.chrome_trace(dict(enumerate(parts))))
+    return self.path
+
+  def part_path(self) -> str:
+    return self.path if self.rank == 0 else f"{self.path}.rank{self.rank}.json"
+
+  def write_part(self) -> None:
+    """Writes this rank's own records (no collective): the abort and signal path."""
+    if self._closed:
+      return
+    self._closed = True
+    self.stop()
+    timeline_format.write_atomically(
+        self.part_path(), timeline_format.chrome_trace({self.rank: self.part()}, complete=False))
+
+  def _on_signal(self, signum, frame):
+    self.write_part()
+    previous = self._previous_handlers.get(signum)
+    self._uninstall()
+    if callable(previous):
+      previous(signum, frame)
+    elif previous == signal.SIG_DFL:
+      signal.raise_signal(signum)
+
+  def _at_exit(self) -> None:
+    if not self._closed:  # never closed (an exception left the with block on one rank)
+      self.write_part()
+
+  def _uninstall(self) -> None:
+    flight_recorder.remove_on_abort(self.write_part)
+    for sig, previous in self._previous_handlers.items():
+      try:
+        if signal.getsignal(sig) == self._on_signal:
+          signal.signal(sig, previous)
+      except (ValueError, TypeError):
+        pass
+    self._previous_handlers.clear()
+
+  def __enter__(self) -> "Timeline":
+    return self
+
+  def __exit__(self, kind, value, traceback) -> None:
+    if kind is None:
+      self.close()
+    else:
+      self.write_part()  # an exception may be on this rank only: no collective
+
+
+def timeline(path: str, steps: str | tuple[int | None, int | None] | None = None,
+             max_records: int = DEFAULT_MAX_RECORDS, function: str | None = None) -> Timeline:
+  """Starts recording a timeline of every rank into `path` (Chrome / Perfetto JSON).
+
+  Use it as a context manager around the training loop (every process
+  alike); its end writes the merged trace on rank 0:
+
+      with jdist.timeline("trace.json", steps="100:200"):
+        for batch in loader:
+          state = train_step(state, batch)
+
+  Open the file in https://ui.perfetto.dev or chrome://tracing, or run
+  `jdist timeline summarize trace.json`. See docs/timeline.md.
+
+  Args:
+    path: the file rank 0 writes.
+    steps: the window of steps to record: "A:B" or (A, B), steps A to B-1
+      counted from 1 as the watchdog counts dispatched steps; None: all.
+    max_records: records kept per rank (a ring: the newest are kept).
+    function: the name of the step function whose steps `steps` counts
+      (others are recorded while the window is open); None: every
+      `jdist.data_parallel` step counts.
+
+  Returns:
+    The started `Timeline` (`close()` it if not used in a `with` block).
+  """
+  window = parse_steps(steps) if isinstance(steps, str) or steps is None else tuple(steps)
+  return Timeline(path, window, max_records, function).start()
