@@ -62,6 +62,7 @@ from jdist.transforms.local_sgd import LocalSGDState
 from jdist.transforms.local_sgd import local_sgd
 from jdist.transforms.partial import PartialSyncState
 from jdist.transforms.partial import partial_sync
+from jdist.timeline_recorder import timeline
 
 __version__ = "0.1.0"
 
@@ -141,6 +142,7 @@ __all__ = (
     "skip_nonfinite",
     "sync_params",
     "threshold",
+    "timeline",
     "topk",
     "unreplicate",
     "wire_bytes",
