@@ -33,6 +33,7 @@ from jdist.runtime import topology as topology_lib
 
 DEFAULT_MAX_RECORDS = 20_000  # per rank: a few MB of JSON (docs/timeline.md)
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_DRAIN_S = 30.0  # longest wait at close() for the window's dispatched steps to be reported
 
 
 def parse_steps(text: str | None) -> tuple[int | None, int | None] | None:
@@ -180,6 +181,11 @@ class Timeline:
     """
     if self._closed:
       return None
+    # The steps dispatched in the window end on the devices; the watchdog's
+    # monitor reports them a moment later.
+    deadline = time.monotonic() + _DRAIN_S
+    while self._names and time.monotonic() < deadline:
+      time.sleep(0.005)
     self.stop()
     parts = host.allgather_object(self.part(), "jdist.timeline (gathering the trace)")
     self._closed = True

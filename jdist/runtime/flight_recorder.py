@@ -86,9 +86,11 @@ _state = _Recorder()
 
 
 def reset() -> None:
-  """Forgets everything (tests)."""
+  """Forgets every entry and listener (tests); the sources (the engine) stay."""
   global _state
+  sources = _state.sources
   _state = _Recorder()
+  _state.sources = sources
 
 
 def add_source(source: Callable[[], list[Entry]]) -> None:
