@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 import jdist
-from jdist import datasets
+from jdist.app import datasets
 
 
 class CNN(nn.Module):

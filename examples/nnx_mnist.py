@@ -24,7 +24,7 @@ from flax import nnx
 
 import jax
 import jdist
-from jdist import datasets
+from jdist.app import datasets
 
 
 class CNN(nnx.Module):

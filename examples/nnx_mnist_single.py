@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jdist import datasets
+from jdist.app import datasets
 
 
 class CNN(nnx.Module):

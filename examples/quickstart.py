@@ -1,7 +1,7 @@
 """jdist in 20 lines: `python examples/quickstart.py` or `mpirun -np 2 python examples/quickstart.py`."""
 import jax, numpy as np, optax
 import jdist
-from jdist import datasets, models
+from jdist.app import datasets, models
 
 topo = jdist.init()                          # MPI under mpirun, else one process
 jax.set_mesh(jdist.mesh())                   # jit steps span every local device

@@ -1,7 +1,7 @@
 """jdist in 20 lines, per-replica style (jdist.data_parallel): `python examples/quickstart_data_parallel.py`."""
 import jax, optax
 import jdist
-from jdist import datasets, models
+from jdist.app import datasets, models
 
 topo = jdist.init()                          # MPI under mpirun, else one process
 data = datasets.load_digits()                # bundled with scikit-learn: no download

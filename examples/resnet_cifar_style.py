@@ -26,8 +26,8 @@ import numpy as np
 import optax
 
 import jdist
-from jdist import datasets
-from jdist import models
+from jdist.app import datasets
+from jdist.app import models
 
 
 def augment(rng):

@@ -2,15 +2,19 @@
 
 The library a script imports lives here and in `jdist.runtime` (topology,
 MPI world, watchdog, host exchanges), `jdist.collectives` (reductions inside
-a step), `jdist.compression` and `jdist.transforms` (optax transformations).
-`jdist.app` is the `jdist train` application built on it (command line,
-settings, training loop, model zoo, datasets).
+a step), `jdist.compression` and `jdist.transforms` (optax transformations);
+`__all__` lists the library only. `jdist.app` is the `jdist train`
+application built on it (command line, settings, training loop, model zoo,
+datasets), imported as `jdist.app.<module>` and not re-exported here; its
+old names `jdist.TrainConfig`, `jdist.datasets` and `jdist.models` still
+resolve for one release, with a DeprecationWarning.
 
 Names whose modules pull in heavy dependencies (orbax, flax) are imported on
 first use, so `import jdist` and `jdist --help` stay light.
 """
 
 import importlib
+import warnings
 
 from jdist import consistency
 from jdist import data
@@ -70,14 +74,26 @@ __version__ = "0.1.0"
 _LAZY = {
     "CheckpointManager": ("jdist.checkpoint", "CheckpointManager"),
     "SyncBatchNorm": ("jdist.flax_nnx", "SyncBatchNorm"),
-    "TrainConfig": ("jdist.app.config", "TrainConfig"),
     "checkpoint": ("jdist.checkpoint", None),
+}
+# Names of the training application that `jdist` re-exported until 0.1: they
+# resolve, with a DeprecationWarning, for one more release.
+_MOVED = {
+    "TrainConfig": ("jdist.app.config", "TrainConfig"),
     "datasets": ("jdist.app.datasets", None),
     "models": ("jdist.app.models", None),
 }
 
 
 def __getattr__(name):
+  if name in _MOVED:
+    module_name, attribute = _MOVED[name]
+    new = module_name if attribute is None else f"{module_name}.{attribute}"
+    warnings.warn(f"jdist.{name} is part of the training application, not the library: "
+                  f"use {new} (jdist.{name} goes away in the next release).",
+                  DeprecationWarning, stacklevel=2)
+    module = importlib.import_module(module_name)
+    return module if attribute is None else getattr(module, attribute)
   if name not in _LAZY:
     raise AttributeError(f"module 'jdist' has no attribute {name!r}")
   module_name, attribute = _LAZY[name]
@@ -96,12 +112,12 @@ __all__ = (
     "MetricAccumulator",
     "ShardedLoader",
     "SkipNonFiniteState",
-    "TrainConfig",
     "DATA_AXIS",
     "DiLoCoState",
     "LocalSGDState",
     "PartialSyncState",
     "PowerSGDState",
+    "QSGDState",
     "ReplicaMismatch",
     "SparsifyState",
     "SyncBatchNorm",
@@ -117,7 +133,6 @@ __all__ = (
     "data",
     "data_parallel",
     "diloco",
-    "datasets",
     "dist_opt",
     "errors",
     "get_topology",
@@ -128,12 +143,12 @@ __all__ = (
     "mesh",
     "metric_sums",
     "metrics",
-    "models",
     "partial_sync",
     "pmean",
     "powersgd",
     "process_slice",
     "psum",
+    "qsgd",
     "replica_index",
     "replica_key",
     "replicate",

@@ -93,3 +93,31 @@ def test_dist_opt_rejects_bad_arguments():
     jdist.allreduce(bucket_bytes=0)
   with pytest.raises(ValueError, match="mean="):
     jdist.allreduce(mean="yes")
+
+
+def test_every_scheme_is_one_keyword_declared_once():
+  import inspect  # pylint: disable=import-outside-toplevel
+  from jdist.transforms import dist_opt as dist_opt_lib  # pylint: disable=import-outside-toplevel
+  keywords = set(inspect.signature(jdist.dist_opt).parameters) - {"inner"}
+  assert set(dist_opt_lib.SCHEMES) <= keywords
+  assert keywords - set(dist_opt_lib.SCHEMES) == set(dist_opt_lib.OPTIONS)
+  for name, scheme in dist_opt_lib.SCHEMES.items():
+    assert scheme.keyword == name and set(scheme.options) <= set(dist_opt_lib.OPTIONS)
+    assert set(scheme.combines_with) <= set(dist_opt_lib.SCHEMES), name
+  # The declarations decide: half combines with sparsify and diloco, and each says so.
+  assert dist_opt_lib.check_schemes({"sparsify": "topk:0.1", "half": True}, {})
+  with pytest.raises(ValueError, match="--partial averages .* cannot be combined with --half"):
+    dist_opt_lib.check_schemes({"partial": 2, "half": True}, {},
+                               spell=lambda name: "--" + name.replace("_", "-"))
+
+
+def test_wrapping_schemes_build_their_transformation():
+  params = {"w": jnp.ones((3, 2))}
+  state = jdist.dist_opt(optax.sgd(0.1), diloco=4, half=True).init(params)
+  assert isinstance(state, jdist.DiLoCoState)
+  state = jdist.dist_opt(optax.sgd(0.1), local_sgd=4, local_sgd_warmup=2).init(params)
+  assert isinstance(state, jdist.LocalSGDState)
+  with pytest.raises(ValueError, match="local_sgd_warmup=2 only applies with local_sgd="):
+    jdist.dist_opt(optax.sgd(0.1), local_sgd_warmup=2)
+  with pytest.raises(ValueError, match="mean=False only applies"):
+    jdist.dist_opt(optax.sgd(0.1), diloco=4, mean=False)

@@ -149,9 +149,48 @@ def test_import_and_help_do_not_load_orbax_or_flax(command):
 
 def test_lazy_public_names_resolve_and_are_listed():
   import jdist  # pylint: disable=g-import-not-at-top
-  for name in ("CheckpointManager", "SyncBatchNorm", "TrainConfig", "checkpoint", "datasets",
-               "models"):
+  for name in ("CheckpointManager", "SyncBatchNorm", "checkpoint"):
     assert name in jdist.__all__ and name in dir(jdist)
     assert getattr(jdist, name) is not None
   with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
     jdist.not_a_name  # pylint: disable=pointless-statement
+
+
+def test_all_lists_the_library_only():
+  import jdist  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  from_app = []
+  for name in jdist.__all__:
+    value = getattr(jdist, name)
+    module = value.__name__ if isinstance(value, types.ModuleType) else getattr(
+        value, "__module__", "") or ""
+    if module == "jdist.app" or module.startswith("jdist.app."):
+      from_app.append(name)
+  assert not from_app, f"application names in jdist.__all__: {from_app}"
+  assert len(set(jdist.__all__)) == len(jdist.__all__)
+
+
+@pytest.mark.parametrize("name, new", [("TrainConfig", "jdist.app.config.TrainConfig"),
+                                       ("datasets", "jdist.app.datasets"),
+                                       ("models", "jdist.app.models")])
+def test_moved_application_names_still_resolve_with_a_deprecation_warning(name, new):
+  import importlib  # pylint: disable=g-import-not-at-top
+  import jdist  # pylint: disable=g-import-not-at-top
+  assert name not in jdist.__all__
+  with pytest.warns(DeprecationWarning, match=f"use {new}"):
+    value = getattr(jdist, name)
+  module, _, attribute = new.rpartition(".") if name == "TrainConfig" else (new, "", "")
+  expected = importlib.import_module(module)
+  assert value is (getattr(expected, attribute) if attribute else expected)
+
+
+def test_the_library_core_imports_no_application_dependency():
+  """scikit-learn and tqdm are the `app` extra's: `import jdist` must not need them."""
+  probe = ("import sys\nimport jdist\n"
+           "print('APP', sorted(m for m in sys.modules if m.split('.')[0] in "
+           "('sklearn', 'tqdm') or m.startswith('jdist.app')))\n")
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env=env, check=True)
+  assert "APP []" in result.stdout, result.stdout[-2000:]

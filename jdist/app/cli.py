@@ -199,7 +199,12 @@ def train_main(argv=None, prog: str = "jdist train") -> int:
   """`jdist train`: parse, validate, train; returns the exit status."""
   config, debug = parse_train_args(sys.argv[1:] if argv is None else argv, prog)
   # Imported here: the trainer loads the models (Flax), which `--help` need not.
-  from jdist.app import train as train_lib  # pylint: disable=g-import-not-at-top
+  try:
+    from jdist.app import train as train_lib  # pylint: disable=g-import-not-at-top
+  except ModuleNotFoundError as err:  # tqdm, scikit-learn: the `app` extra
+    sys.stderr.write(f"{prog}: error: {err}: install the training application's "
+                     f"dependencies with pip install 'jdist[app]'.\n")
+    return EXIT_FAILURE
   try:
     train_lib.train(config)
   except KeyboardInterrupt:
