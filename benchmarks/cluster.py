@@ -44,6 +44,7 @@ from benchmarks import netns
 PREFIX = "jdc"  # interface and namespace names: jdc<pid>n<i>, jdc<pid>v<i>, jdc<pid>br
 NODE_NAMES = "ABCDEFGHIJKLMNOP"
 _SUBNETS = range(90, 250)
+NETNS_ETC = "/etc/netns"  # per-namespace files `ip netns exec` mounts over /etc
 
 # Open MPI 5 (PRRTE) over the rig: TCP between nodes on the rig's subnet,
 # shared memory within a node. The keepalive settings make PRRTE notice a
@@ -172,7 +173,27 @@ class Cluster:
       _run(inside + ["ip", "link", "set", node.inner_veth, "up"])
       if self.rate_mbit is not None:
         self.shape(index, self.rate_mbit)
+    self._write_hosts()
     self._write_agent()
+
+  def _write_hosts(self) -> None:
+    """Lets every node resolve every node's name, as a cluster's DNS or /etc/hosts does.
+
+    `ip netns exec NS` bind-mounts /etc/netns/NS/hosts over /etc/hosts for
+    what it runs. Without it, names like nodeA resolve nowhere, and gloo
+    (JAX's CPU collectives) fails to start its TCP device.
+    """
+    try:
+      with open("/etc/hosts", encoding="utf-8") as handle:
+        base = handle.read()
+    except OSError:
+      base = "127.0.0.1 localhost\n"
+    table = "".join(f"{node.address} {node.hostname}\n" for node in self.nodes)
+    for node in self.nodes:
+      directory = os.path.join(NETNS_ETC, node.namespace)
+      os.makedirs(directory, exist_ok=True)
+      with open(os.path.join(directory, "hosts"), "w", encoding="utf-8") as handle:
+        handle.write(base.rstrip("\n") + "\n# jdist cluster rig\n" + table)
 
   def shape(self, index: int, rate_mbit: float) -> None:
     """Limits node `index`'s link to `rate_mbit` in each direction (both veth ends)."""
@@ -186,6 +207,7 @@ class Cluster:
     """Kills what runs on the nodes; deletes namespaces, veths, bridge and files."""
     for node in self.nodes:
       netns.delete(node.namespace)  # its inner veth goes with it, and so the pair
+      shutil.rmtree(os.path.join(NETNS_ETC, node.namespace), ignore_errors=True)
       _run(["ip", "link", "delete", node.outer_veth], check=False)
     _run(["ip", "link", "delete", self.bridge], check=False)
     self.nodes = []
@@ -301,6 +323,7 @@ def remove_stale() -> list[str]:
     match = re.fullmatch(PREFIX + r"(\d+)n\d+", name)
     if match and not any(str(pid).endswith(match.group(1)) for pid in _live_pids(match.group(1))):
       netns.delete(name)
+      shutil.rmtree(os.path.join(NETNS_ETC, name), ignore_errors=True)
       removed.append(name)
   links = _run(["ip", "-o", "link", "show"], check=False).stdout
   for name in re.findall(r"\d+: (" + PREFIX + r"(\d+)(?:br|v\d+))[@:]", links):

@@ -62,6 +62,16 @@ def test_a_lost_daemon_reported_with_status_0_is_a_failure_naming_host_and_ranks
   assert err.rstrip().endswith("jdist launch: the job failed: lost host nodeB (ranks 2, 3).")
 
 
+def test_a_daemon_that_died_with_its_node_is_a_lost_host():
+  message = ("A daemon failed to report back after being spawned.\n\n"
+             "  Local host:    vm\n  Remote host:   nodeB\n  Daemon exit status: 0\n")
+  code = f"import sys; sys.stderr.write({message!r}); sys.exit(0)"
+  status, _, _, err = _supervise(code)
+  assert status == launch.EXIT_FAILURE
+  assert "the job failed: lost host nodeB." in err
+  assert launch.JobState().read("  Remote host:   nodeB\n")  # no failure seen: not lost
+
+
 def test_an_mpirun_that_hangs_after_an_abort_is_stopped_after_the_grace():
   report = ("jdist watchdog: rank 0 waited 25.2 s\n"
             "ranks 2, 3 on host nodeB stopped answering (the node is down or unreachable).\n"

@@ -45,8 +45,12 @@ DEFAULT_ABORT_GRACE_S = 10.0
 KILL_GRACE_S = 5.0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
-_LOST_DAEMON = "PRTE has lost communication with a remote daemon"
-_REMOTE_NODE = re.compile(r"Remote daemon:.* on node (\S+)")
+# PRRTE's words for a node whose daemon is gone: a lost link or host ("lost
+# communication"), or a daemon killed with its node ("failed to report back");
+# both were seen on the rig, with exit status 0.
+_LOST_DAEMON = ("PRTE has lost communication with a remote daemon",
+                "A daemon failed to report back")
+_REMOTE_NODE = re.compile(r"Remote daemon:.* on node (\S+)|Remote host:\s+(\S+)")
 _SILENT = re.compile(r"ranks? ([\d, ]+) on host (\S+) stopped answering")
 
 
@@ -68,11 +72,12 @@ class JobState:
       return False
     if line.startswith(abort.ABORT_MARKER) and self.aborted_at is None:
       self.aborted_at = time.monotonic()
-    if _LOST_DAEMON in line:
+    if any(words in line for words in _LOST_DAEMON):
       self._after_lost_daemon = True
     match = _REMOTE_NODE.search(line)
-    if match and self._after_lost_daemon and match.group(1) not in self.lost_hosts:
-      self.lost_hosts.append(match.group(1))
+    host = match and (match.group(1) or match.group(2))
+    if host and self._after_lost_daemon and host not in self.lost_hosts:
+      self.lost_hosts.append(host)
     for ranks, host in _SILENT.findall(line):
       self.silent.setdefault(host, sorted({int(r) for r in ranks.split(",")}))
     return True

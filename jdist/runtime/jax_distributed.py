@@ -74,40 +74,61 @@ def _timeout() -> int:
   return seconds
 
 
-def _host_address(all_on_one_node: bool) -> str:
-  """An address of this host that the other ranks can reach."""
+def _interface_addresses() -> list[str]:
+  """This host's IPv4 addresses, one per interface that has one, loopback left out."""
+  import fcntl  # pylint: disable=g-import-not-at-top
+  import struct  # pylint: disable=g-import-not-at-top
+  found = []
+  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+    for _, name in socket.if_nameindex():
+      try:  # SIOCGIFADDR: the interface's IPv4 address
+        packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+      except OSError:
+        continue  # no IPv4 address on it
+      address = socket.inet_ntoa(packed[20:24])
+      if not address.startswith("127.") and address not in found:
+        found.append(address)
+  return found
+
+
+def _host_candidates(all_on_one_node: bool) -> list[str]:
+  """Addresses of this host the other ranks may reach it by, most likely first.
+
+  The host name's address when it resolves to one that is not loopback, then
+  every interface's address, then the name itself. Names alone fail where
+  nodes do not resolve each other's names (measured on the namespace rig:
+  JAX's client aborted rank 0 with an unresolvable 'nodeA').
+  """
   if all_on_one_node:
-    return "127.0.0.1"
+    return ["127.0.0.1"]
   name = socket.gethostname()
+  candidates = []
   try:
-    ip = socket.gethostbyname(name)
-  except OSError:
-    ip = None
-  if ip and not ip.startswith("127."):
-    return ip
-  try:  # the address of the interface a route leaves by (no packet is sent)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-      probe.connect(("10.255.255.255", 1))
-      ip = probe.getsockname()[0]
-    if not ip.startswith("127."):
-      return ip
+    resolved = socket.gethostbyname(name)
+    if not resolved.startswith("127."):
+      candidates.append(resolved)
   except OSError:
     pass
-  return name
+  try:
+    candidates += [a for a in _interface_addresses() if a not in candidates]
+  except OSError:
+    pass
+  return candidates + [name]
 
 
-def coordinator_address(world) -> str:
-  """Rank 0's `host:port` for JAX's coordinator, agreed over MPI by every rank.
+def coordinator_candidates(world) -> list[str]:
+  """Rank 0's possible `host:port`s for JAX's coordinator, agreed by every rank over MPI.
 
-  `JAX_COORDINATOR_ADDRESS`, where set, is used as JAX would use it.
+  `JAX_COORDINATOR_ADDRESS`, where set, is the only one, as JAX would use it.
   """
   address = os.environ.get(ADDRESS_ENV)
+  candidates = [address] if address else None
   if address is None and world.rank == 0:
     with socket.socket() as probe:  # a port free now; the coordinator binds it next
       probe.bind(("", 0))
       port = probe.getsockname()[1]
-    address = f"{_host_address(world.local_size == world.size)}:{port}"
-  return world.allgather_object(address, "jax.distributed coordinator")[0]
+    candidates = [f"{host}:{port}" for host in _host_candidates(world.local_size == world.size)]
+  return world.allgather_object(candidates, "jax.distributed coordinator")[0]
 
 
 def _advice() -> str:
@@ -121,61 +142,68 @@ def _first_line(err: BaseException) -> str:
   return f"{type(err).__name__}: {text[0][:300] if text else ''}"
 
 
-def _listening(address: str, limit: float) -> bool:
-  """Whether something accepts TCP connections at `address` within `limit` s."""
-  host, port = address.rsplit(":", 1)
+def _listening(candidates: list[str], limit: float) -> str | None:
+  """The first of `candidates` that accepts TCP connections within `limit` s, or None."""
   deadline = time.monotonic() + limit
   while time.monotonic() < deadline:
-    try:
-      with socket.create_connection((host.strip("[]"), int(port)), timeout=1):
-        return True
-    except OSError:
-      time.sleep(0.005)
-  return False
+    for address in candidates:
+      host, port = address.rsplit(":", 1)
+      try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=1):
+          return address
+      except OSError:
+        continue
+    time.sleep(0.005)
+  return None
 
 
-def _initialize(world, address: str, timeout: int) -> None:
+def _initialize(world, candidates: list[str], timeout: int) -> None:
   """`jax.distributed.initialize`, the other ranks connecting once rank 0's service listens.
 
   A client that connects before the coordinator's service is up retries
   after gRPC's backoff (1 s, then 1.6 s, ...): measured, jdist.init() then
   took 1.0-2.0 s longer in 2 x 1 and 2 x 2 in about half the runs. Rank 0
   starts the service in a thread, sees it accept connections, then lets
-  the others connect (its own initialize returns once everyone has).
+  the others connect (its own initialize returns once everyone has). The
+  service listens on every interface, so each rank connects by the first
+  of rank 0's addresses that it reaches.
   """
-  def initialize():
+  def initialize(address):
     jax.distributed.initialize(coordinator_address=address, num_processes=world.size,
                                process_id=world.rank, cluster_detection_method="deactivate",
                                initialization_timeout=timeout)
 
   failure: list[BaseException] = []
 
-  def run():
+  def run(address):
     try:
-      initialize()
+      initialize(address)
     except BaseException as err:  # pylint: disable=broad-except
       failure.append(err)
 
   starter = None
   if world.rank == 0:
-    starter = threading.Thread(target=run, name="jdist-jax-coordinator", daemon=True)
+    # Its own service, on its own host: loopback always reaches it.
+    own = (candidates[0] if os.environ.get(ADDRESS_ENV)
+           else "127.0.0.1:" + candidates[0].rsplit(":", 1)[1])
+    starter = threading.Thread(target=run, args=(own,), name="jdist-jax-coordinator",
+                               daemon=True)
     starter.start()
-    # Its own service, on its own host: quick, and well before its client gives up.
-    reached = _listening(address, min(timeout / 2, 10))
+    reached = _listening([own], min(timeout / 2, 10))
     world.barrier("jax.distributed coordinator started")
   else:
     world.barrier("jax.distributed coordinator started")
-    reached = _listening(address, timeout)
+    reached = _listening(candidates, timeout)
   # JAX's client ends the process (SIGABRT, its own log line) when it cannot
   # register with the coordinator, so every rank checks the address first.
-  verdicts = world.allgather_object(reached, "jax.distributed coordinator reached")
+  verdicts = world.allgather_object(reached is not None, "jax.distributed coordinator reached")
   missing = [rank for rank, ok in enumerate(verdicts) if not ok]
   if missing:
     raise errors.CoordinatorError(
         f"rank(s) {', '.join(map(str, missing))} could not connect to JAX's coordinator at "
-        f"{address} (started by rank 0) within {timeout} s. {_advice()}")
+        f"{' or '.join(candidates)} (started by rank 0) within {timeout} s. {_advice()}")
   if starter is None:
-    initialize()
+    initialize(reached)
     return
   starter.join()
   if failure:
@@ -206,16 +234,16 @@ def start(world) -> None:
         f"if each rank were alone). Fix: call jdist.init() before any other JAX call (right "
         f"after the imports), or run without JAX's process identity: "
         f"jdist.init(jax_distributed=False) or {ENV}=0 in the environment.")
-  address = coordinator_address(world)
+  candidates = coordinator_candidates(world)
   timeout = _timeout()
   try:
-    _initialize(world, address, timeout)
+    _initialize(world, candidates, timeout)
   except errors.CoordinatorError:
     raise
   except Exception as err:  # pylint: disable=broad-except
     raise errors.CoordinatorError(
         f"rank {world.rank}: JAX's distributed runtime did not start with its coordinator at "
-        f"{address} ({_first_line(err)}). {_advice()}") from err
+        f"{' or '.join(candidates)} ({_first_line(err)}). {_advice()}") from err
   _started_s = time.perf_counter() - began
 
 

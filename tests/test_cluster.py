@@ -1,0 +1,134 @@
+"""Across nodes: a two-node rig of network namespaces (`benchmarks.cluster`).
+
+Every job here crosses a (virtual) machine boundary: two hostnames, a link
+per node, shared memory within a node and TCP between nodes. The tests build
+the rig themselves as root; without root or iproute2 they skip with the
+reason (under CI they fail instead: CI runs as root and must run them).
+They launch their own mpirun jobs, so they run only in the plain session
+(their names hold "subprocess" or start with "test_fault").
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from benchmarks import cluster
+from tests import launch
+
+PROCESSES_PER_NODE = 2
+TRAIN = ["--model", "cnn", "--dataset", "digits", "--epochs", "2", "--batch-size", "8",
+         "--train-limit", "256", "--test-limit", "64", "--no-progress", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def rig_ready():
+  missing = cluster.missing_requirements()
+  if missing:
+    reason = "the multi-node rig cannot be built here: " + "; ".join(missing)
+    if os.environ.get("CI"):
+      pytest.fail(reason + " (CI runs as root and must run these tests)")
+    pytest.skip(reason)
+
+
+def _jdist() -> str:
+  return os.path.join(os.path.dirname(sys.executable), "jdist")
+
+
+def _run_on_rig(rig, command, *, timeout=240, extra=()):
+  env = launch.clean_env(1)
+  process = rig.popen(command, PROCESSES_PER_NODE, mpirun=launch.mpirun_binary(),
+                      extra=list(extra), env=env, stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE, text=True, cwd=launch.REPO)
+  try:
+    stdout, stderr = process.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    process.kill()
+    raise
+  return process.returncode, stdout, stderr
+
+
+def _losses(path):
+  with open(path) as log:
+    records = [json.loads(line) for line in log]
+  return np.array([r["train_loss"] for r in records if r["event"] == "epoch"])
+
+
+def test_rig_subprocess_topology_reports_nodes_and_local_ranks(rig_ready):
+  script = ("import json, jdist; t = jdist.init(); print(json.dumps(dict(rank=t.process_index, "
+            "node=t.node_index, nodes=t.node_count, host=t.hostname, local=t.local_rank, "
+            "local_count=t.local_process_count)), flush=True)")
+  with cluster.Cluster(nodes=2) as rig:
+    code, stdout, stderr = _run_on_rig(rig, [sys.executable, "-c", script])
+  assert code == 0, stderr[-3000:]
+  rows = sorted((json.loads(line) for line in stdout.splitlines() if line.startswith("{")),
+                key=lambda row: row["rank"])
+  assert [row["rank"] for row in rows] == [0, 1, 2, 3]
+  assert [row["host"] for row in rows] == ["nodeA", "nodeA", "nodeB", "nodeB"]
+  assert [row["node"] for row in rows] == [0, 0, 1, 1]
+  assert {row["nodes"] for row in rows} == {2}
+  assert [row["local"] for row in rows] == [0, 1, 0, 1]
+  assert {row["local_count"] for row in rows} == {2}
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_rig_subprocess_train_across_nodes_matches_one_process(rig_ready, tmp_path, devices):
+  """2 nodes x 2 processes x `devices` trains like one process on every replica."""
+  replicas = 2 * PROCESSES_PER_NODE * devices
+  reference = launch.run_own_session(
+      [_jdist(), "train", *TRAIN, "--cpu-devices", str(replicas),
+       "--log-file", str(tmp_path / "one.jsonl")], launch.clean_env(1), timeout=240)
+  assert reference.returncode == 0, reference.stderr[-3000:]
+  with cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
+    code, stdout, stderr = _run_on_rig(
+        rig, [_jdist(), "train", *TRAIN, "--cpu-devices", str(devices),
+              "--log-file", str(tmp_path / "rig.jsonl")])
+  assert code == 0, stderr[-3000:]
+  assert "on 2 nodes" in stdout
+  one, rig_losses = _losses(tmp_path / "one.jsonl"), _losses(tmp_path / "rig.jsonl")
+  assert len(one) == len(rig_losses) == 2
+  # The same math; only the order of float32 sums differs across processes.
+  np.testing.assert_allclose(rig_losses, one, rtol=2e-5)
+
+
+@pytest.mark.parametrize("fault", ["link_down", "kill_node", "partition"])
+def test_fault_lost_node_ends_the_job_and_names_the_host(rig_ready, fault):
+  """Under `jdist launch` every process is gone within timeout + 15 s of the fault."""
+  timeout_s = 10
+  with cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
+    argv = [_jdist(), "launch", "--hostfile", rig.hostfile(PROCESSES_PER_NODE), "-np", "4",
+            "--mpirun", launch.mpirun_binary(), "--mpirun-args", "--map-by slot", "--",
+            _jdist(), "train", "--epochs", "1000", "--batch-size", "8", "--no-progress",
+            "--timeout", str(timeout_s)]
+    env = dict(launch.clean_env(1), **rig.mpi_env())
+    for name in cluster.KEEPALIVE_ENV:
+      env.pop(name)  # jdist launch sets its own
+    job = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, cwd=launch.REPO, start_new_session=True)
+    try:
+      lines = []
+      for line in job.stdout:  # train until the first epoch is done on every rank
+        lines.append(line)
+        if line.startswith("epoch 1/"):
+          break
+      assert any(line.startswith("epoch 1/") for line in lines), "".join(lines)[-3000:]
+      time.sleep(1)
+      getattr(rig, fault)(1) if fault != "partition" else rig.partition()
+      faulted = time.monotonic()
+      rest, _ = job.communicate(timeout=timeout_s + 60)
+      elapsed = time.monotonic() - faulted
+      leftover = rig.namespace_pids()
+    finally:
+      if job.poll() is None:
+        os.killpg(job.pid, 9)
+  output = "".join(lines) + rest
+  assert job.returncode not in (0, None), output[-3000:]
+  assert elapsed <= timeout_s + 15, (elapsed, output[-3000:])
+  assert "jdist launch: the job failed: lost host" in output, output[-3000:]
+  lost = "nodeB (ranks 2, 3)" if fault != "partition" else "(ranks "
+  assert lost in output, output[-3000:]
+  assert not leftover, leftover
