@@ -33,6 +33,7 @@ from jdist.runtime import topology as topology_lib
 
 DEFAULT_MAX_RECORDS = 20_000  # per rank: a few MB of JSON (docs/timeline.md)
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_ROWS_PER_TAKE = 512
 _DRAIN_S = 30.0  # longest wait at close() for the window's dispatched steps to be reported
 
 
@@ -137,7 +138,13 @@ class Timeline:
     out = []
     devices = max(1, topology_lib.current().local_device_count)
     processes = max(1, topology_lib.current().process_count)
-    for row in native.take_trace():
+    rows = []
+    while True:  # a small buffer each time: this runs every step
+      more = native.take_trace(_ROWS_PER_TAKE)
+      rows.extend(more)
+      if len(more) < _ROWS_PER_TAKE:
+        break
+    for row in rows:
       ordinal, call, kind, nbytes, first, last, wire, done = (int(v) for v in row)
       kind_name = ("sum", "sum16", "gather")[kind]
       if kind_name == "gather":  # the engine counts the gathered result
@@ -145,13 +152,12 @@ class Timeline:
       entry = flight_recorder.Entry(ordinal, call, kind_name, nbytes, "done", first)
       out.append(("x", ordinal, call, kind_name, flight_recorder.label_of(entry), nbytes,
                   first, last, wire, done, "native"))
-    for entry in flight_recorder.snapshot():
-      if entry.route in ("native", "host") or entry.state != "done":
-        continue
-      if entry.done_ns > self._seen_ns:
-        out.append(("x", entry.ordinal, entry.call, entry.kind, entry.label, entry.nbytes,
-                    entry.posted_ns, entry.posted_ns, entry.wire_ns or entry.posted_ns,
-                    entry.done_ns, entry.route))
+    seen = self._seen_ns
+    for entry in flight_recorder.python_entries():
+      if entry.route != "host" and entry.state == "done" and entry.done_ns > seen:
+        out.append(("x", entry.ordinal, entry.call, entry.kind, flight_recorder.label_of(entry),
+                    entry.nbytes, entry.posted_ns, entry.posted_ns,
+                    entry.wire_ns or entry.posted_ns, entry.done_ns, entry.route))
         self._seen_ns = max(self._seen_ns, entry.done_ns)
     return out
 

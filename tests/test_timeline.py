@@ -7,8 +7,13 @@ route would. Under mpirun (scripts/test.sh: 2x1 and 2x2) a real
 in rank 0's file.
 """
 
+import contextlib
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +25,7 @@ from jdist import timeline_recorder
 from jdist.app import timeline_cli
 from jdist.runtime import flight_recorder
 from jdist.runtime import host
+from tests import launch
 
 MS = 1_000_000  # ns
 
@@ -161,3 +167,64 @@ def test_every_rank_and_exchange_of_a_real_step_is_in_the_file(tmp_path):
       assert all(e["args"]["bytes"] == 4096 and e["args"]["ordinal"] == 0 for e in exchanges)
     else:
       assert not exchanges  # one process: nothing crosses processes
+
+
+# --- whole jobs (plain pytest only: each launches mpirun) -----------------------
+
+def _launch_job(tmp_path, *flags, devices=1):
+  """Starts tests/jobs/timeline_job.py under mpirun (2 processes); its stderr goes to a file."""
+  env = launch.clean_env(devices)
+  stderr = open(tmp_path / "stderr.txt", "w", encoding="utf-8")  # pylint: disable=consider-using-with
+  argv = launch.mpirun_argv([sys.executable, "tests/jobs/timeline_job.py",
+                             str(tmp_path / "t.json"), *flags])
+  process = subprocess.Popen(argv, env=env, cwd=launch.REPO, stdout=subprocess.DEVNULL,
+                             stderr=stderr, start_new_session=True)
+  return process, tmp_path / "stderr.txt"
+
+
+def _end(process, limit):
+  try:
+    return process.wait(timeout=limit)
+  finally:
+    if process.poll() is None:  # hung: end every process of the job
+      for pid in launch._session_members(process.pid):  # pylint: disable=protected-access
+        with contextlib.suppress(ProcessLookupError):
+          os.kill(pid, signal.SIGKILL)
+
+
+def _parts(tmp_path):
+  """Each part file's ranks and steps; every file must load as JSON."""
+  found = {}
+  for name in sorted(os.listdir(tmp_path)):
+    if name.startswith("t.json"):
+      assert not name.endswith(".tmp"), name  # written through a rename: no leftover
+      with open(tmp_path / name, encoding="utf-8") as stream:
+        parts = json.load(stream)["otherData"]["parts"]
+      found[name] = {int(rank): len(part["steps"]) for rank, part in parts.items()}
+  return found
+
+
+def _only_from_plain_pytest():
+  if jdist.get_topology().process_count > 1:
+    pytest.skip("whole jobs are launched from plain pytest only")
+
+
+def test_a_watchdog_abort_leaves_every_ranks_part(tmp_path):
+  _only_from_plain_pytest()
+  process, _ = _launch_job(tmp_path, "--stall", "4", "--timeout", "5", devices=2)
+  assert _end(process, 200) != 0
+  found = _parts(tmp_path)
+  # Rank 0 waited in step 4 (3 recorded); rank 1, stalled, had finished 3 steps.
+  assert found == {"t.json": {0: 3}, "t.json.rank1.json": {1: 3}}, found
+
+
+def test_sigint_mid_run_leaves_valid_json(tmp_path):
+  _only_from_plain_pytest()
+  process, stderr = _launch_job(tmp_path, "--steps", "400", "--slow", "0.05")
+  deadline = time.monotonic() + 150
+  while "step 5 " not in stderr.read_text() and time.monotonic() < deadline:
+    time.sleep(0.2)
+  os.kill(process.pid, signal.SIGINT)  # as Ctrl-C on mpirun
+  assert _end(process, 60) != 0
+  found = _parts(tmp_path)
+  assert "t.json" in found and found["t.json"][0] >= 3, found

@@ -244,6 +244,12 @@ def run_abort_hooks() -> None:
       sys.stderr.write(f"jdist: while aborting: {type(err).__name__}: {err}\n")
 
 
+def python_entries() -> list[Entry]:
+  """The entries recorded in Python (callback, mpi4jax, host), unlabelled: cheap."""
+  with _state.lock:
+    return list(_state.ring)
+
+
 def snapshot(limit: int = SLOTS) -> list[Entry]:
   """The newest `limit` exchanges of every source, oldest first, labelled."""
   entries: list[Entry] = []
