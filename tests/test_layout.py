@@ -140,11 +140,16 @@ def test_import_and_help_do_not_load_orbax_or_flax(command):
   probe = (f"import sys\ntry:\n  {command}\nexcept SystemExit:\n  pass\n"
            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('orbax', 'flax'))\n"
            "print('HEAVY', heavy)\n")
+  output = _run_probe(probe)
+  assert "HEAVY []" in output, output[-2000:]
+
+
+def _run_probe(probe: str) -> str:
+  """The stdout of a fresh Python running `probe` in the repository (no fake devices)."""
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
-  result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT, env=env, check=True)
-  assert "HEAVY []" in result.stdout, result.stdout[-2000:]
+  return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                        timeout=120, cwd=ROOT, env=env, check=True).stdout
 
 
 def test_lazy_public_names_resolve_and_are_listed():
@@ -189,8 +194,5 @@ def test_the_library_core_imports_no_application_dependency():
   probe = ("import sys\nimport jdist\n"
            "print('APP', sorted(m for m in sys.modules if m.split('.')[0] in "
            "('sklearn', 'tqdm') or m.startswith('jdist.app')))\n")
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT, env=env, check=True)
-  assert "APP []" in result.stdout, result.stdout[-2000:]
+  output = _run_probe(probe)
+  assert "APP []" in output, output[-2000:]
