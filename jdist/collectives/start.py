@@ -16,7 +16,6 @@ import dataclasses
 from jdist.collectives import routes
 from jdist.runtime import jax_distributed as jax_distributed_lib
 from jdist.runtime import topology as topology_lib
-from jdist.runtime import world
 
 _route: routes.Route | None = None  # the started route, set once by init()
 
@@ -65,10 +64,8 @@ def init(*, timeout: float | None = None, backend: str | None = None,
     jdist.errors.CoordinatorError: JAX's coordinator was not reached.
     ValueError: an unknown backend, a bad timeout, or a bad `JDIST_ROUTE`.
   """
-  if not topology_lib.is_initialized():
-    # Backend "jax" starts JAX's runtime itself (topology.init_world).
-    world.want_jax_distributed(backend != "jax" and jax_distributed_lib.wanted(jax_distributed))
   return topology_lib.init_world(timeout=timeout, backend=backend, bind_gpu=bind_gpu,
+                                 jax_distributed=jax_distributed_lib.wanted(jax_distributed),
                                  finish=_start_route)
 
 

@@ -186,25 +186,6 @@ def nodes_of(hosts: list[str]) -> list[int]:
   return [order.setdefault(host, len(order)) for host in hosts]
 
 
-def _start_jax_distributed(mpi_world) -> None:
-  """Starts JAX's multi-process runtime, agreeing on a coordinator over MPI.
-
-  `jax.distributed.initialize()` does not detect Open MPI 5's launcher, so
-  rank 0 picks a free port and tells the others.
-  """
-  address = None
-  if mpi_world.rank == 0:
-    with socket.socket() as probe:
-      probe.bind(("", 0))
-      port = probe.getsockname()[1]
-    address = f"{socket.gethostname()}:{port}"
-  address = mpi_world.allgather_object(address, "jax.distributed coordinator")[0]
-  # CPU devices need a cross-process collectives library (GPUs use NCCL).
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=address, num_processes=mpi_world.size,
-                             process_id=mpi_world.rank)
-
-
 def _bind_local_gpu(local_rank: int) -> None:
   """Makes this process see only GPU `local_rank` (one GPU per process)."""
   # Must happen before JAX creates its backends; later it cannot take effect.
@@ -212,18 +193,21 @@ def _bind_local_gpu(local_rank: int) -> None:
     jax.config.update("jax_cuda_visible_devices", str(local_rank))
 
 
-def _single_process(timeout: float, bind_gpu: bool | None) -> Topology:
-  del bind_gpu  # one process drives every visible device
+def _single_process(timeout: float, bind_gpu: bool | None,
+                    jax_distributed: bool = False) -> Topology:
+  del bind_gpu, jax_distributed  # one process drives every visible device
   return Topology(0, 1, jax.local_device_count(), backend="none", timeout=timeout)
 
 
 def _mpi_processes(backend: str):
   """The starter of a job of several processes launched by MPI, for `backend`."""
 
-  def start(timeout: float, bind_gpu: bool | None) -> Topology:
+  def start(timeout: float, bind_gpu: bool | None, jax_distributed: bool) -> Topology:
     xla_cpu.reserve_host_threads()
-    # Raises MissingMPIError if mpi4py is absent.
-    mpi_world = world.start(timeout, resolve_init_timeout(timeout), launcher_rank())
+    # Raises MissingMPIError if mpi4py is absent. Backend "jax" runs its
+    # collectives on JAX's runtime, so it always starts it.
+    mpi_world = world.start(timeout, resolve_init_timeout(timeout), launcher_rank(),
+                            jax_distributed_runtime=jax_distributed or backend == "jax")
     local_rank = _launcher_local_rank()
     if local_rank is None:
       local_rank = mpi_world.local_rank
@@ -231,8 +215,6 @@ def _mpi_processes(backend: str):
       bind_gpu = mpi_world.local_size > 1
     if bind_gpu:
       _bind_local_gpu(local_rank)
-    if backend == "jax":
-      _start_jax_distributed(mpi_world)
     hosts = mpi_world.allgather_object(socket.gethostname(), "jdist.init: host names")
     nodes = nodes_of(hosts)
     topology = Topology(
@@ -256,13 +238,13 @@ def _mpi_processes(backend: str):
   return start
 
 
-# backend -> its starter: (timeout, bind_gpu) -> Topology.
+# backend -> its starter: (timeout, bind_gpu, jax_distributed) -> Topology.
 _BACKENDS = {"mpi": _mpi_processes("mpi"), "jax": _mpi_processes("jax"),
              "none": _single_process}
 
 
 def init_world(*, timeout: float | None = None, backend: str | None = None,
-               bind_gpu: bool | None = None,
+               bind_gpu: bool | None = None, jax_distributed: bool = True,
                finish: Callable[[Topology], Topology] | None = None) -> Topology:
   """Discovers and starts the processes' world; returns this process's `Topology`.
 
@@ -275,6 +257,8 @@ def init_world(*, timeout: float | None = None, backend: str | None = None,
     timeout: see `jdist.init`.
     backend: see `jdist.init`.
     bind_gpu: see `jdist.init`.
+    jax_distributed: under mpirun, also start JAX's distributed runtime
+      (see `jdist.init`); backend "jax" always does.
     finish: called once, under the initialization lock, with the new
       topology; what it returns is published (e.g. with its `route` named).
 
@@ -309,7 +293,7 @@ def init_world(*, timeout: float | None = None, backend: str | None = None,
           "backend='none' but this process was started by mpirun with several "
           "processes; use backend='mpi' (the default) or 'jax'.")
     xla_cpu.avoid_slow_concatenation()
-    topology = _BACKENDS[backend](resolved_timeout, bind_gpu)
+    topology = _BACKENDS[backend](resolved_timeout, bind_gpu, jax_distributed)
     if finish is not None:
       topology = finish(topology)
     _topology = topology

@@ -281,27 +281,19 @@ class MpiWorld:
 
 _world: MpiWorld | None = None
 _lock = threading.Lock()
-_start_jax_distributed = True  # set by want_jax_distributed() before start()
-
-
-def want_jax_distributed(wanted: bool) -> None:
-  """Whether `start()` also starts JAX's distributed runtime (see `jax_distributed`)."""
-  global _start_jax_distributed
-  _start_jax_distributed = wanted
-
-
-def start(timeout: float, init_timeout: float, launcher_rank: int = 0) -> MpiWorld:
+def start(timeout: float, init_timeout: float, launcher_rank: int = 0, *,
+          jax_distributed_runtime: bool = True) -> MpiWorld:
   """Initializes MPI once and returns the world.
 
-  Then, unless `want_jax_distributed(False)` was called, JAX's distributed
-  runtime, so that `jax.process_index()` is this MPI rank
-  (`jdist.runtime.jax_distributed`).
+  Then, with `jax_distributed_runtime`, JAX's distributed runtime, so that
+  `jax.process_index()` is this MPI rank (`jdist.runtime.jax_distributed`).
 
   Args:
     timeout: seconds an exchange may wait (the watchdog's deadline).
     init_timeout: seconds every rank has to start MPI and reach this call.
     launcher_rank: this process's rank as the launcher set it, for messages
       printed before MPI knows it.
+    jax_distributed_runtime: whether to start JAX's distributed runtime.
 
   Raises:
     jdist.errors.InitOrderError: JAX's backends exist already, so its
@@ -312,7 +304,7 @@ def start(timeout: float, init_timeout: float, launcher_rank: int = 0) -> MpiWor
   with _lock:
     if _world is None:
       _world = MpiWorld(_import_mpi_within(init_timeout, launcher_rank), timeout, init_timeout)
-      if _start_jax_distributed:
+      if jax_distributed_runtime:
         jax_distributed.start(_world)
     return _world
 
