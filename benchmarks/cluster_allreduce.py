@@ -17,17 +17,17 @@ interleaved round by round in the same processes (`timing.interleaved`):
   * `jdist_psum`: `jdist.psum` inside `jdist.data_parallel` (a jitted step),
     whatever route the topology picks, as `benchmarks.allreduce` measures it.
 
-The first call of `hierarchical` is checked against `mpi`'s result. Repeats
-follow from the size and the link's rate (`repeats_for`), the same on every
-rank, so a point takes a few seconds even at 100 Mbit/s.
+The first call of `hierarchical` is checked against `mpi`'s result. Rounds
+follow from a warm-up round's length on the slowest rank (`repeats_for`), the
+same on every rank, so a point takes a few seconds on any link and load.
 
-Options (ctx.options): `sizes` (bytes per rank, required), `rate_mbit` (the per-node
-link, for the repeat count; None: unshaped), `seconds` (target time per
+Options (ctx.options): `sizes` (bytes per rank, required), `seconds` (target time per
 variant and size), `variants` (a subset of `VARIANTS`).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import jax
@@ -44,18 +44,22 @@ SECONDS = 3.0  # target timed seconds per variant and size
 MOST_REPEATS = 15
 
 
-def repeats_for(nbytes: int, rate_mbit: float | None, seconds: float, quick: bool) -> int:
-  """Timed rounds for one size: about `seconds` per variant, 3 to `MOST_REPEATS`.
+def repeats_for(calls: dict[str, Callable[[], object]], seconds: float, quick: bool) -> int:
+  """Runs one untimed round of `calls` and returns the timed rounds for them.
 
-  Predicted from a flat ring's bytes on a node's link (1.5 x the buffer for
-  2 nodes x 2 ranks); the same on every rank, never from a measured time.
+  About `seconds` per variant from the warm-up round's length, 3 to
+  `MOST_REPEATS`. The slowest rank's round decides (an MPI max), so every
+  rank runs as many rounds.
   """
+  from mpi4py import MPI  # pylint: disable=import-outside-toplevel
+  start = time.perf_counter()
+  for call in calls.values():
+    jax.block_until_ready(call())
+  elapsed = allreduce.baseline_comm().allreduce(time.perf_counter() - start, op=MPI.MAX)
   if quick:
     return 3
-  if rate_mbit is None:
-    return MOST_REPEATS
-  predicted = 1.5 * nbytes * 8 / (rate_mbit * 1e6) + 2e-3
-  return int(max(3, min(MOST_REPEATS, seconds // predicted)))
+  per_call = elapsed / max(1, len(calls))
+  return int(max(3, min(MOST_REPEATS, seconds // max(per_call, 1e-6))))
 
 
 class Hierarchical:
@@ -123,13 +127,12 @@ def variants_at(count: int, names) -> tuple[dict[str, Callable[[], object]], Cal
 def run(ctx):
   """Yields one row per variant and size, smallest size first."""
   names = tuple(ctx.options.get("variants", VARIANTS))
-  rate = ctx.options.get("rate_mbit")
   seconds = float(ctx.options.get("seconds", SECONDS))
   for nbytes in ctx.options["sizes"]:
     count = nbytes // 4
     calls, free = variants_at(count, names)
-    repeats = repeats_for(nbytes, rate, seconds, ctx.quick)
-    series = timing.interleaved(calls, repeats=repeats, warmup=1, sync=ctx.sync)
+    repeats = repeats_for(calls, seconds, ctx.quick)  # also the warm-up round
+    series = timing.interleaved(calls, repeats=repeats, warmup=0, sync=ctx.sync)
     free()
     route = collectives.route() if "jdist_psum" in calls else None
     for name, times in series.items():

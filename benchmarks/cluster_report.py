@@ -26,6 +26,7 @@ ALLREDUCE_TARGET = ("all-reduce 16 MB: jdist / Open MPI MPI_Allreduce", "1gbit",
 TRAIN_TARGETS = (("exposed exchange: jdist plain / DDP", "plain", 0.7),
                  ("exposed exchange: jdist fp16 / DDP fp16 hook", "fp16", 0.7))
 TRAIN_SECTIONS = ("network", "torch")
+_target = analysis._target  # pylint: disable=protected-access
 
 
 def _rate(link: str) -> float | None:
@@ -68,13 +69,11 @@ def targets(summary: dict) -> list[dict]:
   out = []
   for row in summary["allreduce"]:
     if (row["link"], row["bytes"]) == (link, nbytes):
-      out.append(analysis._target(name, row["jdist_vs_mpi"], bound,  # pylint: disable=protected-access
-                                  f"{link}, 2 nodes x 2"))
+      out.append(_target(name, row["jdist_vs_mpi"], bound, f"{link}, 2 nodes x 2"))
   for name, variant, bound in TRAIN_TARGETS:
     for row in summary["training"]:
       if row["variant"] == variant and row["link"] == "1gbit":
-        out.append(analysis._target(name, row["comm_vs_reference"], bound,  # pylint: disable=protected-access
-                                    "1gbit, 2 nodes x 2"))
+        out.append(_target(name, row["comm_vs_reference"], bound, "1gbit, 2 nodes x 2"))
   return out
 
 
@@ -140,12 +139,13 @@ def markdown(results: dict) -> str:
       "namespace with its own hostname and a veth into a bridge, shaped by `tc tbf` on both "
       "ends (the rate per node and direction, shared by the node's 2 ranks). Open MPI: "
       "`mpirun --hostfile` through the rig's launch agent, `ob1` with `sm` inside a node and "
-      "`tcp` between nodes. PyTorch: one `torchrun --nnodes 2 --nproc-per-node 2` per node in "
-      "its namespace, gloo over `eth0`, `OMP_NUM_THREADS=1`.",
+      "`tcp` between nodes, `mpi_yield_when_idle=1` (every rank of both nodes shares 2 cores: "
+      "a busy-polling rank starves the one it waits for). PyTorch: one `torchrun --nnodes 2 "
+      "--nproc-per-node 2` per node in its namespace, gloo over `eth0`, `OMP_NUM_THREADS=1`.",
       "- All-reduce: float32, the variants interleaved round by round in one `mpirun` job, "
-      "medians (3 to 15 rounds: about 3 s per variant and size). `Open MPI` is mpi4py "
-      "`Allreduce` between numpy buffers with Open MPI's own algorithm choice; "
-      "`hierarchical` is written by hand in mpi4py (reduce-scatter in the node over shared "
+      "medians (3 to 15 rounds, from a warm-up round: about 3 s per variant and size). "
+      "`Open MPI` is mpi4py `Allreduce` between numpy buffers with Open MPI's own algorithm "
+      "choice; `hierarchical` is written by hand in mpi4py (reduce-scatter in the node over shared "
       "memory, all-reduce across nodes among ranks of the same local rank, all-gather in the "
       "node); `jdist` is `jdist.psum` in a jitted `jdist.data_parallel` step. Link floor: "
       "the buffer once over the node's link, the least an all-reduce between two nodes moves.",
