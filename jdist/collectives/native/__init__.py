@@ -12,6 +12,14 @@ traced; see `jdist.collectives.steps`). Since no device thread waits inside
 an exchange, exchanges may complete in any order, inside `lax.cond` branches
 as well, without the deadlocks of blocking host callbacks.
 
+Across several nodes with several processes on each (as many on every
+node), sums are node-aware: each segment is reduce-scattered within the
+node, its node-chunk reduce-scattered and all-gathered among the processes
+of the same local rank on the other nodes, then all-gathered within the
+node, so each node's link carries the sum once per direction instead of
+once per process on it (`JDIST_NATIVE_HIERARCHY=auto|on|off`; see
+`hierarchy_nodes`).
+
 The libraries are built by `python -m jdist.collectives.native.build`
 (scripts/install.sh runs it) against the MPI of mpi4py and the installed
 jaxlib's FFI headers. Without them jdist falls back to the callback route.
@@ -19,9 +27,12 @@ jaxlib's FFI headers. Without them jdist falls back to the callback route.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
+import socket
 import threading
+import warnings
 
 import jax
 import numpy as np
@@ -36,6 +47,8 @@ CUDA_LIBRARY = os.path.join(BUILD_DIR, "libjdist_exchange_cuda.so")
 TARGET = "jdist_exchange"
 JOIN_TARGET = "jdist_join"
 SUM, SUM16, GATHER = 0, 1, 2  # engine.h's JdistKind
+HIERARCHY_ENV = "JDIST_NATIVE_HIERARCHY"  # auto (default), on or off
+NODE_MAP_ENV = "JDIST_NATIVE_NODE_MAP"  # each rank's node, "0,0,1,1": emulates nodes (tests)
 SUM_DTYPES = frozenset(np.dtype(d) for d in (np.float32, np.float64, np.int32, np.int64,
                                               np.uint32))
 
@@ -58,8 +71,10 @@ def _load() -> ctypes.CDLL:
       raise OSError(f"{CPU_LIBRARY} is not built (run `python -m "
                     f"jdist.collectives.native.build`; scripts/install.sh does)")
     library = ctypes.CDLL(CPU_LIBRARY)
-    library.jdist_start.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_double]
+    library.jdist_start.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_double,
+                                    ctypes.POINTER(ctypes.c_int)]
     library.jdist_start.restype = ctypes.c_int
+    library.jdist_hierarchical.restype = ctypes.c_int
     library.jdist_last_error.restype = ctypes.c_char_p
     library.jdist_completed.restype = ctypes.c_int64
     library.jdist_segments_completed.restype = ctypes.c_int64
@@ -100,11 +115,58 @@ def platform_of_devices() -> str:
   return {"gpu": "cuda"}.get(platform, platform)
 
 
+def node_map(hosts: list[str]) -> list[int]:
+  """Each rank's node index: `$JDIST_NATIVE_NODE_MAP` ("0,0,1,1") where set,
+  else from the ranks' host names, numbered in order of their lowest rank.
+
+  Raises:
+    ValueError: the map's length is not the number of ranks.
+  """
+  override = os.environ.get(NODE_MAP_ENV, "").strip()
+  if not override:
+    order: dict[str, int] = {}
+    return [order.setdefault(host, len(order)) for host in hosts]
+  nodes = [int(node) for node in override.split(",")]
+  if len(nodes) != len(hosts):
+    raise ValueError(f"{NODE_MAP_ENV}={override!r} names {len(nodes)} ranks' nodes; the job "
+                     f"has {len(hosts)} ranks.")
+  return nodes
+
+
+def hierarchy_nodes(nodes: list[int], mode: str | None = None) -> list[int] | None:
+  """The node map that makes sums node-aware, or None for flat sums.
+
+  Args:
+    nodes: each rank's node index.
+    mode: "auto" (default; `$JDIST_NATIVE_HIERARCHY` where None): node-aware
+      when the job spans several nodes, some node has several processes and
+      every node has as many; "on": node-aware whenever every node has as
+      many processes (on one node too: a test of the four phases); "off": flat.
+
+  Raises:
+    ValueError: an unknown mode.
+  """
+  mode = (mode if mode is not None else os.environ.get(HIERARCHY_ENV, "auto")).strip() or "auto"
+  if mode not in ("auto", "on", "off"):
+    raise ValueError(f"{HIERARCHY_ENV}={mode!r}: choose 'auto', 'on' or 'off'.")
+  per_node = collections.Counter(nodes).values()
+  even = len(set(per_node)) == 1 and sorted(set(nodes)) == list(range(len(per_node)))
+  if mode == "off" or not even:
+    if mode == "on":
+      warnings.warn(f"jdist: {HIERARCHY_ENV}=on, but the nodes hold different numbers of "
+                    f"processes ({sorted(per_node)}): sums stay flat.", RuntimeWarning)
+    return None
+  if mode == "auto" and (len(per_node) < 2 or max(per_node) < 2):
+    return None
+  return list(nodes)
+
+
 def start(world, local_devices: int, timeout: float) -> str | None:
   """Starts the engine on a duplicate of `world.comm`; returns why not, or None.
 
   Collective over the processes (the engine duplicates the communicator):
-  every process calls it once, from `jdist.init`.
+  every process calls it once, from `jdist.init`. Gathers every rank's host
+  name first, for the node map (`node_map`, `hierarchy_nodes`).
 
   Args:
     world: the `MpiWorld`.
@@ -128,7 +190,11 @@ def start(world, local_devices: int, timeout: float) -> str | None:
     except (OSError, AttributeError) as err:
       _unavailable = str(err)
       return _unavailable
-    if library.jdist_start(world.comm.py2f(), local_devices, 2 * timeout + 30) != 0:
+    hosts = world.allgather_object(socket.gethostname(), "jdist native: host names")
+    nodes = hierarchy_nodes(node_map(hosts))
+    node_array = (ctypes.c_int * len(nodes))(*nodes) if nodes else None
+    if library.jdist_start(world.comm.py2f(), local_devices, 2 * timeout + 30,
+                           node_array) != 0:
       _unavailable = library.jdist_last_error().decode()
       return _unavailable
     _started = True
@@ -150,6 +216,11 @@ def stop() -> None:
 
 def running() -> bool:
   return _started
+
+
+def hierarchical() -> bool:
+  """Whether the running engine's sums are node-aware (`hierarchy_nodes`)."""
+  return bool(_started and _library is not None and _library.jdist_hierarchical())
 
 
 def unavailable_reason() -> str | None:

@@ -44,9 +44,15 @@ typedef void (*JdistDone)(void* arg, const char* error);
 
 // Starts the engine on a communicator given by its Fortran handle (mpi4py's
 // `comm.py2f()`); `local_devices` parts make one exchange; an exchange that
-// waits longer than `timeout_s` aborts the job. Returns 0, or -1 with a
-// message in `jdist_last_error()`. Idempotent.
-int jdist_start(int comm_f, int local_devices, double timeout_s);
+// waits longer than `timeout_s` aborts the job. `nodes`, each rank's node
+// index (as many as the communicator's ranks, the same on every rank, every
+// node with as many ranks), makes sums node-aware (hierarchy.h); null keeps
+// them flat. Returns 0, or -1 with a message in `jdist_last_error()`.
+// Idempotent.
+int jdist_start(int comm_f, int local_devices, double timeout_s, const int* nodes);
+
+// 1 when the running engine's sums are node-aware, else 0.
+int jdist_hierarchical(void);
 
 // Stops the engine thread (before MPI_Finalize). Idempotent.
 void jdist_stop(void);

@@ -1,10 +1,12 @@
 // The cross-process half of an exchange (engine.cc holds the local half):
 // each segment of a sum crosses as a reduce-scatter by direct sends, a
 // float32 add (16-bit payloads stay 16-bit on the wire), and an all-gather by
-// direct sends; a gather crosses in one all-gather. Non-blocking
-// point-to-point MPI on a communicator of its own, tagged by the exchange's
-// ordinal, segment and phase, so that exchanges that become ready in a
-// different order on two processes still pair up.
+// direct sends, among every process (flat) or in two levels, the node and
+// then the same local rank across nodes (node-aware, hierarchy.h: four
+// phases); a gather crosses in one all-gather. Non-blocking point-to-point
+// MPI on a communicator of its own, tagged by the exchange's ordinal, segment
+// and phase, so that exchanges that become ready in a different order on two
+// processes still pair up.
 #ifndef JDIST_COLLECTIVES_NATIVE_POINT_TO_POINT_H_
 #define JDIST_COLLECTIVES_NATIVE_POINT_TO_POINT_H_
 
@@ -21,6 +23,7 @@
 #include "engine.h"
 #include "exchange.h"
 #include "halfs.h"
+#include "hierarchy.h"
 #include "pools.h"
 #include "reduce.h"
 
@@ -30,9 +33,10 @@ class PointToPoint {
  public:
   explicit PointToPoint(BufferPool* pool) : pool_(pool) {}
 
-  // Duplicates the communicator given by its Fortran handle. Returns an
-  // error message, or null.
-  const char* Open(int comm_f) {
+  // Duplicates the communicator given by its Fortran handle; sums are
+  // node-aware where `nodes` (each rank's node index) is given, else flat.
+  // Returns an error message, or null.
+  const char* Open(int comm_f, const int* nodes) {
     int initialized = 0;
     MPI_Initialized(&initialized);
     if (!initialized) return "MPI is not initialized";
@@ -51,7 +55,11 @@ class PointToPoint {
     max_segments_ = tag_ub_ >= (1 << 24) ? kMaxSegments : 1;
     const char* segment_env = std::getenv("JDIST_NATIVE_SEGMENT_BYTES");
     segment_bytes_ = segment_env ? std::atoll(segment_env) : kDefaultSegmentBytes;
-    return nullptr;
+    flat_ = FlatLevels(rank_, size_)[0];
+    levels_ = {flat_};
+    const char* error = nodes ? NodeLevels(rank_, size_, nodes, &levels_) : nullptr;
+    if (error) MPI_Comm_free(&comm_);
+    return error;
   }
 
   void Close() { MPI_Comm_free(&comm_); }
@@ -59,10 +67,11 @@ class PointToPoint {
   MPI_Comm comm() const { return comm_; }
   int rank() const { return rank_; }
   int size() const { return size_; }
+  bool hierarchical() const { return levels_.size() > 1; }
 
   // Whether every tag of exchange `ordinal` fits in the MPI's tag space.
   bool TagsFit(int64_t ordinal) const {
-    return ordinal >= 0 && 2 * (ordinal + 1) * max_segments_ - 1 <= tag_ub_;
+    return ordinal >= 0 && kPhases * (ordinal + 1) * max_segments_ - 1 <= tag_ub_;
   }
 
   int64_t SetSegmentBytes(int64_t bytes) { return segment_bytes_.exchange(bytes); }
@@ -82,74 +91,33 @@ class PointToPoint {
   void Begin(Segment& s) {
     if (profiling) s.mark = Clock::now();
     Exchange& e = *s.exchange;
-    const size_t w = WireSize(e);
     char* acc = e.acc.get();
-    if (e.kind == JDIST_GATHER) {
+    if (e.kind == JDIST_GATHER) {  // one all-gather of whole blocks among every process
       size_t block = e.count * ElemSize(e.elem) * e.parts.size();
-      PostPhase(s, 1, [&](int) { return std::make_pair(acc + rank_ * block, block); },
+      PostPhase(s, 0, flat_, [&](int) { return std::make_pair(acc + rank_ * block, block); },
                 [&](int p) { return std::make_pair(acc + p * block, block); });
       return;
     }
-    auto mine = Chunk(s, rank_);
-    size_t mine_bytes = (mine.second - mine.first) * w;
-    size_t per_bytes = ((s.count + size_ - 1) / size_) * w;
-    s.recv = pool_->Get(per_bytes * size_);
-    char* recv = s.recv.get();
-    PostPhase(
-        s, 0,
-        [&](int p) {
-          auto c = Chunk(s, p);
-          return std::make_pair(acc + c.first * w, static_cast<size_t>(c.second - c.first) * w);
-        },
-        [&](int p) { return std::make_pair(recv + p * per_bytes, mine_bytes); });
+    PostStep(s, 0);
   }
 
-  // Called when every request of the segment's current phase completed:
-  // adds the peers' chunks and posts the all-gather. Returns true when the
-  // segment is done.
+  // Called when every request of the segment's current phase completed: adds
+  // the peers' chunks after a reduce-scatter, and posts the next phase.
+  // Returns true when the segment is done.
   bool Advance(Segment& s) {
     Exchange& e = *s.exchange;
+    const int levels = static_cast<int>(levels_.size());
+    const bool scattered = e.kind != JDIST_GATHER && s.phase < levels;
     if (profiling) {
       auto now = Clock::now();
-      (e.kind == JDIST_GATHER || s.phase == 1 ? profile.second_ns : profile.first_ns) +=
-          Ns(s.mark, now);
+      (scattered ? profile.first_ns : profile.second_ns) += Ns(s.mark, now);
       s.mark = now;
     }
-    if (e.kind == JDIST_GATHER || s.phase == 1) return true;
-    const size_t w = WireSize(e);
-    auto mine = Chunk(s, rank_);
-    int64_t n = mine.second - mine.first;
-    size_t per_bytes = ((s.count + size_ - 1) / size_) * w;
-    char* acc = e.acc.get() + mine.first * w;
-    if (e.kind == JDIST_SUM16) {
-      std::vector<const void*> parts;
-      parts.push_back(acc);
-      for (int p = 0; p < size_; ++p) {
-        if (p != rank_) parts.push_back(s.recv.get() + p * per_bytes);
-      }
-      Sum16(e.elem == JDIST_BF16, parts.data(), static_cast<int>(parts.size()), acc, n);
-    } else {
-      for (int p = 0; p < size_; ++p) {
-        if (p == rank_) continue;
-        SumParts(e.elem, {acc, s.recv.get() + p * per_bytes}, acc, n);
-      }
-    }
-    s.recv.reset();
-    if (profiling) {
-      auto now = Clock::now();
-      profile.add_ns += Ns(s.mark, now);
-      s.mark = now;
-    }
-    char* base = e.acc.get();
-    PostPhase(
-        s, 1, [&](int) { return std::make_pair(acc, static_cast<size_t>(n) * w); },
-        [&](int p) {
-          auto c = Chunk(s, p);
-          return std::make_pair(base + c.first * w, static_cast<size_t>(c.second - c.first) * w);
-        });
+    if (e.kind == JDIST_GATHER || s.phase == 2 * levels - 1) return true;
+    if (scattered) AddReceived(s);
+    PostStep(s, s.phase + 1);
     return false;
   }
-
   // Whether every receive of the completed phase got the bytes expected;
   // otherwise says why in `why` (the processes run different programs).
   bool CheckReceives(const Segment& s, const std::vector<MPI_Status>& statuses,
@@ -172,37 +140,98 @@ class PointToPoint {
 
  private:
   static constexpr int kMaxSegments = 32;
+  static constexpr int kPhases = 4;  // tags per segment: two levels of two phases at most
   static constexpr int64_t kDefaultSegmentBytes = 4 << 20;
 
   int Tag(const Segment& s, int phase) const {
-    return static_cast<int>(2 * (s.exchange->ordinal * max_segments_ + s.index) + phase);
+    return static_cast<int>(kPhases * (s.exchange->ordinal * max_segments_ + s.index) + phase);
   }
 
-  // Elements [first, second) of segment `s` that `process` reduces.
-  std::pair<int64_t, int64_t> Chunk(const Segment& s, int process) const {
-    int64_t per = (s.count + size_ - 1) / size_;
-    int64_t begin = std::min<int64_t>(s.count, per * process);
-    return {s.begin + begin, s.begin + std::min<int64_t>(s.count, begin + per)};
+  // The range of segment `s` that level `level` splits among its group: the
+  // whole segment, then this process's chunk of each level above.
+  std::pair<int64_t, int64_t> Range(const Segment& s, int level) const {
+    int64_t begin = s.begin, count = s.count;
+    for (int i = 0; i < level; ++i) {
+      auto c = ChunkOf(begin, count, levels_[i].size(), levels_[i].me);
+      begin = c.first;
+      count = c.second - c.first;
+    }
+    return {begin, count};
   }
 
-  // Sends to / receives from every peer; `send(p)` and `recv(p)` give the
-  // (pointer, bytes) of each.
+  // Posts sum phase `phase`: a reduce-scatter at level `phase` (into s.recv,
+  // one chunk per member), or, past the last level, the all-gather that
+  // mirrors one.
+  void PostStep(Segment& s, int phase) {
+    const int levels = static_cast<int>(levels_.size());
+    const bool scatter = phase < levels;
+    const Group& g = levels_[scatter ? phase : 2 * levels - 1 - phase];
+    auto [begin, count] = Range(s, scatter ? phase : 2 * levels - 1 - phase);
+    const size_t w = WireSize(*s.exchange);
+    char* acc = s.exchange->acc.get();
+    auto piece = [&, begin = begin, count = count](int j) {
+      auto c = ChunkOf(begin, count, g.size(), j);
+      return std::make_pair(acc + c.first * w, static_cast<size_t>(c.second - c.first) * w);
+    };
+    const auto mine = piece(g.me);
+    if (!scatter) {
+      PostPhase(s, phase, g, [&](int) { return mine; }, piece);
+      return;
+    }
+    const size_t per_bytes = ((count + g.size() - 1) / g.size()) * w;
+    s.recv = pool_->Get(per_bytes * g.size());
+    char* recv = s.recv.get();
+    PostPhase(s, phase, g, piece,
+              [&](int j) { return std::make_pair(recv + j * per_bytes, mine.second); });
+  }
+
+  // After the reduce-scatter of phase `s.phase`: adds the members' chunks
+  // (in s.recv) into this process's chunk.
+  void AddReceived(Segment& s) {
+    Exchange& e = *s.exchange;
+    const Group& g = levels_[s.phase];
+    auto [begin, count] = Range(s, s.phase);
+    auto mine = ChunkOf(begin, count, g.size(), g.me);
+    const int64_t n = mine.second - mine.first;
+    const size_t w = WireSize(e);
+    const size_t per_bytes = ((count + g.size() - 1) / g.size()) * w;
+    char* acc = e.acc.get() + mine.first * w;
+    std::vector<const char*> parts{acc};
+    for (int j = 0; j < g.size(); ++j) {
+      if (j != g.me) parts.push_back(s.recv.get() + j * per_bytes);
+    }
+    if (e.kind == JDIST_SUM16) {
+      std::vector<const void*> halves(parts.begin(), parts.end());
+      Sum16(e.elem == JDIST_BF16, halves.data(), static_cast<int>(halves.size()), acc, n);
+    } else {
+      SumParts(e.elem, parts, acc, n);
+    }
+    s.recv.reset();
+    if (profiling) {
+      auto now = Clock::now();
+      profile.add_ns += Ns(s.mark, now);
+      s.mark = now;
+    }
+  }
+
+  // Sends to / receives from every other member of `g`; `send(j)` and
+  // `recv(j)` give the (pointer, bytes) for member j.
   template <typename S, typename R>
-  void PostPhase(Segment& s, int phase, S send, R recv) {
+  void PostPhase(Segment& s, int phase, const Group& g, S send, R recv) {
     s.phase = phase;
     s.requests.clear();
     s.expected_bytes.clear();
     const int tag = Tag(s, phase);
     // Receives are posted first, so a peer's send finds its buffer ready.
     for (bool receive : {true, false}) {
-      for (int p = 0; p < size_; ++p) {
-        if (p == rank_) continue;
-        auto [ptr, bytes] = receive ? recv(p) : send(p);
+      for (int j = 0; j < g.size(); ++j) {
+        if (j == g.me) continue;
+        auto [ptr, bytes] = receive ? recv(j) : send(j);
         MPI_Request request;
         if (receive) {
-          MPI_Irecv(ptr, static_cast<int>(bytes), MPI_BYTE, p, tag, comm_, &request);
+          MPI_Irecv(ptr, static_cast<int>(bytes), MPI_BYTE, g.ranks[j], tag, comm_, &request);
         } else {
-          MPI_Isend(ptr, static_cast<int>(bytes), MPI_BYTE, p, tag, comm_, &request);
+          MPI_Isend(ptr, static_cast<int>(bytes), MPI_BYTE, g.ranks[j], tag, comm_, &request);
         }
         s.requests.push_back(request);
         s.expected_bytes.push_back(receive ? static_cast<int>(bytes) : -1);
@@ -217,6 +246,8 @@ class PointToPoint {
   int tag_ub_ = 32767;
   int max_segments_ = 1;  // segments per exchange at most (fixed at open: tags)
   std::atomic<int64_t> segment_bytes_{0};  // wire bytes per segment; <= 0: whole
+  Group flat_;                  // every process (gathers, and flat sums)
+  std::vector<Group> levels_;   // a sum's reduce-scatter groups, outermost first
 };
 
 }  // namespace jdist
