@@ -3,7 +3,7 @@
 Which node map makes sums node-aware (`native.hierarchy_nodes`) is checked
 here directly. The sums themselves run in jobs of their own
 (tests/jobs/hierarchy_job.py, f32/bf16/f16/int32 buffers of odd sizes
-against numpy's sum): four processes on this host with nodes emulated by
+against numpy's sum, node-aware and then switched to flat): four processes on this host with nodes emulated by
 `JDIST_NATIVE_NODE_MAP`, and 2 nodes x 2 processes on the cluster rig
 (`benchmarks.cluster`, as root). They launch their own mpirun, so their names
 hold "subprocess" (the plain session runs them).
@@ -88,7 +88,11 @@ def _check_job(result, ranks: int, segment_bytes: int | None, devices: int = 1):
     assert row["hierarchical"] is True, row
     assert row["failures"] == [], row
     assert row["segments"] == _expected_segments(segment_bytes, devices), row
+    assert row["flat_after_switch"] is True, row
+    assert row["flat_failures"] == [], row
+    assert row["flat_segments"] == row["segments"], row
   assert len({row["digest"] for row in rows}) == 1, "ranks got different sums"
+  assert len({row["flat_digest"] for row in rows}) == 1, "ranks got different flat sums"
 
 
 @pytest.mark.parametrize("node_map, mode, segment_bytes, devices", [
@@ -136,3 +140,15 @@ def test_rig_subprocess_node_aware_sums_match_numpy(rig_ready):
         raise
       _check_job(subprocess.CompletedProcess(JOB, process.returncode, stdout, stderr), 4,
                  segment_bytes)
+
+
+def test_set_hierarchical_needs_a_node_map():
+  """Where the engine runs flat for want of a node map, it cannot be switched on."""
+  if not os.path.exists(native.CPU_LIBRARY):
+    pytest.skip("the native library is not built (the callback route serves instead)")
+  if native.hierarchical():
+    assert native.set_hierarchical(True) is True
+    return
+  with pytest.raises(ValueError, match="without a node map"):
+    native.set_hierarchical(True)
+  assert native.set_hierarchical(False) is False

@@ -8,7 +8,10 @@ every replica's input and prints one JSON line:
   {"rank", "route", "hierarchical", "segments", "failures", "digest"}
 
 `failures` lists the buffers that disagree; `digest` hashes every result, so
-the test can check that all ranks got the same bytes.
+the test can check that all ranks got the same bytes. Where the sums are
+node-aware, the same step runs again switched to flat sums
+(`native.set_hierarchical(False)`): "flat_failures", "flat_digest",
+"flat_segments", "flat_after_switch".
 """
 
 import hashlib
@@ -37,12 +40,9 @@ def replica_input(replica: int, count: int, dtype) -> np.ndarray:
   return rng.uniform(0.5, 2.0, count).astype(np.float32).astype(dtype)
 
 
-def main():
-  topo = jdist.init()
-  inputs = {f"{np.dtype(d).name}_{n}": np.stack([replica_input(r, n, d)
-                                                  for r in topo.replica_indices])
-            for d in DTYPES for n in SIZES}
-  step = jdist.data_parallel(lambda tree: {k: jdist.psum(v) for k, v in tree.items()})
+def check(step, inputs, topo) -> tuple[list[str], str, int]:
+  """Runs `step` once; returns the buffers that disagree with numpy, a digest
+  of every result, and the segments the sums crossed in."""
   before = native.segments_completed()
   summed = jax.block_until_ready(step(inputs))
   failures, digest = [], hashlib.sha256()
@@ -58,10 +58,26 @@ def main():
       worst = np.max(np.abs(value.astype(np.float64) - expected) / np.abs(expected).clip(1))
       failures.append(f"{name}: worst relative error {worst:.3g}")
     digest.update(value.tobytes())
-  print(json.dumps({"rank": topo.process_index, "route": collectives.route(),
-                    "hierarchical": native.hierarchical(),
-                    "segments": native.segments_completed() - before,
-                    "failures": failures, "digest": digest.hexdigest()}), flush=True)
+  return failures, digest.hexdigest(), native.segments_completed() - before
+
+
+def main():
+  topo = jdist.init()
+  inputs = {f"{np.dtype(d).name}_{n}": np.stack([replica_input(r, n, d)
+                                                  for r in topo.replica_indices])
+            for d in DTYPES for n in SIZES}
+  step = jdist.data_parallel(lambda tree: {k: jdist.psum(v) for k, v in tree.items()})
+  hierarchical = native.hierarchical()
+  failures, digest, segments = check(step, inputs, topo)
+  row = {"rank": topo.process_index, "route": collectives.route(),
+         "hierarchical": hierarchical, "segments": segments, "failures": failures,
+         "digest": digest}
+  if hierarchical:  # the same sums switched to flat, and back
+    native.set_hierarchical(False)
+    row["flat_failures"], row["flat_digest"], row["flat_segments"] = check(step, inputs, topo)
+    row["flat_after_switch"] = not native.hierarchical()
+    native.set_hierarchical(True)
+  print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

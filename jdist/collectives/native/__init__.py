@@ -75,6 +75,8 @@ def _load() -> ctypes.CDLL:
                                     ctypes.POINTER(ctypes.c_int)]
     library.jdist_start.restype = ctypes.c_int
     library.jdist_hierarchical.restype = ctypes.c_int
+    library.jdist_set_hierarchical.argtypes = [ctypes.c_int]
+    library.jdist_set_hierarchical.restype = ctypes.c_int
     library.jdist_last_error.restype = ctypes.c_char_p
     library.jdist_completed.restype = ctypes.c_int64
     library.jdist_segments_completed.restype = ctypes.c_int64
@@ -221,6 +223,24 @@ def running() -> bool:
 def hierarchical() -> bool:
   """Whether the running engine's sums are node-aware (`hierarchy_nodes`)."""
   return bool(_started and _library is not None and _library.jdist_hierarchical())
+
+
+def set_hierarchical(on: bool) -> bool:
+  """Makes the next native sums node-aware or flat; returns the previous setting.
+
+  For measurements and tests: every process must set the same, between
+  steps (each sum's segments all cross the way its first one did).
+
+  Raises:
+    ValueError: `on` where the engine started flat (a single node, uneven
+      nodes, or `JDIST_NATIVE_HIERARCHY=off`: no node map to follow).
+    OSError: the native library is missing.
+  """
+  previous = int(_load().jdist_set_hierarchical(int(bool(on))))
+  if previous < 0:
+    raise ValueError("the native engine started without a node map (flat sums only): "
+                     f"see {HIERARCHY_ENV} and {NODE_MAP_ENV}.")
+  return bool(previous)
 
 
 def unavailable_reason() -> str | None:

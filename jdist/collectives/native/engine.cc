@@ -85,7 +85,6 @@ class Engine {
     return running_;
   }
   const char* last_error() const { return error_.c_str(); }
-  int hierarchical() const { return wire_.hierarchical() ? 1 : 0; }
   int64_t completed() const { return completed_.load(); }
   int64_t segments_completed() const { return segments_completed_.load(); }
   int64_t TakeTrace(int64_t* rows, int64_t max_rows) { return tracer_.Take(rows, max_rows); }
@@ -93,7 +92,7 @@ class Engine {
   int64_t FlightSnapshot(int64_t* rows, int64_t max_rows) {
     return flight_.Snapshot(rows, max_rows);
   }
-  int64_t SetSegmentBytes(int64_t bytes) { return wire_.SetSegmentBytes(bytes); }
+  PointToPoint& wire() { return wire_; }  // its settings: segments, hierarchy
 
   void Post(int device, int64_t ordinal, int kind, int elem, int64_t count, const void* in,
             void* out, JdistDone done, void* arg) {
@@ -378,7 +377,8 @@ extern "C" {
 int jdist_start(int comm_f, int local_devices, double timeout_s, const int* nodes) {
   return jdist::TheEngine().Start(comm_f, local_devices, timeout_s, nodes);
 }
-int jdist_hierarchical(void) { return jdist::TheEngine().hierarchical(); }
+int jdist_hierarchical(void) { return jdist::TheEngine().wire().hierarchical() ? 1 : 0; }
+int jdist_set_hierarchical(int on) { return jdist::TheEngine().wire().SetHierarchical(on); }
 void jdist_stop(void) { jdist::TheEngine().Stop(); }
 int jdist_running(void) { return jdist::TheEngine().running() ? 1 : 0; }
 const char* jdist_last_error(void) { return jdist::TheEngine().last_error(); }
@@ -391,7 +391,7 @@ int64_t jdist_flight_snapshot(int64_t* rows, int64_t max_rows) {
   return jdist::TheEngine().FlightSnapshot(rows, max_rows);
 }
 int64_t jdist_segments_completed(void) { return jdist::TheEngine().segments_completed(); }
-int64_t jdist_set_segment_bytes(int64_t b) { return jdist::TheEngine().SetSegmentBytes(b); }
+int64_t jdist_set_segment_bytes(int64_t b) { return jdist::TheEngine().wire().SetSegmentBytes(b); }
 void jdist_post(int device, int64_t ordinal, int kind, int elem, int64_t count, const void* in,
                 void* out, JdistDone done, void* arg) {
   jdist::TheEngine().Post(device, ordinal, kind, elem, count, in, out, done, arg);

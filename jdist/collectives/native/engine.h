@@ -54,6 +54,11 @@ int jdist_start(int comm_f, int local_devices, double timeout_s, const int* node
 // 1 when the running engine's sums are node-aware, else 0.
 int jdist_hierarchical(void);
 
+// Makes the next sums node-aware (1) or flat (0); every process must set the
+// same, between steps. Returns the previous setting, or -1 (nothing changed)
+// where the engine started without a node map.
+int jdist_set_hierarchical(int on);
+
 // Stops the engine thread (before MPI_Finalize). Idempotent.
 void jdist_stop(void);
 

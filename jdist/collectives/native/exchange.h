@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "engine.h"
+#include "hierarchy.h"
 #include "reduce.h"
 
 namespace jdist {
@@ -66,6 +67,7 @@ struct Exchange {
   int arrived = 0;
   Clock::time_point since;
   std::shared_ptr<char> acc;  // sums: count wire elements; gathers: all replicas
+  const std::vector<Group>* levels = nullptr;  // sums: the groups it crosses in (hierarchy.h)
   std::atomic<int> segments_left{0};
   Clock::time_point ready_at, mpi_at;  // tracing: last local post, MPI start
   uint64_t flight_id = 0;  // its row in the flight recorder (flight.h)

@@ -55,10 +55,11 @@ class PointToPoint {
     max_segments_ = tag_ub_ >= (1 << 24) ? kMaxSegments : 1;
     const char* segment_env = std::getenv("JDIST_NATIVE_SEGMENT_BYTES");
     segment_bytes_ = segment_env ? std::atoll(segment_env) : kDefaultSegmentBytes;
-    flat_ = FlatLevels(rank_, size_)[0];
-    levels_ = {flat_};
-    const char* error = nodes ? NodeLevels(rank_, size_, nodes, &levels_) : nullptr;
+    flat_ = FlatLevels(rank_, size_);
+    node_levels_.clear();
+    const char* error = nodes ? NodeLevels(rank_, size_, nodes, &node_levels_) : nullptr;
     if (error) MPI_Comm_free(&comm_);
+    use_nodes_ = !node_levels_.empty();
     return error;
   }
 
@@ -67,7 +68,15 @@ class PointToPoint {
   MPI_Comm comm() const { return comm_; }
   int rank() const { return rank_; }
   int size() const { return size_; }
-  bool hierarchical() const { return levels_.size() > 1; }
+  bool hierarchical() const { return use_nodes_.load(); }
+
+  // Makes the next sums node-aware (1) or flat (0), between steps on every
+  // process alike; returns the previous setting, or -1 (and changes nothing)
+  // where no node map was given at start.
+  int SetHierarchical(int on) {
+    if (node_levels_.empty()) return on ? -1 : 0;
+    return use_nodes_.exchange(on != 0) ? 1 : 0;
+  }
 
   // Whether every tag of exchange `ordinal` fits in the MPI's tag space.
   bool TagsFit(int64_t ordinal) const {
@@ -94,10 +103,12 @@ class PointToPoint {
     char* acc = e.acc.get();
     if (e.kind == JDIST_GATHER) {  // one all-gather of whole blocks among every process
       size_t block = e.count * ElemSize(e.elem) * e.parts.size();
-      PostPhase(s, 0, flat_, [&](int) { return std::make_pair(acc + rank_ * block, block); },
+      PostPhase(s, 0, flat_[0], [&](int) { return std::make_pair(acc + rank_ * block, block); },
                 [&](int p) { return std::make_pair(acc + p * block, block); });
       return;
     }
+    // Every segment of a sum crosses in the groups its first one chose.
+    if (e.levels == nullptr) e.levels = use_nodes_.load() ? &node_levels_ : &flat_;
     PostStep(s, 0);
   }
 
@@ -106,7 +117,7 @@ class PointToPoint {
   // Returns true when the segment is done.
   bool Advance(Segment& s) {
     Exchange& e = *s.exchange;
-    const int levels = static_cast<int>(levels_.size());
+    const int levels = e.levels ? static_cast<int>(e.levels->size()) : 0;  // gathers: none
     const bool scattered = e.kind != JDIST_GATHER && s.phase < levels;
     if (profiling) {
       auto now = Clock::now();
@@ -118,6 +129,7 @@ class PointToPoint {
     PostStep(s, s.phase + 1);
     return false;
   }
+
   // Whether every receive of the completed phase got the bytes expected;
   // otherwise says why in `why` (the processes run different programs).
   bool CheckReceives(const Segment& s, const std::vector<MPI_Status>& statuses,
@@ -152,7 +164,8 @@ class PointToPoint {
   std::pair<int64_t, int64_t> Range(const Segment& s, int level) const {
     int64_t begin = s.begin, count = s.count;
     for (int i = 0; i < level; ++i) {
-      auto c = ChunkOf(begin, count, levels_[i].size(), levels_[i].me);
+      const Group& g = (*s.exchange->levels)[i];
+      auto c = ChunkOf(begin, count, g.size(), g.me);
       begin = c.first;
       count = c.second - c.first;
     }
@@ -163,9 +176,10 @@ class PointToPoint {
   // one chunk per member), or, past the last level, the all-gather that
   // mirrors one.
   void PostStep(Segment& s, int phase) {
-    const int levels = static_cast<int>(levels_.size());
+    const std::vector<Group>& plan = *s.exchange->levels;
+    const int levels = static_cast<int>(plan.size());
     const bool scatter = phase < levels;
-    const Group& g = levels_[scatter ? phase : 2 * levels - 1 - phase];
+    const Group& g = plan[scatter ? phase : 2 * levels - 1 - phase];
     auto [begin, count] = Range(s, scatter ? phase : 2 * levels - 1 - phase);
     const size_t w = WireSize(*s.exchange);
     char* acc = s.exchange->acc.get();
@@ -189,7 +203,7 @@ class PointToPoint {
   // (in s.recv) into this process's chunk.
   void AddReceived(Segment& s) {
     Exchange& e = *s.exchange;
-    const Group& g = levels_[s.phase];
+    const Group& g = (*e.levels)[s.phase];
     auto [begin, count] = Range(s, s.phase);
     auto mine = ChunkOf(begin, count, g.size(), g.me);
     const int64_t n = mine.second - mine.first;
@@ -246,8 +260,10 @@ class PointToPoint {
   int tag_ub_ = 32767;
   int max_segments_ = 1;  // segments per exchange at most (fixed at open: tags)
   std::atomic<int64_t> segment_bytes_{0};  // wire bytes per segment; <= 0: whole
-  Group flat_;                  // every process (gathers, and flat sums)
-  std::vector<Group> levels_;   // a sum's reduce-scatter groups, outermost first
+  // A sum's reduce-scatter groups, outermost first: one of every process (also
+  // for gathers), or the node's and then the local rank's across nodes.
+  std::vector<Group> flat_, node_levels_;
+  std::atomic<bool> use_nodes_{false};
 };
 
 }  // namespace jdist
