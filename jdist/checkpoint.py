@@ -1,39 +1,38 @@
-"""Checkpoints of replicated training state, written by rank 0 with orbax.
+"""Checkpoints of training state in either step style, written by rank 0 with orbax.
 
-The state a data-parallel job trains is *replicated*: every leaf carries a
-leading local-device axis (`jdist.replicate`). Its replicas are not always
-equal: the error-feedback residuals of `jdist.topk`/`jdist.threshold` and the
-parameters under `jdist.partial_sync` differ per replica. A checkpoint keeps
-every replica's copy, so resuming is exact:
+A state comes in one of two styles (`jdist.checkpoint_layout`): *replicated*
+(the data_parallel style: a leading axis of one copy per local device, as
+`jdist.replicate` lays it out) or *global* (the jit style: arrays over
+`jdist.mesh()`, one copy per process, e.g. `nnx.state(model)`). The copies
+are not always equal: the error-feedback residuals of `jdist.topk` and the
+parameters under `jdist.partial_sync` differ per copy. A checkpoint keeps
+every copy, so resuming is exact:
 
   * `save` compares the copies (bytes on each process, a digest across
-    processes). A leaf equal on every replica is stored once, with a leading
+    processes). A leaf equal on every copy is stored once, with a leading
     axis of 1; the others are gathered to rank 0 and stored with a leading
-    [replica_count] axis, in global replica order.
+    [copies] axis, in global replica (or process) order. Only host arrays
+    reach orbax, so arrays over one process's devices are no problem.
   * Rank 0 writes with orbax's synchronous `Checkpointer`: into
     `<directory>/<step>.orbax-checkpoint-tmp`, renamed to `<directory>/<step>`
-    once complete (orbax's `AtomicRenameTemporaryPath`). A writer killed
-    midway leaves only the temporary directory, which `latest_step` and
-    `restore` ignore and the next save of that step replaces.
-  * The other processes wait until rank 0 reports the outcome, so nobody runs
-    ahead and a failed write raises on every rank.
-  * `restore` runs on every process, each reading the files itself: the
-    directory must be on a filesystem every process sees (shared across
-    nodes). Each process takes its own replicas' slices
-    (`Topology.replica_indices`) and gets the replicated layout back.
+    once complete. A writer killed midway leaves only the temporary
+    directory, which `latest_step` and `restore` ignore and the next save of
+    that step replaces. The other processes wait for rank 0's outcome, so
+    nobody runs ahead and a failed write raises on every rank.
+  * `restore` runs on every process, each reading the files itself (the
+    directory must be on a filesystem every process sees) and taking its own
+    copies (`Topology.replica_indices`, or its process index).
 
-A JSON record stored in the same atomic step directory holds the world it
-was written by, a fingerprint of the state (paths, shapes, dtypes) and the
-user's metadata. A checkpoint restores into another number of replicas only
-when every leaf was equal on every replica (plain `jdist.dist_opt`).
+A JSON record in the same step directory holds the world and style it was
+written by, a fingerprint of the state (paths, per-copy shapes, dtypes) and
+the user's metadata. A checkpoint restores into another style or number of
+copies only when every leaf was equal on every copy (plain `jdist.dist_opt`).
 
 Every method is collective: call it on every process, in the same order.
-Only rank 0 calls orbax to write, and it tells orbax that it is a world of
-its own (`active_processes={this process}`), so orbax adds no barriers of its
-own under either backend (under MPI every rank is JAX process 0; under
-backend "jax" the other ranks never enter orbax's save). The other ranks wait
-for rank 0 under jdist's watchdog deadline: raise `jdist.init(timeout=...)`
-if writing a checkpoint can take longer.
+Only rank 0 calls orbax to write, telling orbax that it is a world of its
+own (`active_processes={this process}`), so orbax adds no barriers of its
+own. The other ranks wait for rank 0 under jdist's watchdog deadline: raise
+`jdist.init(timeout=...)` if writing a checkpoint can take longer.
 """
 
 from __future__ import annotations
@@ -207,21 +206,28 @@ class CheckpointManager:
           f"to restart from an older step, save into a new directory or delete the "
           f"newer step directories first.")
 
-  def save(self, step: int, state: Any, *, metadata: dict | None = None) -> None:
-    """Writes a checkpoint of replicated `state` as step `step`.
+  def save(self, step: int, state: Any, *, metadata: dict | None = None,
+           style: str | None = None) -> None:
+    """Writes a checkpoint of `state` as step `step`.
 
-    Every replica's copy is kept (see the module doc). Rank 0 writes; every
-    process returns once the checkpoint is complete (or raises if not).
+    Every replica's (or process's) copy is kept (see the module doc). Rank 0
+    writes; every process returns once the checkpoint is complete (or raises).
 
     Args:
       step: the step number; must be larger than every saved step.
-      state: a pytree of replicated arrays (leading local-device axis), e.g.
-        {"params": params, "opt_state": opt_state}.
+      state: a pytree of either style: replicated arrays of the data_parallel
+        style (leading local-device axis), e.g. {"params": params,
+        "opt_state": opt_state}; or global arrays of the jit style (over
+        `jdist.mesh()`), e.g. {"model": nnx.state(model), "optimizer":
+        nnx.state(optimizer)}.
       metadata: a JSON-serializable dict stored alongside (step, epoch,
         batch in epoch, seed, model name, config...). Rank 0's is written.
+      style: "replicated" or "global"; None tells them apart by the leaves'
+        placement (`jdist.checkpoint_layout.detect_style`).
 
     Raises:
-      jdist.errors.ShapeError: a leaf is not in the replicated layout.
+      jdist.errors.ShapeError: a leaf does not fit the style (the message
+        names the style it expected).
       jdist.errors.StructureMismatchError: processes hold different states.
       jdist.errors.CheckpointError: bad step or metadata, or the write failed.
     """
@@ -232,14 +238,12 @@ class CheckpointManager:
     if step < 0:
       raise ValueError(f"step={step} must be >= 0.")
     topo = self.topology
+    style = layout.detect_style(state, topo.local_device_count, "CheckpointManager.save", style)
     leaves, signature = layout.state_signature(state, topo.local_device_count,
-                                               "CheckpointManager.save")
+                                               "CheckpointManager.save", style)
     if not leaves:
       raise ValueError("CheckpointManager.save: the state has no arrays to save.")
-    key_impls = [str(jax.random.key_impl(leaf)) if layout.is_key(leaf.dtype) else None
-                 for leaf in leaves]
-    host_leaves = [np.asarray(x) for x in jax.device_get(
-        [jax.random.key_data(leaf) if layout.is_key(leaf.dtype) else leaf for leaf in leaves])]
+    key_impls, host_leaves = layout.host_copies(leaves, style)
     host.check_structure(jax.tree.unflatten(jax.tree.structure(state), host_leaves),
                         "jdist.CheckpointManager.save")
     user, problem = layout.encode_metadata(metadata)
@@ -261,7 +265,7 @@ class CheckpointManager:
     failure = None
     if topo.is_primary:
       record = layout.build_record(step, topo, signature, per_replica, key_impls,
-                                   host_leaves, user)
+                                   host_leaves, user, style)
       # orbax cannot store zero-size arrays; the record alone describes them.
       arrays = {layout.leaf_name(i): gathered[i] if per_replica[i] else x[:1]
                 for i, x in enumerate(host_leaves) if x.size}
@@ -291,27 +295,37 @@ class CheckpointManager:
 
   # Restore ----------------------------------------------------------------
 
-  def restore(self, state_template: Any, step: int | None = None) -> tuple[Any, dict]:
-    """Reads a checkpoint (default: the latest) into the replicated layout.
+  def restore(self, state_template: Any, step: int | None = None, *,
+              style: str | None = None) -> tuple[Any, dict]:
+    """Reads a checkpoint (default: the latest) into the template's style.
 
     Args:
-      state_template: a pytree like the saved state, in the replicated layout
-        of this run (arrays or `jax.ShapeDtypeStruct`s, e.g. the freshly
-        initialized state); only its structure, shapes and dtypes are used.
+      state_template: a pytree like the saved state, in this run's layout
+        (arrays or `jax.ShapeDtypeStruct`s, e.g. the freshly initialized
+        state): replicated (data_parallel style) or global (jit style, e.g.
+        `nnx.state(model)`); only its structure, shapes, dtypes and, for
+        global arrays, shardings are used.
       step: which checkpoint; default the latest complete one.
+      style: "replicated" or "global"; None tells them apart as `save` does.
 
     Returns:
-      (state, metadata): the state with every local replica's own copy, laid
-      out as `jdist.replicate` lays it out, and the metadata given to `save`.
+      (state, metadata): in the replicated style, every local replica's own
+      copy laid out as `jdist.replicate` lays it out; in the global style,
+      this process's copy placed with the template's shardings (replicated
+      over `jdist.mesh()` where the template has none); and the metadata
+      given to `save`. A checkpoint whose leaves were equal on every copy
+      restores into either style and any number of replicas.
 
     Raises:
       jdist.errors.CheckpointError: no such checkpoint, a corrupt one, one of
-        another model (naming the first differing leaf), or per-replica state
-        written by another number of replicas.
+        another model (naming the first differing leaf), or per-copy state
+        written by another style or number of replicas (processes).
     """
     topo = self.topology
-    _, signature = layout.state_signature(state_template, topo.local_device_count,
-                                          "CheckpointManager.restore")
+    style = layout.detect_style(state_template, topo.local_device_count,
+                                "CheckpointManager.restore", style)
+    templates, signature = layout.state_signature(state_template, topo.local_device_count,
+                                                  "CheckpointManager.restore", style)
     wanted = step
     step = self._from_rank0(lambda: self._resolve_step(wanted), "jdist checkpoint: find step")
     path = self.directory / str(step)
@@ -319,10 +333,15 @@ class CheckpointManager:
     try:
       record = self._read_record(step)
       layout.check_fingerprint(path, record, signature)
-      layout.check_world(path, record, topo)
-      devices = jax.local_devices()[:topo.local_device_count]
-      state = [layout.put_local(stacked, devices, leaf["key_impl"])
-               for stacked, leaf in zip(self._read_local(path, record), record["leaves"])]
+      layout.check_world(path, record, topo, style)
+      stacked = self._read_local(path, record, style)
+      if style == layout.REPLICATED:
+        devices = jax.local_devices()[:topo.local_device_count]
+        state = [layout.put_local(x, devices, leaf["key_impl"])
+                 for x, leaf in zip(stacked, record["leaves"])]
+      else:
+        state = [layout.put_global(x[0], template, leaf["key_impl"])
+                 for x, template, leaf in zip(stacked, templates, record["leaves"])]
     except errors.CheckpointError as err:
       problem, corrupt = str(err), isinstance(err, errors.CheckpointCorruptError)
     except Exception as err:  # pylint: disable=broad-except
@@ -338,11 +357,9 @@ class CheckpointManager:
 
     host.agree(None if problem is None else (problem, corrupt), "jdist checkpoint: restore",
                restore_error)
-    if topo.is_primary and record["replica_count"] != topo.replica_count:
-      log.warning("Restored %s, written by %d replicas (%d x %d), into %d replicas (%s): "
-                  "every leaf was equal on all replicas, so replica 0's copy was taken.",
-                  path, record["replica_count"], record["process_count"],
-                  record["local_device_count"], topo.replica_count, topo)
+    note = layout.restore_note(path, record, topo, style)
+    if note and topo.is_primary:
+      log.warning("%s", note)
     return jax.tree.unflatten(jax.tree.structure(state_template), state), record["user"]
 
   def set_aside(self, step: int) -> str:
@@ -365,10 +382,9 @@ class CheckpointManager:
       return str(target)
     return self._from_rank0(rename, "jdist checkpoint: set aside")
 
-  def _read_local(self, path, record: dict) -> list[np.ndarray]:
-    """This process's replicas of every leaf, as [local_devices, ...] host arrays."""
-    topo = self.topology
-    saved_replicas = record["replica_count"]
+  def _read_local(self, path, record: dict, style: str) -> list[np.ndarray]:
+    """This process's copies of every leaf (see `layout.local_copies`)."""
+    _, saved_replicas = layout.saved_copies(record)
     names = {layout.leaf_name(i): leaf for i, leaf in enumerate(record["leaves"])
              if int(np.prod(leaf["stored_shape"], dtype=np.int64)) > 0}
     arrays = {}
@@ -379,17 +395,4 @@ class CheckpointManager:
       restore_args = {name: ocp.RestoreArgs(restore_type=np.ndarray) for name in names}
       arrays = self._checkpointer.restore(path, args=ocp.args.Composite(**{
           _ARRAYS: ocp.args.PyTreeRestore(target, restore_args=restore_args)}))[_ARRAYS]
-    local = []
-    for i, leaf in enumerate(record["leaves"]):
-      shape = tuple(leaf["stored_shape"])
-      stored = arrays.get(layout.leaf_name(i))
-      if stored is None:  # zero-size leaf: nothing was written
-        stored = np.zeros((1,) + shape, jnp.dtype(leaf["stored_dtype"]))
-      if stored.shape[1:] != shape:
-        raise errors.CheckpointCorruptError(f"{path}: {leaf['path']} is stored with shape "
-                                     f"{stored.shape}, its record says {shape}; corrupt.")
-      if leaf["per_replica"]:  # layout.check_world made sure the replica counts agree
-        local.append(stored[list(topo.replica_indices)])
-      else:
-        local.append(np.broadcast_to(stored[:1], (topo.local_device_count,) + shape))
-    return local
+    return layout.local_copies(path, record, arrays, self.topology, style)

@@ -22,17 +22,21 @@ import jax
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import jdist
 from jdist import errors
+from jdist import checkpoint_layout as layout
 from jdist.checkpoint import CheckpointManager
 from jdist.runtime import host
 from tests import launch
 from tests import reference
+from tests.jobs import ckpt_global_writer as nnx_job
 from tests.jobs import ckpt_writer
 
 PER_REPLICA = 2
 WRITER = os.path.join(launch.REPO, "tests", "jobs", "ckpt_writer.py")
+GLOBAL_WRITER = os.path.join(launch.REPO, "tests", "jobs", "ckpt_global_writer.py")
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 
@@ -96,6 +100,9 @@ def _assert_same_replicas(actual, expected):
     # P() are the same, and XLA reports a zero-size output as replicated.
     assert a.size == 0 or a.sharding.is_equivalent_to(b.sharding, a.ndim), (
         jax.tree_util.keystr(path))
+    if layout.is_key(a.dtype):
+      assert jax.random.key_impl(a) == jax.random.key_impl(b)
+      a, b = jax.random.key_data(a), jax.random.key_data(b)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
                                   err_msg=jax.tree_util.keystr(path))
 
@@ -346,11 +353,152 @@ def test_bad_arguments_are_named(topo, shared_dir):
   with pytest.raises(ValueError, match="keep=0"):
     CheckpointManager(shared_dir, keep=0)
   manager = CheckpointManager(shared_dir)
-  with pytest.raises(errors.ShapeError, match="replicated state has a leading axis"):
-    manager.save(1, jdist.unreplicate(state) if topo.local_device_count > 1
-                 else {"x": np.zeros(())})
+  with pytest.raises(errors.ShapeError, match="taken as the replicated layout of the "
+                     "data_parallel style.*style='global' for a jit-style state"):
+    manager.save(1, {"x": np.zeros(())}, style="replicated")
+  with pytest.raises(errors.ShapeError, match=r"mixes the two styles: leaf \['dp'\].* is in "
+                     r"the replicated layout.*leaf \['jit'\] is a global array of the jit"):
+    manager.save(1, {"dp": state["params"], "jit": jax.numpy.zeros(())})
+  with pytest.raises(ValueError, match="style='pmap'"):
+    manager.save(1, state, style="pmap")
   with pytest.raises(ValueError, match="step=-1"):
     manager.save(-1, state)
   with pytest.raises(errors.CheckpointError, match="JSON-serializable"):
     manager.save(1, state, metadata={"when": object()})
   assert manager.latest_step() is None  # nothing was written
+
+
+# The jit style: global arrays over jdist.mesh(), one copy per process ----------
+
+
+def _processes_differ(tree):
+  """Per leaf path: does any process hold another copy?"""
+  _, mine = layout.host_copies(jax.tree.leaves(tree), layout.GLOBAL)
+  everyone = host.allgather_object(mine)
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+  return {path: any(not np.array_equal(theirs[i], everyone[0][i]) for theirs in everyone)
+          for i, path in enumerate(paths)}
+
+
+def _jit_trained(topo, sparsify):
+  """TinyMLP params and dist_opt(sgd) state after 2 jit steps, the README's way."""
+  model = reference.TinyMLP()
+  params = model.init(jax.random.key(0), reference.global_batch(1, 1)[0])
+  tx = jdist.dist_opt(optax.sgd(0.1, momentum=0.9), **({"sparsify": sparsify} if sparsify
+                                                       else {}))
+  fresh = {"params": params, "opt_state": tx.init(params)}
+
+  @jax.jit
+  def step(params, opt_state, x, y):
+    grads = jax.grad(lambda p: reference.loss_fn(model, p, x, y))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  state = dict(fresh)
+  with jax.set_mesh(jdist.mesh()):
+    for seed in (1, 2):
+      batch = jdist.shard_global_batch(reference.global_batch(topo.replica_count, PER_REPLICA,
+                                                              seed=seed))
+      state["params"], state["opt_state"] = step(state["params"], state["opt_state"], *batch)
+  return state, fresh
+
+
+@pytest.mark.parametrize("sparsify", [None, "topk:0.1"])
+def test_jit_style_state_round_trips_bit_for_bit(topo, shared_dir, sparsify):
+  state, fresh = _jit_trained(topo, sparsify)
+  differ = _processes_differ(state)
+  if sparsify and topo.process_count > 1:  # top-K's residuals are per process
+    assert any(differ.values())
+  manager = CheckpointManager(shared_dir)
+  manager.save(2, state, metadata={"step": 2})
+  restored, meta = manager.restore(fresh)  # a fresh state: host and one-device arrays
+  assert meta == {"step": 2}
+  _assert_same_replicas(restored, state)
+  record = manager.read_metadata()
+  assert (record["style"], record["copies"]) == ("global", topo.process_count)
+  assert {leaf["path"]: leaf["per_replica"] for leaf in record["leaves"]} == differ
+
+
+@pytest.mark.parametrize("sparsify", [None, "topk:0.1"])
+def test_nnx_model_and_optimizer_round_trip_bit_for_bit(topo, shared_dir, sparsify):
+  model, optimizer = nnx_job.nnx_objects(sparsify)
+  nnx_job.train(model, optimizer, 2)
+  state = nnx_job.nnx_state(model, optimizer)
+  differ = _processes_differ(state)
+  if topo.process_count > 1:  # BatchNorm's statistics see the process's rows only
+    assert any(differ.values())
+  manager = CheckpointManager(shared_dir)
+  manager.save(2, state, metadata={"step": 2})
+  fresh_model, fresh_optimizer = nnx_job.nnx_objects(sparsify)
+  restored, meta = manager.restore(nnx_job.nnx_state(fresh_model, fresh_optimizer))
+  assert meta == {"step": 2}
+  _assert_same_replicas(restored, state)
+  record = manager.read_metadata()
+  assert (record["style"], record["copies"]) == ("global", topo.process_count)
+  assert {leaf["path"]: leaf["per_replica"] for leaf in record["leaves"]} == differ
+  # The restored objects train on exactly like the originals.
+  nnx.update(fresh_model, restored["model"])
+  nnx.update(fresh_optimizer, restored["optimizer"])
+  nnx_job.train(model, optimizer, 1, seed=5)
+  nnx_job.train(fresh_model, fresh_optimizer, 1, seed=5)
+  _assert_same_replicas(nnx_job.nnx_state(fresh_model, fresh_optimizer),
+                        nnx_job.nnx_state(model, optimizer))
+
+
+@pytest.fixture(scope="module")
+def other_world_nnx():
+  """A jit-style NNX checkpoint written by a 1 process x `_other_replica_count()` job."""
+  directory = tempfile.mkdtemp(prefix="jdist_ckpt_nnx_") if jdist.init().is_primary else None
+  directory = host.allgather_object(directory)[0]
+  count = _other_replica_count()
+
+  def write():
+    done = launch.python([GLOBAL_WRITER, directory], devices=count, timeout=180)
+    assert done.returncode == 0 and f"WROTE {count} replicas" in done.stdout, (
+        done.stdout + done.stderr[-3000:])
+
+  _on_rank0(write)
+  yield directory
+  _on_rank0(lambda: shutil.rmtree(directory, ignore_errors=True))
+
+
+def test_nnx_state_resumes_on_another_replica_count(topo, other_world_nnx, caplog):
+  manager = CheckpointManager(os.path.join(other_world_nnx, "nnx"))
+  record = manager.read_metadata()
+  assert (record["replica_count"], record["style"]) == (_other_replica_count(), "global")
+  model, optimizer = nnx_job.nnx_objects()
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="jdist.checkpoint"):
+    restored, meta = manager.restore(nnx_job.nnx_state(model, optimizer))
+  assert nnx_job.digest(restored) == meta["digest"]  # bit for bit the writer's state
+  if topo.is_primary and topo.process_count > 1:
+    assert "written in the global style by 1 x" in caplog.text
+  nnx.update(model, restored["model"])
+  nnx.update(optimizer, restored["optimizer"])
+  nnx_job.train(model, optimizer, 1)  # and it trains on
+  assert int(optimizer.step[...]) == 3
+
+
+def test_a_data_parallel_checkpoint_restores_into_the_jit_style(topo, other_world):
+  manager = CheckpointManager(os.path.join(other_world, "identical"))
+  expected = jdist.unreplicate(ckpt_writer.world_state(per_replica=False))
+  restored, _ = manager.restore(jax.tree.map(np.zeros_like, expected), style="global")
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert a.sharding.is_equivalent_to(
+        jax.sharding.NamedSharding(jdist.mesh(), jax.sharding.PartitionSpec()), a.ndim)
+  with pytest.raises(errors.CheckpointError, match=r"written in the replicated style by \d+ "
+                     r"replicas.*differ per copy.*in the global style"):
+    CheckpointManager(os.path.join(other_world, "per_replica")).restore(
+        jax.tree.map(np.zeros_like, expected), style="global")
+
+
+def test_per_process_state_refuses_another_process_count(topo):
+  record = {"replica_count": 4, "process_count": 4, "local_device_count": 1,
+            "style": "global", "copies": topo.process_count + 2,
+            "leaves": [{"path": "['model']['norm']['mean'].value", "per_replica": True}]}
+  with pytest.raises(errors.CheckpointError, match=r"global style by \d+ processes.*"
+                     r"\['norm'\]\['mean'\].*this run's \d+ processes"):
+    layout.check_world("ckpt/3", record, topo, "global")
+  record["leaves"][0]["per_replica"] = False
+  layout.check_world("ckpt/3", record, topo, "global")  # equal copies: any count
