@@ -20,6 +20,14 @@ What plain `mpirun` does not guarantee, measured on a two-node rig
   the rank -> host map at `jdist.init()` when launched this way).
 
 The job's output passes through unchanged, apart from that one map line.
+
+With `--max-restarts N` (and a `--hostfile`) a failed job is started again,
+up to N times: hosts the failure names are left out for `--cooldown`
+seconds, -np follows the healthy slots (or keeps the processes per node of
+a fixed -np), and every rank sees `JDIST_RESTART=<k>`; below `--min-nodes`
+healthy hosts it stops (`jdist.app.elastic`, docs/multinode.md "Elastic
+restarts"). The command is run as given each time: for `jdist train`, give
+it `--checkpoint-dir D --checkpoint-every K --resume` from the start.
 """
 
 from __future__ import annotations
@@ -32,10 +40,12 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import IO, Sequence
 
+from jdist.app import elastic
 from jdist.runtime import abort
 
 KEEPALIVE_DEFAULTS = {"PRTE_MCA_oob_tcp_keepalive_time": "5",
@@ -82,10 +92,14 @@ class JobState:
       self.silent.setdefault(host, sorted({int(r) for r in ranks.split(",")}))
     return True
 
+  def lost(self) -> list[str]:
+    """Hosts the output names as lost (PRRTE's lost daemons, then the watchdog's silent hosts)."""
+    return self.lost_hosts + [h for h in self.silent if h not in self.lost_hosts]
+
   def failure(self) -> str | None:
     """A one-line account of how the job failed, if its output says it did."""
     lost = []
-    for host in self.lost_hosts + [h for h in self.silent if h not in self.lost_hosts]:
+    for host in self.lost():
       ranks = [r for r, h in sorted(self.hosts.items()) if h == host] or self.silent.get(host)
       lost.append(f"host {host}" + (f" (ranks {', '.join(map(str, ranks))})" if ranks else ""))
     if lost:
@@ -191,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--mpirun-args", default="", help="more mpirun options, one string")
   parser.add_argument("--abort-grace", type=float, default=DEFAULT_ABORT_GRACE_S,
                       help="seconds mpirun may take to end after a rank aborted the job")
+  parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                      help="start a failed job again up to N times, without the hosts it lost")
+  parser.add_argument("--min-nodes", type=int, default=1, metavar="M",
+                      help="stop instead of restarting on fewer healthy hosts than this")
+  parser.add_argument("--cooldown", type=float, default=elastic.DEFAULT_COOLDOWN_S,
+                      metavar="SECONDS", help="a lost host is tried again after this long")
   parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
   return parser
 
@@ -209,7 +229,100 @@ def main(argv: Sequence[str] | None = None) -> int:
   if not args.abort_grace > 0:
     sys.stderr.write(f"jdist launch: error: --abort-grace {args.abort_grace} must be positive.\n")
     return EXIT_USAGE
+  for name, value, least in (("--max-restarts", args.max_restarts, 0),
+                             ("--min-nodes", args.min_nodes, 1)):
+    if value < least:
+      sys.stderr.write(f"jdist launch: error: {name} {value} must be at least {least}.\n")
+      return EXIT_USAGE
+  if not args.cooldown >= 0:
+    sys.stderr.write(f"jdist launch: error: --cooldown {args.cooldown} must be >= 0.\n")
+    return EXIT_USAGE
+  if args.max_restarts:
+    try:
+      return Elastic(command, args).run()
+    except elastic.ElasticError as err:
+      sys.stderr.write(f"jdist launch: error: {err}.\n")
+      return EXIT_USAGE
   argv = mpirun_argv(command, mpirun=args.mpirun, hostfile=args.hostfile,
                      processes=args.processes, mpirun_args=shlex.split(args.mpirun_args))
   code, _ = supervise(argv, abort_grace=args.abort_grace, env=_environment())
   return code
+
+
+class Elastic:
+  """Runs the job, and again without its lost hosts, up to `--max-restarts` times."""
+
+  def __init__(self, command: Sequence[str], args: argparse.Namespace, *,
+               stdout: IO[str] | None = None, stderr: IO[str] | None = None,
+               blacklist: elastic.Blacklist | None = None):
+    self.command, self.args = list(command), args
+    self.stdout, self.stderr = stdout or sys.stdout, stderr or sys.stderr
+    self.blacklist = blacklist or elastic.Blacklist(args.cooldown)
+    self.hosts = elastic.read_hostfile(args.hostfile) if args.hostfile else None
+    self.first = args.processes or (sum(h.slots for h in self.hosts) if self.hosts else None)
+    self.per_node = None
+    if self.hosts and args.processes:
+      if args.processes > sum(h.slots for h in self.hosts):
+        raise elastic.ElasticError(
+            f"-np {args.processes} is more than the {sum(h.slots for h in self.hosts)} slots "
+            f"of {args.hostfile}; with --max-restarts every process needs a slot")
+      used = elastic.used_hosts(self.hosts, args.processes)
+      self.per_node = -(-args.processes // used)
+
+  def say(self, text: str) -> None:
+    self.stderr.write(f"jdist launch: {text}\n")
+    self.stderr.flush()
+
+  def run(self) -> int:
+    hosts, processes = self.hosts, self.first
+    workdir = tempfile.mkdtemp(prefix="jdist-launch-")
+    for restart in range(self.args.max_restarts + 1):
+      hostfile = (elastic.write_hostfile(hosts, os.path.join(workdir, f"hosts.{restart}"))
+                  if hosts else None)
+      argv = mpirun_argv(self.command, mpirun=self.args.mpirun, hostfile=hostfile,
+                         processes=processes,
+                         mpirun_args=shlex.split(self.args.mpirun_args) + ["-x", elastic.RESTART_ENV])
+      code, state = supervise(argv, abort_grace=self.args.abort_grace,
+                              env=_environment({elastic.RESTART_ENV: str(restart)}),
+                              stdout=self.stdout, stderr=self.stderr)
+      if code in (0, 130):
+        return code
+      reason = self.account(state, code, hosts, processes)
+      if reason is None:
+        return code
+      if restart == self.args.max_restarts:
+        self.say(f"giving up: {reason}, and the job has been restarted {restart} time(s) "
+                 f"(--max-restarts {self.args.max_restarts}).")
+        return code
+      if self.hosts:
+        hosts = self.blacklist.healthy(self.hosts)
+        if len(hosts) < self.args.min_nodes:
+          self.say(f"giving up: {reason}; {len(hosts)} healthy host(s) left "
+                   f"({', '.join(h.name for h in hosts) or 'none'}), fewer than --min-nodes "
+                   f"{self.args.min_nodes} (left out: {', '.join(self.blacklist.blocked())}).")
+          return code
+        processes = elastic.processes_for(hosts, self.args.processes, self.per_node)
+      where = (f" on {', '.join(f'{h.name} slots={h.slots}' for h in hosts)}"
+               if hosts else "")
+      self.say(f"restart {restart + 1}: {reason}; continuing on {processes} of {self.first} "
+               f"processes{where}" if processes else f"restart {restart + 1}: {reason}")
+    return code
+
+  def account(self, state: JobState, code: int, hosts, processes) -> str | None:
+    """Why the run failed, with its lost hosts blacklisted; None: it cannot go on."""
+    lost = state.lost()
+    if not lost:
+      return (f"the job failed without losing a host (exit status {code}; an error in the "
+              f"command itself is retried too, and counts against --max-restarts)")
+    if not hosts:
+      self.say(f"giving up: {state.failure()}, and without --hostfile there is no host list "
+               f"to leave it out of.")
+      return None
+    try:
+      entries = elastic.lost_entries(lost, state.hosts, hosts, processes, state.silent)
+    except elastic.ElasticError as err:
+      self.say(f"giving up: {err}.")
+      return None
+    for entry in entries:
+      self.blacklist.add(entry)
+    return state.failure()

@@ -23,6 +23,7 @@ Command line: `jdist train --help` (or `python -m jdist.app.cli train --help`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 import types
@@ -35,6 +36,7 @@ import optax
 import jdist
 from jdist import collectives
 from jdist.app import datasets
+from jdist.app import elastic
 from jdist.app import models
 from jdist.app import runlog
 from jdist.app import train_guard
@@ -144,7 +146,13 @@ def train(config: TrainConfig, *, return_state: bool = False) -> dict[str, Any]:
   started = time.perf_counter()
   topo = jdist.init(timeout=config.timeout,
                     backend=None if config.backend == "auto" else config.backend)
+  # Restarted by `jdist launch` on fewer or more replicas: keep the checkpoint's global batch.
+  batch_size, restart_note = elastic.restart_batch_size(
+      config.checkpoint_dir if config.resume else None, topo.replica_count, config.batch_size)
+  config = dataclasses.replace(config, batch_size=batch_size)
   out = runlog.RunOutput(config, topo.is_primary)
+  if restart_note:
+    out.say(f"note: {restart_note}.")
   data = _agree(lambda: _load_data(config), f"dataset {config.dataset!r}")
   input_shape = tuple(data.train_x.shape[1:])
   program = _agree(

@@ -1,0 +1,174 @@
+"""Elastic restarts (jdist/app/elastic.py and `jdist launch --max-restarts`).
+
+The hostfile, blacklist, placement and -np rules are checked directly; the
+restart loop runs against fake "mpirun" commands (Python scripts that print
+what a real job prints on the rig and exit); the real thing, a node's link
+taken down mid-run on the namespace rig, is `test_fault_lost_node_restarts_*`
+(root only; the plain pytest session runs it).
+"""
+
+import argparse
+import io
+import json
+import os
+import sys
+
+import pytest
+
+from jdist.app import elastic
+from jdist.app import launch
+from jdist.runtime import abort
+
+Host = elastic.Host
+
+
+def _hostfile(tmp_path, text):
+  path = tmp_path / "hosts"
+  path.write_text(text)
+  return str(path)
+
+
+def test_read_hostfile_slots_comments_and_errors(tmp_path):
+  path = _hostfile(tmp_path, "# rack 1\nnodeA slots=2\n\n10.0.0.2 slots=3 max_slots=4  # b\nnodeC\n")
+  assert elastic.read_hostfile(path) == [Host("nodeA", 2), Host("10.0.0.2", 3), Host("nodeC", 1)]
+  for text, words in (("nodeA cores=2\n", "cannot read 'cores=2'"),
+                      ("nodeA slots=0\n", "slots=0 must be at least 1"),
+                      ("nodeA\nnodeA\n", "listed twice"), ("# nothing\n", "names no host")):
+    with pytest.raises(elastic.ElasticError, match=words):
+      elastic.read_hostfile(_hostfile(tmp_path, text))
+  out = elastic.write_hostfile([Host("a", 2), Host("b", 1)], str(tmp_path / "out"))
+  assert elastic.read_hostfile(out) == [Host("a", 2), Host("b", 1)]
+
+
+def test_blacklist_leaves_a_host_out_until_its_cooldown_ends():
+  now = [100.0]
+  blacklist = elastic.Blacklist(cooldown=60, clock=lambda: now[0])
+  hosts = [Host("a", 2), Host("b", 2), Host("c", 2)]
+  blacklist.add("b")
+  assert blacklist.healthy(hosts) == [Host("a", 2), Host("c", 2)]
+  now[0] = 159.0
+  assert blacklist.blocked() == ["b"]
+  now[0] = 160.0  # cooldown over: tried again at the next restart
+  assert blacklist.healthy(hosts) == hosts and blacklist.blocked() == []
+  blacklist.add("b")  # lost again: out for another cooldown
+  assert blacklist.blocked() == ["b"]
+
+
+def test_placement_and_lost_entries_map_host_names_to_hostfile_lines():
+  hosts = [Host("10.0.0.1", 2), Host("10.0.0.2", 2)]
+  assert elastic.placement(hosts, 3) == ["10.0.0.1", "10.0.0.1", "10.0.0.2"]
+  with pytest.raises(elastic.ElasticError, match="5 processes do not fit the 4 slots"):
+    elastic.placement(hosts, 5)
+  ranks = {0: "nodeA", 1: "nodeA", 2: "nodeB", 3: "nodeB"}
+  assert elastic.lost_entries(["nodeB"], ranks, hosts, 4) == ["10.0.0.2"]
+  assert elastic.lost_entries(["10.0.0.1"], ranks, hosts, 4) == ["10.0.0.1"]  # named as listed
+  # Only the watchdog's silent ranks are known (no rank map): they place the host too.
+  assert elastic.lost_entries(["nodeB"], {}, hosts, 4, {"nodeB": [2, 3]}) == ["10.0.0.2"]
+  with pytest.raises(elastic.ElasticError, match="cannot tell which hostfile line is the lost "
+                                                 "host nodeZ"):
+    elastic.lost_entries(["nodeZ"], ranks, hosts, 4)
+
+
+def test_processes_for_every_slot_or_the_fixed_processes_per_node():
+  healthy = [Host("a", 2), Host("c", 4)]
+  assert elastic.processes_for(healthy, None, None) == 6  # every healthy slot
+  # -np 4 on 2 x 2 slots: 2 per node; one node lost, another healthy: still 4.
+  assert elastic.processes_for(healthy, 4, 2) == 4
+  assert elastic.processes_for([Host("a", 2)], 4, 2) == 2  # 2 of 4: one node left
+  assert elastic.processes_for([Host("a", 1), Host("c", 1)], 3, 1) == 2  # 3 x 1 -> 2 x 1
+  assert elastic.used_hosts([Host("a", 2), Host("b", 2), Host("c", 2)], 4) == 2
+
+
+def test_restart_batch_size_is_left_alone_outside_a_restart(monkeypatch, tmp_path):
+  monkeypatch.delenv(elastic.RESTART_ENV, raising=False)
+  assert elastic.restart_batch_size(str(tmp_path), 2, 8) == (8, None)
+  monkeypatch.setenv(elastic.RESTART_ENV, "1")
+  assert elastic.restart_batch_size(None, 2, 8) == (8, None)  # no checkpoints, nothing to keep
+
+
+def _args(hostfile, **overrides):
+  values = dict(hostfile=hostfile, processes=None, mpirun=sys.executable, mpirun_args="",
+                abort_grace=5.0, max_restarts=1, min_nodes=1, cooldown=600.0)
+  values.update(overrides)
+  return argparse.Namespace(**values)
+
+
+FAKE_MPIRUN = """\
+import json, os, sys
+args = sys.argv[1:]
+hosts = open(args[args.index('--hostfile') + 1]).read().split()
+np_ = int(args[args.index('-np') + 1])
+state = json.load(open(STATE)) if os.path.exists(STATE) else []
+state.append(dict(hosts=hosts, np=np_, restart=os.environ.get('JDIST_RESTART')))
+json.dump(state, open(STATE, 'w'))
+print(HOSTS_MARKER + ' ' + ' '.join(f'{r}:node{"AB"[r // 2]}' for r in range(np_)), flush=True)
+if MODE == 'lose' and len(state) == 1:
+  sys.stderr.write(LOST)
+  sys.exit(0)
+if MODE == 'bug':
+  sys.exit(3)
+print('trained', flush=True)
+"""
+
+
+def _elastic_run(tmp_path, monkeypatch, mode, **overrides):
+  """Runs the restart loop with a fake mpirun; returns (status, stderr, the runs it saw)."""
+  state = str(tmp_path / "runs.json")
+  script = tmp_path / "mpirun.py"
+  lost = ("PRTE has lost communication with a remote daemon.\n\n"
+          "  Remote daemon: [prterun-vm-1@0,2] on node nodeB\n")
+  script.write_text(f"STATE = {state!r}\nMODE = {mode!r}\nLOST = {lost!r}\n"
+                    f"HOSTS_MARKER = {abort.HOSTS_MARKER!r}\n" + FAKE_MPIRUN)
+  hostfile = _hostfile(tmp_path, "10.0.0.1 slots=2\n10.0.0.2 slots=2\n")
+  out, err = io.StringIO(), io.StringIO()
+  runner = launch.Elastic([], _args(hostfile, **overrides), stdout=out, stderr=err)
+  # mpirun_argv puts `--hostfile H -np N` right after the "mpirun": run the script there.
+  original = launch.mpirun_argv
+  monkeypatch.setattr(launch, "mpirun_argv", lambda command, **kw: (
+      [sys.executable, str(script)] + original(command, **kw)[1:]))
+  status = runner.run()
+  runs = json.load(open(state)) if os.path.exists(state) else []
+  return status, err.getvalue(), runs
+
+
+def test_a_lost_host_is_left_out_and_the_job_goes_on(tmp_path, monkeypatch):
+  status, err, runs = _elastic_run(tmp_path, monkeypatch, "lose")
+  assert status == 0, err
+  assert ("jdist launch: restart 1: lost host nodeB (ranks 2, 3); continuing on 2 of 4 "
+          "processes on 10.0.0.1 slots=2") in err
+  assert [(r["hosts"], r["np"], r["restart"]) for r in runs] == [
+      (["10.0.0.1", "slots=2", "10.0.0.2", "slots=2"], 4, "0"),
+      (["10.0.0.1", "slots=2"], 2, "1")]
+
+
+def test_a_fixed_np_keeps_its_processes_per_node(tmp_path, monkeypatch):
+  status, err, runs = _elastic_run(tmp_path, monkeypatch, "lose", processes=4)
+  assert status == 0 and [r["np"] for r in runs] == [4, 2], err
+
+
+def test_below_min_nodes_it_stops_saying_why(tmp_path, monkeypatch):
+  status, err, runs = _elastic_run(tmp_path, monkeypatch, "lose", min_nodes=2)
+  assert status == launch.EXIT_FAILURE and len(runs) == 1
+  assert ("giving up: lost host nodeB (ranks 2, 3); 1 healthy host(s) left (10.0.0.1), "
+          "fewer than --min-nodes 2 (left out: 10.0.0.2)") in err
+
+
+def test_a_failure_without_a_lost_host_counts_against_max_restarts(tmp_path, monkeypatch):
+  status, err, runs = _elastic_run(tmp_path, monkeypatch, "bug", max_restarts=2)
+  assert status == 3 and len(runs) == 3  # the first run and 2 restarts, on the same hosts
+  assert all(r["np"] == 4 for r in runs)
+  assert "restart 1: the job failed without losing a host (exit status 3" in err
+  assert "restart 2: the job failed without losing a host" in err
+  assert "giving up: the job failed without losing a host (exit status 3; " in err
+  assert "the job has been restarted 2 time(s) (--max-restarts 2)" in err
+
+
+def test_launch_main_checks_the_elastic_flags(capsys, tmp_path):
+  assert launch.main(["--max-restarts", "-1", "--", "true"]) == launch.EXIT_USAGE
+  assert "--max-restarts -1 must be at least 0" in capsys.readouterr().err
+  assert launch.main(["--min-nodes", "0", "--", "true"]) == launch.EXIT_USAGE
+  assert launch.main(["--cooldown", "-1", "--", "true"]) == launch.EXIT_USAGE
+  hostfile = _hostfile(tmp_path, "a slots=2\n")
+  assert launch.main(["--hostfile", hostfile, "-np", "3", "--max-restarts", "1", "--",
+                      "true"]) == launch.EXIT_USAGE
+  assert "-np 3 is more than the 2 slots" in capsys.readouterr().err
