@@ -74,6 +74,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "CheckpointManager": ("jdist.checkpoint", "CheckpointManager"),
     "SyncBatchNorm": ("jdist.flax_nnx", "SyncBatchNorm"),
+    "nnx_data_parallel": ("jdist.flax_nnx", "nnx_data_parallel"),
+    "replica_mean": ("jdist.flax_nnx", "replica_mean"),
     "checkpoint": ("jdist.checkpoint", None),
 }
 # Names of the training application that `jdist` re-exported until 0.1: they
@@ -141,6 +143,7 @@ __all__ = (
     "local_replicas",
     "local_sgd",
     "mesh",
+    "nnx_data_parallel",
     "metric_sums",
     "metrics",
     "partial_sync",
@@ -151,6 +154,7 @@ __all__ = (
     "qsgd",
     "replica_index",
     "replica_key",
+    "replica_mean",
     "replicate",
     "shard",
     "shard_global_batch",

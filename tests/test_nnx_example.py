@@ -1,6 +1,8 @@
-"""examples/nnx_mnist.py: flax's NNX MNIST tutorial made data-parallel in at most 10 lines.
+"""Flax's NNX MNIST tutorial made data-parallel in at most 10 lines, in both styles.
 
-It must train like its single-device original (examples/nnx_mnist_single.py)
+examples/nnx_mnist.py (jit over global arrays) and
+examples/nnx_mnist_data_parallel.py (per replica, `jdist.nnx_data_parallel`)
+must train like their single-device original (examples/nnx_mnist_single.py)
 on the same global batches: the per-step losses agree to 1e-5 relative for
 20 steps in every topology (1x4, 2x1, 2x2).
 """
@@ -11,6 +13,7 @@ import os
 
 import jax
 import numpy as np
+import pytest
 
 import jdist
 from jdist.runtime import host
@@ -18,6 +21,7 @@ from tests import launch
 
 EXAMPLES = os.path.join(launch.REPO, "examples")
 MAX_CHANGED_LINES = 10
+PORTS = ["nnx_mnist", "nnx_mnist_data_parallel"]
 
 
 def _load(name):
@@ -35,18 +39,20 @@ def _code_lines(name):
   return lines[closing + 1:]
 
 
-def test_the_data_parallel_example_changes_at_most_ten_lines():
-  diff = difflib.unified_diff(_code_lines("nnx_mnist_single"), _code_lines("nnx_mnist"),
+@pytest.mark.parametrize("port", PORTS)
+def test_the_data_parallel_example_changes_at_most_ten_lines(port):
+  diff = difflib.unified_diff(_code_lines("nnx_mnist_single"), _code_lines(port),
                               lineterm="", n=0)
   changed = [line for line in diff if line.startswith("+") and not line.startswith("+++")]
   assert 0 < len(changed) <= MAX_CHANGED_LINES, "\n".join(changed)
 
 
-def test_the_example_trains_like_one_device_on_the_whole_batch(topo):
+@pytest.mark.parametrize("port", PORTS)
+def test_the_example_trains_like_one_device_on_the_whole_batch(topo, port):
   argv = ["--max-steps", "20", "--batch-size", str(8 * topo.replica_count)]
   single = _load("nnx_mnist_single").main(argv)["step_loss"]
   try:
-    mine = _load("nnx_mnist").main(argv)["step_loss"]
+    mine = _load(port).main(argv)["step_loss"]
   finally:
     jax.set_mesh(None)  # the example sets the mesh for the whole process
   # The step returns the loss reduced over every replica: one device's, on every rank.
@@ -55,3 +61,12 @@ def test_the_example_trains_like_one_device_on_the_whole_batch(topo):
   everyone = host.allgather_object(mine)
   assert all(theirs == mine for theirs in everyone), everyone
   assert single[-1] < single[0]
+
+
+def test_the_data_parallel_port_logs_epoch_metrics_like_one_device(topo):
+  """Its metrics, a copy per replica averaged by jdist.replica_mean, are one device's."""
+  argv = ["--epochs", "1", "--batch-size", str(8 * topo.replica_count)]
+  single = _load("nnx_mnist_single").main(argv)
+  mine = _load("nnx_mnist_data_parallel").main(argv)
+  for key in ("train_loss", "train_accuracy", "test_loss", "test_accuracy"):
+    np.testing.assert_allclose(mine[key], single[key], rtol=2e-4, err_msg=key)
