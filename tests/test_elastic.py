@@ -172,3 +172,39 @@ def test_launch_main_checks_the_elastic_flags(capsys, tmp_path):
   assert launch.main(["--hostfile", hostfile, "-np", "3", "--max-restarts", "1", "--",
                       "true"]) == launch.EXIT_USAGE
   assert "-np 3 is more than the 2 slots" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def rig_ready():
+  from benchmarks import cluster  # pylint: disable=g-import-not-at-top
+  missing = cluster.missing_requirements()
+  if missing:
+    reason = "the multi-node rig cannot be built here: " + "; ".join(missing)
+    if os.environ.get("CI"):
+      pytest.fail(reason + " (CI runs as root and must run this test)")
+    pytest.skip(reason)
+
+
+def test_fault_lost_node_restarts_and_training_goes_on(rig_ready, tmp_path):
+  """2 nodes x 2 processes; node B's link goes down in epoch 2; the job ends 0 on node A."""
+  from benchmarks import cluster  # pylint: disable=g-import-not-at-top
+  from benchmarks import elastic_restart  # pylint: disable=g-import-not-at-top
+  from tests import launch as test_launch  # pylint: disable=g-import-not-at-top
+  log = str(tmp_path / "log.jsonl")
+  epochs = 3
+  train = elastic_restart.train_args(epochs, 8, str(tmp_path / "ckpt"), log, every=4,
+                                     extra=["--train-limit", "512", "--test-limit", "128"])
+  with cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
+    result = elastic_restart.run_job(rig, 2, train, fault_after_epoch=1, fault_delay_s=0.5,
+                                     timeout=240, env=test_launch.clean_env(1))
+  output = result["output"]
+  assert result["code"] == 0, output[-4000:]
+  assert result["fault_at"] is not None, output[-4000:]
+  assert ("jdist launch: restart 1: lost host nodeB (ranks 2, 3); continuing on 2 of 4 "
+          "processes") in output, output[-4000:]
+  assert "2 replicas take batch 16 each, the same global batch of 32" in output
+  assert "resumed from" in output
+  epoch_records, summary = elastic_restart.read_log(log)
+  assert elastic_restart.log_problems(epoch_records, epochs) == [], epoch_records
+  assert [r["train_examples"] for r in epoch_records] == [512] * epochs
+  assert summary["topology"]["processes"] == 2 and summary["steps"] == epochs * 16
