@@ -1,0 +1,141 @@
+"""Node-aware vs flat native sums vs Open MPI's MPI_Allreduce, on the cluster rig.
+
+    sudo .venv/bin/python -m benchmarks.cluster_hierarchy --sizes-mb 1,4,16,64 \
+        --rate-mbit 1000 --out docs/benchmarks/cluster/hierarchy.json
+
+Builds a rig of `--nodes` nodes (`benchmarks.cluster`, root needed) with
+`--per-node` processes x 1 device on each, and runs this module as the job.
+In one job, for each float32 size, these run alternated round by round:
+
+  * `mpi`: mpi4py `Allreduce` between numpy buffers on a communicator of its
+    own (Open MPI's own choice of algorithm for this size and rank count);
+  * `jdist_hierarchical`: `jdist.psum` in a `jdist.data_parallel` step on the
+    native route with node-aware sums (`native.set_hierarchical(True)`);
+  * `jdist_flat`: the same step with flat sums (`set_hierarchical(False)`).
+
+Each call starts after a barrier; its time is the slowest rank's. Prints
+one JSON row per variant and size (median, min, max seconds) and writes
+them to `--out`. `--mpi-yield` sets `OMPI_MCA_mpi_yield_when_idle=1`: on a
+machine with fewer cores than the rig's processes, Open MPI's busy-polling
+waits otherwise take the cores its peers need (the native engine backs off
+when idle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+VARIANTS = ("mpi", "jdist_hierarchical", "jdist_flat")
+
+
+def _worker(sizes_mb: list[float], repeats: int) -> None:
+  """The job: every rank times every variant, alternated; rank 0 prints rows."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from mpi4py import MPI  # pylint: disable=import-outside-toplevel
+
+  import jdist  # pylint: disable=import-outside-toplevel
+  from jdist import collectives  # pylint: disable=import-outside-toplevel
+  from jdist.collectives import native  # pylint: disable=import-outside-toplevel
+
+  topo = jdist.init()
+  comm = MPI.COMM_WORLD.Dup()
+  assert collectives.route() == "native", collectives.route()
+  native.set_hierarchical(True)  # raises where the engine has no node map
+  step = jdist.data_parallel(jdist.psum)
+  for size_mb in sizes_mb:
+    count = int(size_mb * (1 << 20)) // 4
+    src = np.random.default_rng(topo.process_index).random(count, dtype=np.float32)
+    dst = np.empty_like(src)
+    buffer = jdist.replicate(jnp.asarray(src))
+
+    def jdist_call(hierarchical: bool):
+      native.set_hierarchical(hierarchical)
+      return jax.block_until_ready(step(buffer))
+
+    calls = {"mpi": lambda: comm.Allreduce(src, dst, op=MPI.SUM),
+             "jdist_hierarchical": lambda: jdist_call(True),
+             "jdist_flat": lambda: jdist_call(False)}
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    results = {}
+    for round_index in range(repeats + 1):  # round 0 warms up (compiles), untimed
+      for name in VARIANTS:
+        comm.Barrier()
+        start = time.perf_counter()
+        out = calls[name]()
+        elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+        if round_index:
+          times[name].append(elapsed)
+        else:
+          results[name] = np.asarray(out if name != "mpi" else dst).reshape(-1).copy()
+    for name in ("jdist_hierarchical", "jdist_flat"):
+      np.testing.assert_allclose(results[name], results["mpi"], rtol=1e-5)
+    if topo.process_index == 0:
+      for name in VARIANTS:
+        values = sorted(times[name])
+        print(json.dumps({"variant": name, "mbytes": size_mb, "processes": topo.process_count,
+                          "nodes": topo.node_count, "median_s": values[len(values) // 2],
+                          "min_s": values[0], "max_s": values[-1], "repeats": len(values)}),
+              flush=True)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--sizes-mb", default="1,4,16,64")
+  parser.add_argument("--rate-mbit", type=float, default=1000)
+  parser.add_argument("--nodes", type=int, default=2)
+  parser.add_argument("--per-node", type=int, default=2)
+  parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--mpi-yield", action="store_true",
+                      help="OMPI_MCA_mpi_yield_when_idle=1: Open MPI's waits yield the CPU "
+                           "(for a rig with fewer cores than processes)")
+  parser.add_argument("--out", default=None)
+  parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  sizes = [float(s) for s in args.sizes_mb.split(",")]
+  if args.worker:
+    _worker(sizes, args.repeats)
+    return 0
+  from benchmarks import cluster  # pylint: disable=import-outside-toplevel
+  from tests import launch  # pylint: disable=import-outside-toplevel
+  missing = cluster.missing_requirements()
+  if missing:
+    print("cluster_hierarchy: the rig cannot be built here: " + "; ".join(missing))
+    return 2
+  command = [sys.executable, "-m", "benchmarks.cluster_hierarchy", "--worker",
+             "--sizes-mb", args.sizes_mb, "--repeats", str(args.repeats)]
+  env = {"OMPI_MCA_mpi_yield_when_idle": "1"} if args.mpi_yield else {}
+  with cluster.Cluster(nodes=args.nodes, rate_mbit=args.rate_mbit) as rig:
+    process = rig.popen(command, args.per_node, mpirun=launch.mpirun_binary(),
+                        env=launch.clean_env(1, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        text=True, cwd=launch.REPO)
+    stdout, stderr = process.communicate(timeout=3600)
+  if process.returncode != 0:
+    print(stderr[-3000:], file=sys.stderr)
+    return process.returncode
+  rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+  for row in rows:
+    row.update(rate_mbit=args.rate_mbit, mpi_yield_when_idle=args.mpi_yield)
+  by_size: dict[float, dict[str, float]] = {}
+  for row in rows:
+    by_size.setdefault(row["mbytes"], {})[row["variant"]] = row["median_s"]
+  print(f"{'MB':>5} " + " ".join(f"{name:>19}" for name in VARIANTS) + "   hier/mpi  hier/flat")
+  for size, medians in by_size.items():
+    print(f"{size:>5g} " + " ".join(f"{medians[name] * 1e3:>16.1f} ms" for name in VARIANTS) +
+          f"   {medians['jdist_hierarchical'] / medians['mpi']:8.2f}"
+          f"  {medians['jdist_hierarchical'] / medians['jdist_flat']:8.2f}")
+  if args.out:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as handle:
+      json.dump(rows, handle, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
