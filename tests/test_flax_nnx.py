@@ -83,3 +83,47 @@ def _scatter(topo, values):
   out = np.zeros(topo.replica_count, np.float64)
   out[list(topo.replica_indices)] = values
   return out
+
+
+def _regression(topo, seed):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(topo.replica_count * PER_REPLICA, FEATURES)).astype(np.float32)
+  return x, (x.sum(axis=1, keepdims=True) * 0.5).astype(np.float32)
+
+
+def _mse(model, x, y):
+  return ((model(x) - y) ** 2).mean()
+
+
+def test_nnx_data_parallel_trains_objects_like_one_device(topo):
+  import optax  # pylint: disable=g-import-not-at-top
+  reference = nnx.Linear(FEATURES, 1, rngs=nnx.Rngs(0))
+  ref_optimizer = nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param)
+  model = nnx.Linear(FEATURES, 1, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, jdist.dist_opt(optax.sgd(0.1)), wrt=nnx.Param)
+
+  @nnx.jit
+  def ref_step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(_mse)(model, x, y)
+    optimizer.update(model, grads)
+    return loss
+
+  @jdist.nnx_data_parallel(out_axes=(None, 0))
+  def step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(_mse)(model, x, y)
+    optimizer.update(model, grads)
+    return jdist.pmean(loss), jdist.replica_index()
+
+  for seed in range(3):
+    x, y = _regression(topo, seed)
+    expected = ref_step(reference, ref_optimizer, x, y)
+    loss, replicas = step(model, optimizer, *jdist.shard(jdist.process_slice((x, y))))
+    np.testing.assert_allclose(float(loss), float(expected), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(replicas), topo.replica_indices)
+  # The objects hold a copy per local device, each equal to one device's.
+  kernel = np.asarray(model.kernel[...])
+  assert kernel.shape == (topo.local_device_count, FEATURES, 1)
+  for copy in kernel:
+    np.testing.assert_allclose(copy, np.asarray(reference.kernel[...]), rtol=1e-5, atol=1e-6)
+  assert np.asarray(optimizer.step[...]).tolist() == [3] * topo.local_device_count
+  np.testing.assert_allclose(jdist.replica_mean(optimizer.step[...]), 3.0)
