@@ -135,6 +135,8 @@ def main(argv=None) -> int:
              "resumed_s": result["resumed_s"], "next_epoch_s": result["next_epoch_s"],
              "final_test_accuracy": summary and summary["final_test_accuracy"],
              "log_problems": log_problems(epochs, args.epochs),
+             "steps": [r.get("step") for r in epochs],
+             "examples": [r.get("train_examples") for r in epochs],
              "restart_lines": [l for l in result["output"].splitlines() if "restart 1:" in l]}
       print(json.dumps(row), flush=True)
       if result["code"] != 0:

@@ -119,3 +119,13 @@ def test_host_map_round_trips(capsys, monkeypatch):
   monkeypatch.delenv(abort.LAUNCH_ENV)
   abort.announce_hosts(["a", "b"])
   assert capsys.readouterr().out == ""
+
+
+def test_lost_lists_prrte_hosts_then_the_watchdogs_silent_hosts_once():
+  state = launch.JobState()
+  for line in ("ranks 4, 5 on host nodeC stopped answering (the node is down)\n",
+               LOST_DAEMON, "ranks 2, 3 on host nodeB stopped answering\n"):
+    for part in line.splitlines(keepends=True):
+      state.read(part)
+  assert state.lost() == ["nodeB", "nodeC"]
+  assert state.silent == {"nodeC": [4, 5], "nodeB": [2, 3]}
