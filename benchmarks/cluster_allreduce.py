@@ -15,7 +15,12 @@ interleaved round by round in the same processes (`timing.interleaved`):
     same local rank (one link carries each byte of the node's sum once per
     direction, striped over the node's ranks), then all-gather within the node;
   * `jdist_psum`: `jdist.psum` inside `jdist.data_parallel` (a jitted step),
-    whatever route the topology picks, as `benchmarks.allreduce` measures it.
+    whatever route the topology picks, as `benchmarks.allreduce` measures it
+    (on the native route across several nodes of several processes each:
+    node-aware, `native.hierarchical()`);
+  * `jdist_flat`: the same step with the native engine's sums switched to
+    flat (`native.set_hierarchical(False)`) for each call, where it runs
+    node-aware: both exchanges in the same job.
 
 The first call of `hierarchical` is checked against `mpi`'s result. Rounds
 follow from a warm-up round's length on the slowest rank (`repeats_for`), the
@@ -36,10 +41,11 @@ import numpy as np
 
 import jdist
 from jdist import collectives
+from jdist.collectives import native
 from benchmarks import allreduce
 from benchmarks import timing
 
-VARIANTS = ("mpi", "hierarchical", "jdist_psum")
+VARIANTS = ("mpi", "hierarchical", "jdist_psum", "jdist_flat")
 SECONDS = 3.0  # target timed seconds per variant and size
 MOST_REPEATS = 15
 
@@ -99,6 +105,15 @@ class Hierarchical:
     self.node.Free()
 
 
+def flat(call: Callable[[], object]) -> object:
+  """`call` with the native engine's sums flat, waited for, then node-aware again."""
+  previous = native.set_hierarchical(False)
+  try:
+    return jax.block_until_ready(call())
+  finally:
+    native.set_hierarchical(previous)
+
+
 def variants_at(count: int, names) -> tuple[dict[str, Callable[[], object]], Callable[[], None]]:
   """The variants at `count` float32 elements per rank, and a function freeing them."""
   from mpi4py import MPI  # pylint: disable=import-outside-toplevel
@@ -116,11 +131,14 @@ def variants_at(count: int, names) -> tuple[dict[str, Callable[[], object]], Cal
     if not np.allclose(dst_hier, dst_mpi, rtol=1e-5):
       raise AssertionError("the hierarchical all-reduce disagrees with MPI_Allreduce")
     calls["hierarchical"] = lambda: hier(src, dst_hier)
-  if "jdist_psum" in names:
+  if "jdist_psum" in names or "jdist_flat" in names:
     buffer = jdist.replicate(jnp.asarray(src))
     step = jdist.data_parallel(jdist.psum)
     jax.block_until_ready(step(buffer))  # compiles
-    calls["jdist_psum"] = lambda: step(buffer)
+    if "jdist_psum" in names:
+      calls["jdist_psum"] = lambda: step(buffer)
+    if "jdist_flat" in names and native.hierarchical():
+      calls["jdist_flat"] = lambda: flat(lambda: step(buffer))
   return calls, hier.free
 
 
@@ -138,4 +156,5 @@ def run(ctx):
     for name, times in series.items():
       yield {"variant": name, "route": route if name.startswith("jdist") else "host",
              "bytes": nbytes, "processes": ctx.topo.process_count, "nodes": ctx.topo.node_count,
-             "replicas": ctx.topo.replica_count, **times.as_dict()}
+             "replicas": ctx.topo.replica_count, "node_aware": native.hierarchical(),
+             **times.as_dict()}

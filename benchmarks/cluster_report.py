@@ -43,12 +43,16 @@ def allreduce(jobs: list[dict]) -> list[dict]:
       cell[row["variant"]] = row["time_s"]
       if row["variant"].startswith("jdist"):
         cell["route"] = row["route"]
+        cell["node_aware"] = row.get("node_aware", False)
   out = []
   for (link, nbytes), cell in times.items():
     rate = _rate(link)
     mpi, hier, mine = cell.get("mpi"), cell.get("hierarchical"), cell.get("jdist_psum")
+    flat = cell.get("jdist_flat")
     ratio = lambda a, b: None if a is None or not b else a / b
     out.append({"link": link, "bytes": nbytes, "route": cell["route"],
+                "node_aware": cell.get("node_aware", False), "jdist_flat_s": flat,
+                "flat_vs_mpi": ratio(flat, mpi), "jdist_vs_flat": ratio(mine, flat),
                 "floor_s": None if rate is None else nbytes * 8 / (rate * 1e6),
                 "mpi_s": mpi, "hierarchical_s": hier, "jdist_s": mine,
                 "jdist_vs_mpi": ratio(mine, mpi), "hierarchical_vs_mpi": ratio(hier, mpi),
@@ -95,13 +99,19 @@ def _allreduce_tables(rows: list[dict]) -> list[str]:
   lines = []
   for link in _links(rows):
     mine = sorted((r for r in rows if r["link"] == link), key=lambda r: r["bytes"])
+    with_flat = any(r["jdist_flat_s"] is not None for r in mine)
+    how = f"{mine[0]['route']} route{', node-aware' if mine[0]['node_aware'] else ''}"
     lines += [f"### {link} per node", ""]
-    lines += table(["size", "link floor ms", "Open MPI ms", "hierarchical ms",
-                    f"jdist ms ({mine[0]['route']} route)", "jdist / Open MPI",
-                    "hierarchical / Open MPI", "jdist / hierarchical"],
+    lines += table(["size", "link floor ms", "Open MPI ms", "hierarchical ms", f"jdist ms ({how})"]
+                   + (["jdist flat ms"] if with_flat else [])
+                   + ["jdist / Open MPI", "hierarchical / Open MPI", "jdist / hierarchical"]
+                   + (["jdist flat / Open MPI", "jdist / jdist flat"] if with_flat else []),
                    [[size(r["bytes"]), ms(r["floor_s"]), ms(r["mpi_s"]), ms(r["hierarchical_s"]),
-                     ms(r["jdist_s"]), num(r["jdist_vs_mpi"]), num(r["hierarchical_vs_mpi"]),
-                     num(r["jdist_vs_hierarchical"])] for r in mine])
+                     ms(r["jdist_s"])] + ([ms(r["jdist_flat_s"])] if with_flat else [])
+                    + [num(r["jdist_vs_mpi"]), num(r["hierarchical_vs_mpi"]),
+                       num(r["jdist_vs_hierarchical"])]
+                    + ([num(r["flat_vs_mpi"]), num(r["jdist_vs_flat"])] if with_flat else [])
+                    for r in mine])
   return lines
 
 
@@ -147,7 +157,9 @@ def markdown(results: dict) -> str:
       "`Open MPI` is mpi4py `Allreduce` between numpy buffers with Open MPI's own algorithm "
       "choice; `hierarchical` is written by hand in mpi4py (reduce-scatter in the node over shared "
       "memory, all-reduce across nodes among ranks of the same local rank, all-gather in the "
-      "node); `jdist` is `jdist.psum` in a jitted `jdist.data_parallel` step. Link floor: "
+      "node); `jdist` is `jdist.psum` in a jitted `jdist.data_parallel` step (node-aware where "
+      "the engine chose it; `jdist flat`: the same with the engine's sums switched to flat "
+      "for each call). Link floor: "
       "the buffer once over the node's link, the least an all-reduce between two nodes moves.",
       "- Training: SINGA's CNN (431,080 parameters), 64 synthetic 28x28x1 images per rank, "
       "SGD; each side's variants interleaved round by round with its own compute-only step "
