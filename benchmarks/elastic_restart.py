@@ -40,9 +40,11 @@ def train_args(epochs: int, batch: int, checkpoint_dir: str, log_file: str,
 
 
 def run_job(rig, per_node: int, train: list[str], *, fault_after_epoch: int | None = None,
-            fault_delay_s: float = 1.0, max_restarts: int = 1, timeout: float = 240,
-            env: dict | None = None) -> dict:
-  """Runs `train` under `jdist launch` on `rig`; takes node 1's link down after an epoch.
+            fault_delay_s: float = 1.0, fault: str = "link_down", max_restarts: int = 1,
+            timeout: float = 240, env: dict | None = None) -> dict:
+  """Runs `train` under `jdist launch` on `rig`; `fault` hits node 1 after an epoch.
+
+  `fault` is a rig method: "link_down" or "kill_node".
 
   Returns a dict: code, output (stdout and stderr together), fault_at (monotonic
   time or None), resumed_s (fault -> the restarted run's "resumed from"),
@@ -64,7 +66,7 @@ def run_job(rig, per_node: int, train: list[str], *, fault_after_epoch: int | No
       if marks["fault_at"] is None:
         if (fault_after_epoch is not None and
             line.startswith(f"epoch {fault_after_epoch}/")):
-          timer = threading.Timer(fault_delay_s, lambda: (rig.link_down(1),
+          timer = threading.Timer(fault_delay_s, lambda: (getattr(rig, fault)(1),
                                                           marks.update(fault_at=time.monotonic())))
           timer.start()
       elif marks["resumed_at"] is None and line.startswith("resumed from"):
@@ -82,9 +84,9 @@ def run_job(rig, per_node: int, train: list[str], *, fault_after_epoch: int | No
       os.killpg(job.pid, 9)
       job.wait()
   reader.join(timeout=5)
-  fault = marks["fault_at"]
-  since = lambda t: None if fault is None or t is None else round(t - fault, 1)  # noqa: E731
-  return {"code": job.returncode, "output": "".join(lines), "fault_at": fault,
+  fault_at = marks["fault_at"]
+  since = lambda t: None if fault_at is None or t is None else round(t - fault_at, 1)  # noqa: E731
+  return {"code": job.returncode, "output": "".join(lines), "fault_at": fault_at,
           "resumed_s": since(marks["resumed_at"]), "next_epoch_s": since(marks["next_epoch_at"])}
 
 
@@ -122,16 +124,19 @@ def main(argv=None) -> int:
   parser.add_argument("--checkpoint-every", type=int, default=10)
   parser.add_argument("--fault-after-epoch", type=int, default=2)
   parser.add_argument("--rate-mbit", type=float, default=1000)
+  parser.add_argument("--fault", choices=("link_down", "kill_node"), default="link_down")
+  parser.add_argument("--skip-undisturbed", action="store_true")
   args = parser.parse_args(argv)
-  for fault in (None, args.fault_after_epoch):
+  for fault in ((None,) if not args.skip_undisturbed else ()) + (args.fault_after_epoch,):
     with tempfile.TemporaryDirectory() as tmp, \
          cluster.Cluster(nodes=args.nodes, rate_mbit=args.rate_mbit) as rig:
       log = os.path.join(tmp, "log.jsonl")
       train = train_args(args.epochs, args.batch_size, os.path.join(tmp, "ckpt"), log,
                          args.checkpoint_every)
-      result = run_job(rig, args.per_node, train, fault_after_epoch=fault, timeout=900)
+      result = run_job(rig, args.per_node, train, fault_after_epoch=fault, fault=args.fault,
+                       timeout=900)
       epochs, summary = read_log(log) if os.path.exists(log) else ([], None)
-      row = {"fault_after_epoch": fault, "code": result["code"],
+      row = {"fault": fault and args.fault, "fault_after_epoch": fault, "code": result["code"],
              "resumed_s": result["resumed_s"], "next_epoch_s": result["next_epoch_s"],
              "final_test_accuracy": summary and summary["final_test_accuracy"],
              "log_problems": log_problems(epochs, args.epochs),

@@ -29,7 +29,8 @@ def _hostfile(tmp_path, text):
 
 
 def test_read_hostfile_slots_comments_and_errors(tmp_path):
-  path = _hostfile(tmp_path, "# rack 1\nnodeA slots=2\n\n10.0.0.2 slots=3 max_slots=4  # b\nnodeC\n")
+  path = _hostfile(tmp_path,
+                   "# rack 1\nnodeA slots=2\n\n10.0.0.2 slots=3 max_slots=4  # b\nnodeC\n")
   assert elastic.read_hostfile(path) == [Host("nodeA", 2), Host("10.0.0.2", 3), Host("nodeC", 1)]
   for text, words in (("nodeA cores=2\n", "cannot read 'cores=2'"),
                       ("nodeA slots=0\n", "slots=0 must be at least 1"),

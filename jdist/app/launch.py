@@ -37,6 +37,7 @@ import dataclasses
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -274,14 +275,21 @@ class Elastic:
     self.stderr.flush()
 
   def run(self) -> int:
-    hosts, processes = self.hosts, self.first
-    workdir = tempfile.mkdtemp(prefix="jdist-launch-")
+    """Runs the job until it succeeds or cannot go on; returns the exit status."""
+    workdir = tempfile.mkdtemp(prefix="jdist-launch-")  # each run's hostfile
+    try:
+      return self._runs(workdir)
+    finally:
+      shutil.rmtree(workdir, ignore_errors=True)
+
+  def _runs(self, workdir: str) -> int:
+    hosts, processes, code = self.hosts, self.first, EXIT_FAILURE
     for restart in range(self.args.max_restarts + 1):
       hostfile = (elastic.write_hostfile(hosts, os.path.join(workdir, f"hosts.{restart}"))
                   if hosts else None)
+      extra = shlex.split(self.args.mpirun_args) + ["-x", elastic.RESTART_ENV]
       argv = mpirun_argv(self.command, mpirun=self.args.mpirun, hostfile=hostfile,
-                         processes=processes,
-                         mpirun_args=shlex.split(self.args.mpirun_args) + ["-x", elastic.RESTART_ENV])
+                         processes=processes, mpirun_args=extra)
       code, state = supervise(argv, abort_grace=self.args.abort_grace,
                               env=_environment({elastic.RESTART_ENV: str(restart)}),
                               stdout=self.stdout, stderr=self.stderr)
