@@ -12,12 +12,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
 from benchmarks import cluster
+from benchmarks import cluster_faults
 from tests import launch
 
 PROCESSES_PER_NODE = 2
@@ -95,40 +95,14 @@ def test_rig_subprocess_train_across_nodes_matches_one_process(rig_ready, tmp_pa
   np.testing.assert_allclose(rig_losses, one, rtol=2e-5)
 
 
-@pytest.mark.parametrize("fault", ["link_down", "kill_node", "partition"])
+@pytest.mark.parametrize("fault", cluster_faults.FAULTS)
 def test_fault_lost_node_ends_the_job_and_names_the_host(rig_ready, fault):
   """Under `jdist launch` every process is gone within timeout + 15 s of the fault."""
   timeout_s = 10
   with cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
-    argv = [_jdist(), "launch", "--hostfile", rig.hostfile(PROCESSES_PER_NODE), "-np", "4",
-            "--mpirun", launch.mpirun_binary(), "--mpirun-args", "--map-by slot", "--",
-            _jdist(), "train", "--epochs", "1000", "--batch-size", "8", "--no-progress",
-            "--timeout", str(timeout_s)]
-    env = dict(launch.clean_env(1), **rig.mpi_env())
-    for name in cluster.KEEPALIVE_ENV:
-      env.pop(name)  # jdist launch sets its own
-    job = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, cwd=launch.REPO, start_new_session=True)
-    try:
-      lines = []
-      for line in job.stdout:  # train until the first epoch is done on every rank
-        lines.append(line)
-        if line.startswith("epoch 1/"):
-          break
-      assert any(line.startswith("epoch 1/") for line in lines), "".join(lines)[-3000:]
-      time.sleep(1)
-      getattr(rig, fault)(1) if fault != "partition" else rig.partition()
-      faulted = time.monotonic()
-      rest, _ = job.communicate(timeout=timeout_s + 60)
-      elapsed = time.monotonic() - faulted
-      leftover = rig.namespace_pids()
-    finally:
-      if job.poll() is None:
-        os.killpg(job.pid, 9)
-  output = "".join(lines) + rest
-  assert job.returncode not in (0, None), output[-3000:]
-  assert elapsed <= timeout_s + 15, (elapsed, output[-3000:])
-  assert "jdist launch: the job failed: lost host" in output, output[-3000:]
-  lost = "nodeB (ranks 2, 3)" if fault != "partition" else "(ranks "
-  assert lost in output, output[-3000:]
-  assert not leftover, leftover
+    run = cluster_faults.run_fault(rig, fault, timeout_s, launch.clean_env(1))
+  assert run.exit_status not in (0, None), run.output[-3000:]
+  assert run.seconds <= timeout_s + 15, (run.seconds, run.output[-3000:])
+  assert "jdist launch: the job failed: lost host" in run.output, run.output[-3000:]
+  assert run.names_host, run.output[-3000:]
+  assert run.leftover == 0
