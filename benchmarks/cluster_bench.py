@@ -285,15 +285,8 @@ def main(argv=None) -> int:
   if argv or len(sys.argv) > 1:
     results["command"] = "python -m benchmarks.cluster_bench " + " ".join(
         argv if argv is not None else sys.argv[1:])
-  written = write_outputs(results, args.out)
-  for target in results["summary"]["targets"]:
-    status = {True: "met", False: "MISSED", None: "not measured"}[target["met"]]
-    print(f"{target['target']} [{target['where']}]: {cluster_report.num(target['measured'])} "
-          f"(bound {target['bound']}) {status}")
-  for failure in results["summary"]["failures"]:
-    print(f"FAILURE in job {failure['job']}: {str(failure['error']).splitlines()[0][:200]}",
-          file=sys.stderr)
-  print(f"Wrote {', '.join(written)} into {args.out} in {results['wall_s']:.0f} s.")
+  network.print_outcome(results, write_outputs(results, args.out), args.out,
+                        cluster_report.num)
   return 0
 
 

@@ -249,16 +249,21 @@ def main(argv=None) -> int:
   if argv or len(sys.argv) > 1:
     results["command"] = "python -m benchmarks.network " + " ".join(
         argv if argv is not None else sys.argv[1:])
-  written = write_outputs(results, args.out)
+  print_outcome(results, write_outputs(results, args.out), args.out,
+                lambda value: report.num(value, 3))
+  return 0
+
+
+def print_outcome(results: dict, written: list[str], out_dir: str, num) -> None:
+  """Prints each target's verdict, each failed job and what was written (`num` formats)."""
   for target in results["summary"]["targets"]:
     status = {True: "met", False: "MISSED", None: "not measured"}[target["met"]]
-    print(f"{target['target']} [{target['where']}]: {report.num(target['measured'], 3)} "
+    print(f"{target['target']} [{target['where']}]: {num(target['measured'])} "
           f"(bound {target['bound']}) {status}")
   for failure in results["summary"]["failures"]:
     print(f"FAILURE in job {failure['job']}: {str(failure['error']).splitlines()[0][:200]}",
           file=sys.stderr)
-  print(f"Wrote {', '.join(written)} into {args.out} in {results['wall_s']:.0f} s.")
-  return 0
+  print(f"Wrote {', '.join(written)} into {out_dir} in {results['wall_s']:.0f} s.")
 
 
 if __name__ == "__main__":
