@@ -20,16 +20,12 @@ import pytest
 from benchmarks import cluster
 from benchmarks import cluster_bench
 from benchmarks import network
+from tests import launch
 
 
 @pytest.fixture(scope="module")
 def rig_ready():
-  missing = cluster_bench.missing()
-  if missing:
-    reason = "the cluster rig cannot be built here: " + "; ".join(missing)
-    if os.environ.get("CI"):
-      pytest.fail(reason + " (CI runs as root and must run this test)")
-    pytest.skip(reason)
+  launch.require(cluster_bench.missing(), "the cluster rig")
 
 
 def _positive(value) -> bool:
