@@ -142,6 +142,7 @@ def main(argv=None) -> int:
              "log_problems": log_problems(epochs, args.epochs),
              "steps": [r.get("step") for r in epochs],
              "examples": [r.get("train_examples") for r in epochs],
+             "train_loss": [round(r.get("train_loss"), 6) for r in epochs],
              "restart_lines": [l for l in result["output"].splitlines() if "restart 1:" in l]}
       print(json.dumps(row), flush=True)
       if result["code"] != 0:
