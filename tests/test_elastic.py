@@ -175,17 +175,6 @@ def test_launch_main_checks_the_elastic_flags(capsys, tmp_path):
   assert "-np 3 is more than the 2 slots" in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
-def rig_ready():
-  from benchmarks import cluster  # pylint: disable=g-import-not-at-top
-  missing = cluster.missing_requirements()
-  if missing:
-    reason = "the multi-node rig cannot be built here: " + "; ".join(missing)
-    if os.environ.get("CI"):
-      pytest.fail(reason + " (CI runs as root and must run this test)")
-    pytest.skip(reason)
-
-
 def test_fault_lost_node_restarts_and_training_goes_on(rig_ready, tmp_path):
   """2 nodes x 2 processes; node B's link goes down in epoch 2; the job ends 0 on node A."""
   from benchmarks import cluster  # pylint: disable=g-import-not-at-top
