@@ -13,9 +13,13 @@ from jdist.runtime import flight_report
 
 @pytest.fixture(autouse=True)
 def _fresh_recorder():
+  # Without the engine's ring: under mpirun it holds the session's earlier exchanges.
+  sources = flight_recorder.detach_sources()
   flight_recorder.reset()
   yield
   flight_recorder.reset()
+  for source in sources:
+    flight_recorder.add_source(source)
 
 
 def _row(ordinal, call, state, age, kind="sum", nbytes=4096, label=""):

@@ -93,6 +93,12 @@ def reset() -> None:
   _state.sources = sources
 
 
+def detach_sources() -> list[Callable[[], list[Entry]]]:
+  """Removes and returns the sources, so `snapshot` sees only Python's ring (tests)."""
+  sources, _state.sources = _state.sources, []
+  return sources
+
+
 def add_source(source: Callable[[], list[Entry]]) -> None:
   """Adds a reader of entries recorded elsewhere (the native engine's ring)."""
   if source not in _state.sources:
