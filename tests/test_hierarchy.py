@@ -136,8 +136,9 @@ def test_rig_subprocess_node_aware_sums_match_numpy(rig_ready):
 
 def test_set_hierarchical_needs_a_node_map():
   """Where the engine runs flat for want of a node map, it cannot be switched on."""
-  if not os.path.exists(native.CPU_LIBRARY):
-    pytest.skip("the native library is not built (the callback route serves instead)")
+  launch.require([] if os.path.exists(native.CPU_LIBRARY) else
+                 ["the native library is not built (scripts/install.sh builds it)"],
+                 "the native engine")
   if native.hierarchical():
     assert native.set_hierarchical(True) is True
     return
