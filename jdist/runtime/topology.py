@@ -229,7 +229,7 @@ def _mpi_processes(backend: str):
         backend=backend,
         timeout=timeout,
     )
-    mpi_world.watchdog.hosts = hosts
+    mpi_world.hosts = mpi_world.watchdog.hosts = hosts
     if mpi_world.rank == 0:
       abort.announce_hosts(hosts)
     mpi_world.attach(topology)

@@ -144,6 +144,7 @@ class MpiWorld:
     self._device_comms: list[Any] = []
     self._exit_hooks: list = []
     self.watchdog = watchdog_lib.Watchdog(self.comm.Dup(), mpi, timeout=timeout)
+    self.hosts: list[str] | None = None  # each rank's host name (set by jdist.init)
 
   def attach(self, topology) -> None:
     """Checks that every process drives as many devices, creates the

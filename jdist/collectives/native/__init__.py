@@ -30,7 +30,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
-import socket
 import threading
 import warnings
 
@@ -39,6 +38,7 @@ import numpy as np
 from jax import lax
 
 from jdist.runtime import flight_recorder
+from jdist.runtime import topology
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUILD_DIR = os.path.join(HERE, "_build")  # written by `build`, ignored by git
@@ -119,15 +119,14 @@ def platform_of_devices() -> str:
 
 def node_map(hosts: list[str]) -> list[int]:
   """Each rank's node index: `$JDIST_NATIVE_NODE_MAP` ("0,0,1,1") where set,
-  else from the ranks' host names, numbered in order of their lowest rank.
+  else from the ranks' host names (`jdist.runtime.topology.nodes_of`).
 
   Raises:
     ValueError: the map's length is not the number of ranks.
   """
   override = os.environ.get(NODE_MAP_ENV, "").strip()
   if not override:
-    order: dict[str, int] = {}
-    return [order.setdefault(host, len(order)) for host in hosts]
+    return topology.nodes_of(hosts)
   nodes = [int(node) for node in override.split(",")]
   if len(nodes) != len(hosts):
     raise ValueError(f"{NODE_MAP_ENV}={override!r} names {len(nodes)} ranks' nodes; the job "
@@ -167,8 +166,8 @@ def start(world, local_devices: int, timeout: float) -> str | None:
   """Starts the engine on a duplicate of `world.comm`; returns why not, or None.
 
   Collective over the processes (the engine duplicates the communicator):
-  every process calls it once, from `jdist.init`. Gathers every rank's host
-  name first, for the node map (`node_map`, `hierarchy_nodes`).
+  every process calls it once, from `jdist.init`, after the world has every
+  rank's host name (`world.hosts`, for `node_map` and `hierarchy_nodes`).
 
   Args:
     world: the `MpiWorld`.
@@ -192,8 +191,7 @@ def start(world, local_devices: int, timeout: float) -> str | None:
     except (OSError, AttributeError) as err:
       _unavailable = str(err)
       return _unavailable
-    hosts = world.allgather_object(socket.gethostname(), "jdist native: host names")
-    nodes = hierarchy_nodes(node_map(hosts))
+    nodes = hierarchy_nodes(node_map(world.hosts))
     node_array = (ctypes.c_int * len(nodes))(*nodes) if nodes else None
     if library.jdist_start(world.comm.py2f(), local_devices, 2 * timeout + 30,
                            node_array) != 0:
