@@ -35,6 +35,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from typing import Sequence
@@ -286,6 +287,19 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c "hostname $name; $*"
         "unshare", "--uts", "/bin/sh", "-c",
         f"hostname {node.hostname}; exec {shell_command(command)}"]
 
+  def launch_argv(self, command: Sequence[str], processes_per_node: int,
+                  launch_args: Sequence[str] = ()) -> list[str]:
+    """`jdist launch` of `command` over every node's slots (this interpreter's tools)."""
+    return [tool("jdist"), "launch", "--hostfile", self.hostfile(processes_per_node),
+            "--mpirun", tool("mpirun"), *launch_args, "--", *command]
+
+  def launch_env(self, env: dict[str, str]) -> dict[str, str]:
+    """`env` plus the rig's mpirun settings, less the keepalive `jdist launch` sets itself."""
+    full = dict(env, **self.mpi_env())
+    for name in KEEPALIVE_ENV:
+      full.pop(name, None)
+    return full
+
   # -- faults --------------------------------------------------------------
 
   def link_down(self, index: int) -> None:
@@ -337,6 +351,11 @@ def _live_pids(suffix: str) -> list[int]:
   """Live pids whose value modulo 100000 is `suffix` (the rig's tag)."""
   return [int(pid) for pid in os.listdir("/proc")
           if pid.isdigit() and int(pid) % 100000 == int(suffix)]
+
+
+def tool(name: str) -> str:
+  """A console script beside this interpreter (the venv's jdist, mpirun)."""
+  return os.path.join(os.path.dirname(sys.executable), name)
 
 
 def shell_command(argv: Sequence[str]) -> str:

@@ -39,21 +39,14 @@ class FaultRun:
   output: str
 
 
-def _tool(name: str) -> str:
-  return os.path.join(os.path.dirname(sys.executable), name)
-
-
 def run_fault(rig: cluster.Cluster, fault: str, timeout_s: float, env: dict[str, str],
               wait_s: float = 60) -> FaultRun:
   """One job on `rig` under `jdist launch`, with `fault` injected after its first epoch."""
-  argv = [_tool("jdist"), "launch", "--hostfile", rig.hostfile(PROCESSES_PER_NODE),
-          "-np", str(PROCESSES_PER_NODE * len(rig.nodes)), "--mpirun", _tool("mpirun"),
-          "--mpirun-args", "--map-by slot", "--",
-          _tool("jdist"), "train", "--epochs", "1000", "--batch-size", "8", "--no-progress",
-          "--timeout", f"{timeout_s:g}"]
-  env = dict(env, **rig.mpi_env())
-  for name in cluster.KEEPALIVE_ENV:
-    env.pop(name)  # jdist launch sets its own
+  argv = rig.launch_argv(
+      [cluster.tool("jdist"), "train", "--epochs", "1000", "--batch-size", "8", "--no-progress",
+       "--timeout", f"{timeout_s:g}"], PROCESSES_PER_NODE,
+      ["-np", str(PROCESSES_PER_NODE * len(rig.nodes)), "--mpirun-args", "--map-by slot"])
+  env = rig.launch_env(env)
   job = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, cwd=_REPO, start_new_session=True)
   lines: list[str] = []

@@ -27,13 +27,9 @@ from benchmarks import cluster
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _bin(name: str) -> str:
-  return os.path.join(os.path.dirname(sys.executable), name)
-
-
 def train_args(epochs: int, batch: int, checkpoint_dir: str, log_file: str,
                every: int, extra=()) -> list[str]:
-  return [_bin("jdist"), "train", "--model", "cnn", "--dataset", "digits", "--epochs",
+  return [cluster.tool("jdist"), "train", "--model", "cnn", "--dataset", "digits", "--epochs",
           str(epochs), "--batch-size", str(batch), "--no-progress", "--seed", "3",
           "--timeout", "30", "--checkpoint-dir", checkpoint_dir, "--checkpoint-every",
           str(every), "--resume", "--log-file", log_file, *extra]
@@ -50,11 +46,8 @@ def run_job(rig, per_node: int, train: list[str], *, fault_after_epoch: int | No
   time or None), resumed_s (fault -> the restarted run's "resumed from"),
   next_epoch_s (fault -> its first finished epoch).
   """
-  argv = [_bin("jdist"), "launch", "--hostfile", rig.hostfile(per_node),
-          "--mpirun", _bin("mpirun"), "--max-restarts", str(max_restarts), "--", *train]
-  full_env = dict(env or os.environ, **rig.mpi_env())
-  for name in cluster.KEEPALIVE_ENV:
-    full_env.pop(name, None)  # jdist launch sets its own
+  argv = rig.launch_argv(train, per_node, ["--max-restarts", str(max_restarts)])
+  full_env = rig.launch_env(env or dict(os.environ))
   job = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, cwd=REPO, start_new_session=True)
   lines, marks = [], {"fault_at": None, "resumed_at": None, "next_epoch_at": None}

@@ -9,7 +9,6 @@ They launch their own mpirun jobs, so they run only in the plain session
 """
 
 import json
-import os
 import subprocess
 import sys
 
@@ -25,10 +24,6 @@ TRAIN = ["--model", "cnn", "--dataset", "digits", "--epochs", "2", "--batch-size
          "--train-limit", "256", "--test-limit", "64", "--no-progress", "--seed", "3"]
 
 
-
-
-def _jdist() -> str:
-  return os.path.join(os.path.dirname(sys.executable), "jdist")
 
 
 def _run_on_rig(rig, command, *, timeout=240, extra=()):
@@ -72,12 +67,12 @@ def test_rig_subprocess_train_across_nodes_matches_one_process(rig_ready, tmp_pa
   """2 nodes x 2 processes x `devices` trains like one process on every replica."""
   replicas = 2 * PROCESSES_PER_NODE * devices
   reference = launch.run_own_session(
-      [_jdist(), "train", *TRAIN, "--cpu-devices", str(replicas),
+      [cluster.tool("jdist"), "train", *TRAIN, "--cpu-devices", str(replicas),
        "--log-file", str(tmp_path / "one.jsonl")], launch.clean_env(1), timeout=240)
   assert reference.returncode == 0, reference.stderr[-3000:]
   with cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
     code, stdout, stderr = _run_on_rig(
-        rig, [_jdist(), "train", *TRAIN, "--cpu-devices", str(devices),
+        rig, [cluster.tool("jdist"), "train", *TRAIN, "--cpu-devices", str(devices),
               "--log-file", str(tmp_path / "rig.jsonl")])
   assert code == 0, stderr[-3000:]
   assert "on 2 nodes" in stdout
