@@ -5,11 +5,14 @@ Pure functions over each rank's records (see `jdist.timeline_recorder`):
   * a step: ("step", number, name, start_ns, done_ns) on the rank's own
     `time.monotonic_ns()` clock;
   * an exchange: ("x", ordinal, call, kind, label, nbytes, first_post_ns,
-    last_post_ns, wire_ns, done_ns, route).
+    last_post_ns, wire_ns, done_ns, route);
+  * a step's counters: ("c", number, residual_norm or None, dense_bytes,
+    sent_bytes) (`jdist.timeline_counters.Counters`).
 
 `chrome_trace` turns every rank's records into one "traceEvents" JSON
 object: a process per rank, a "steps" track and as many "exchanges" lanes as
-exchanges overlap, counters per step. Clocks are aligned through each
+exchanges overlap, counters per step (step time split, bytes, and where
+recorded the compression ratio and the error-feedback residual norm). Clocks are aligned through each
 rank's wall clock (`wall_minus_mono_ns`), good to the hosts' clock sync.
 """
 
@@ -29,7 +32,8 @@ def _us(ns: float, base_ns: float) -> float:
 
 
 def step_splits(steps: list[tuple], exchanges: list[tuple],
-                waits: dict[tuple, float] | None = None) -> list[dict[str, Any]]:
+                waits: dict[tuple, float] | None = None,
+                counters: list[tuple] | None = None) -> list[dict[str, Any]]:
   """Per step: its time split into compute, exposed exchange and waiting (ns).
 
   A step's exchanges are those first posted while it ran. After the last of
@@ -37,7 +41,10 @@ def step_splits(steps: list[tuple], exchanges: list[tuple],
   from then until the last one is done is exposed exchange time, of which
   the slowest rank's lateness (`waits`, per (ordinal, call)) is waiting.
   The rest of the step is compute (overlapped exchanges included).
+  A step with `counters` carries them as "residual_norm", "dense_bytes"
+  and "sent_bytes" (None without).
   """
+  by_step = {int(c[1]): c for c in counters or ()}
   out = []
   ordered = sorted(exchanges, key=lambda x: x[6])
   for step in steps:
@@ -51,10 +58,32 @@ def step_splits(steps: list[tuple], exchanges: list[tuple],
       last = max(mine, key=lambda x: x[9])
       exposed = max(0.0, min(done, last[9]) - max(start, last_post))
       waiting = min(exposed, (waits or {}).get((last[1], last[2]), 0.0))
+    counted = by_step.get(number, (None,) * 5)
     out.append({"step": number, "name": name, "start": start, "done": done,
                 "total": total, "compute": total - exposed, "exposed": exposed - waiting,
-                "waiting": waiting, "bytes": nbytes, "exchanges": len(mine)})
+                "waiting": waiting, "bytes": nbytes, "exchanges": len(mine),
+                "residual_norm": counted[2], "dense_bytes": counted[3],
+                "sent_bytes": counted[4]})
   return out
+
+
+def compression_ratio(rows: list[dict[str, Any]]) -> float | None:
+  """Dense over sent bytes, summed over `rows` (steps that sent nothing count too)."""
+  counted = [r for r in rows if r.get("sent_bytes") is not None]
+  sent = sum(r["sent_bytes"] for r in counted)
+  return sum(r["dense_bytes"] for r in counted) / sent if sent > 0 else None
+
+
+def counter_events(split: dict[str, Any], rank: int, ts: float) -> list[dict[str, Any]]:
+  """The "C" events of one step's counters (none for a step without)."""
+  events = []
+  if split.get("sent_bytes"):  # a step that sent nothing has no ratio of its own
+    events.append({"ph": "C", "name": "compression ratio", "pid": rank, "ts": ts,
+                   "args": {"dense / sent": round(split["dense_bytes"] / split["sent_bytes"], 4)}})
+  if split.get("residual_norm") is not None:
+    events.append({"ph": "C", "name": "residual norm", "pid": rank, "ts": ts,
+                   "args": {"l2": split["residual_norm"]}})
+  return events
 
 
 def slowest_waits(ranks: dict[int, dict[str, Any]]) -> dict[int, dict[tuple, float]]:
@@ -101,7 +130,7 @@ def rank_events(rank: int, part: dict[str, Any], base_ns: float,
              "args": {"name": "steps (host)"}}]
   steps = sorted(part["steps"], key=lambda s: s[3])
   exchanges = sorted(part["exchanges"], key=lambda x: x[6])
-  for split in step_splits(steps, exchanges, waits):
+  for split in step_splits(steps, exchanges, waits, part.get("counters")):
     events.append({"ph": "X", "cat": "step", "name": f"step {split['step']}", "pid": rank,
                    "tid": STEP_TID, "ts": at(split["start"]), "dur": _us(split["total"], 0),
                    "args": {"function": split["name"], "exchanges": split["exchanges"],
@@ -112,6 +141,7 @@ def rank_events(rank: int, part: dict[str, Any], base_ns: float,
                             for key in ("compute", "exposed", "waiting")}})
     events.append({"ph": "C", "name": "bytes per step", "pid": rank, "ts": end,
                    "args": {"bytes": split["bytes"]}})
+    events.extend(counter_events(split, rank, end))
   lanes = _lanes(exchanges)
   for lane in sorted(set(lanes)):
     events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": FIRST_LANE_TID + lane,

@@ -3,7 +3,9 @@
 While a timeline records, each rank keeps a bounded ring of records: every
 compiled step (when it ran on the devices, from the watchdog's step monitor)
 and every cross-process exchange in the window (from the native engine's
-exchange trace, or the flight recorder on the other routes). At `close()`
+exchange trace, or the flight recorder on the other routes), and, where the
+loop calls `observe`, each step's compression ratio and error-feedback
+residual norm (`jdist.timeline_counters`). At `close()`
 (the end of a `with` block, or of `jdist train --timeline`) rank 0 gathers
 the rings over the host exchange and writes one file: ranks on several
 nodes need no shared filesystem, and nothing is written during the steps.
@@ -25,6 +27,7 @@ import threading
 import time
 from typing import Any
 
+from jdist import timeline_counters
 from jdist import timeline_format
 from jdist.collectives import native
 from jdist.runtime import flight_recorder
@@ -35,6 +38,7 @@ DEFAULT_MAX_RECORDS = 20_000  # per rank: a few MB of JSON (docs/timeline.md)
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _ROWS_PER_TAKE = 512
 _DRAIN_S = 30.0  # longest wait at close() for the window's dispatched steps to be reported
+_PENDING_COUNTERS = 64  # dispatched counters not yet read; beyond, observe() waits for the oldest
 
 
 def parse_steps(text: str | None) -> tuple[int | None, int | None] | None:
@@ -82,7 +86,11 @@ class Timeline:
     self._native_was_on = False
     self._previous_handlers: dict[int, Any] = {}
     self._names: dict[int, str] = {}
+    self._last_recorded: int | None = None  # the newest dispatched step, if recorded
+    self._pending: collections.deque = collections.deque()  # (step, counters handle)
     self.rank = topology_lib.current().process_index
+    self._counters = timeline_counters.Dispatcher(
+        max(1, topology_lib.current().process_count))
 
   # -- recording -------------------------------------------------------------
 
@@ -116,6 +124,32 @@ class Timeline:
       record = self._open
     if self._recording and record:
       self._names[number] = name or ""
+    self._last_recorded = number if self._recording and record else None
+
+  def observe(self, opt_state: Any, params: Any) -> None:
+    """Counts the compression ratio and residual norm of the step just dispatched.
+
+    Call it right after a recorded training step (`jdist train --timeline`
+    does), with the step's new optimizer state and parameters (leading local
+    device axis). A no-op for a step outside the window. The counters are
+    computed on the devices and read once ready: the host does not wait.
+    """
+    number, self._last_recorded = self._last_recorded, None
+    if number is None or not self._recording:
+      return
+    self._take_counters(wait=len(self._pending) >= _PENDING_COUNTERS)
+    handle = self._counters.dispatch(opt_state, params)
+    if handle is not None:
+      self._pending.append((number, handle))
+
+  def _take_counters(self, wait: bool) -> None:
+    """Moves the counters that are ready into the ring (first the oldest, ready or not, if `wait`)."""
+    while self._pending and (wait or self._counters.ready(self._pending[0][1])):
+      number, handle = self._pending.popleft()
+      counters = self._counters.read(handle)
+      with self._lock:
+        self._append(("c", number, *counters))
+      wait = False
 
   def step_done(self, number: int, start_ns: int, done_ns: int) -> None:
     """From the watchdog's step monitor: the step ran from `start_ns` to `done_ns`."""
@@ -176,6 +210,7 @@ class Timeline:
       records = list(self.records)
     return {"steps": [r for r in records if r[0] == "step"],
             "exchanges": [r for r in records if r[0] == "x"],
+            "counters": [r for r in records if r[0] == "c"],
             "wall_minus_mono_ns": time.time_ns() - time.monotonic_ns(),
             "host": socket.gethostname(), "dropped": self.dropped}
 
@@ -192,6 +227,8 @@ class Timeline:
     deadline = time.monotonic() + _DRAIN_S
     while self._names and time.monotonic() < deadline:
       time.sleep(0.005)
+    while self._pending:  # the last steps' counters (their steps are done)
+      self._take_counters(wait=True)
     self.stop()
     parts = host.allgather_object(self.part(), "jdist.timeline (gathering the trace)")
     self._closed = True
@@ -211,6 +248,7 @@ class Timeline:
       return
     self._closed = True
     self.stop()
+    self._take_counters(wait=False)  # a stalled device may never finish the others
     timeline_format.write_atomically(
         self.part_path(), timeline_format.chrome_trace({self.rank: self.part()}, complete=False))
 

@@ -270,6 +270,8 @@ class Run:
         (state["params"], state["model_state"], state["opt_state"], sums,
          wire) = self.program.train_step(state["params"], state["model_state"],
                                          state["opt_state"], batch)
+        if self.timeline is not None:  # the step's compression ratio and residual norm
+          self.timeline.observe(state["opt_state"], state["params"])
         position["step"] += 1
         batch_index += 1
         tally.wires.append(wire)
