@@ -20,6 +20,7 @@ two contexts, told apart at trace time:
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from typing import Any, Callable
 
@@ -31,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdist import errors
 from jdist.runtime import topology as topology_lib
+from jdist.collectives import mesh_axes
 from jdist.collectives import start
 from jdist.collectives import steps
 from jdist.collectives import transport
@@ -52,8 +54,8 @@ def per_device_sharding(devices) -> NamedSharding:
   return NamedSharding(axis_mesh(devices), PartitionSpec(DATA_AXIS))
 
 
-def mesh() -> Mesh:
-  """The mesh jdist's global (jit) steps run over, with the one axis `jdist.DATA_AXIS`.
+def mesh(model: int = 1, *, names: tuple[str, str] | None = None) -> Mesh:
+  """The mesh jdist's global (jit) steps run over: a data axis, and optionally a model axis.
 
   The local devices of this process; with the "jax" backend (JAX's own
   multi-process runtime), every device of every process. Use it as
@@ -61,16 +63,35 @@ def mesh() -> Mesh:
   step's shardings: `NamedSharding(mesh, P(jdist.DATA_AXIS))` for batches,
   `NamedSharding(mesh, P())` for parameters. Sets the job up (`jdist.init()`
   with defaults) where nothing has: a jit script starts here.
+
+  With `model=K`, two axes (data, model) over rows of K local devices: XLA
+  shards parameters over the model axis within the process (e.g.
+  `P(None, "model")`), the data axis spans every process through jdist (see
+  `jdist.collectives.mesh_axes` and docs/model_axis.md).
+
+  Args:
+    model: the model axis's size, dividing the local device count (1: the
+      one-axis mesh, unless `names` asks for two axes).
+    names: (data axis, model axis), e.g. `("batch", "model")`; default
+      (`jdist.DATA_AXIS`, "model").
+
+  Returns:
+    A `jax.sharding.Mesh`.
+
+  Raises:
+    ValueError: `model` does not divide the local devices, exceeds them (a
+      model axis cannot span processes), or bad `names`.
   """
   topo = start.ensure_initialized()
   devices = jax.devices() if topo.backend == "jax" else jax.local_devices()
-  return axis_mesh(devices)
+  return mesh_axes.build(devices, topo.local_device_count, model, names)
 
 
 def _global_mesh():
   """The abstract mesh of a global step being traced, or None."""
   abstract = jax.sharding.get_abstract_mesh()
-  if DATA_AXIS in abstract.axis_names and DATA_AXIS not in abstract.manual_axes:
+  data = mesh_axes.data_axis(abstract)
+  if data is not None and data not in abstract.manual_axes:
     return abstract
   return None
 
@@ -127,7 +148,9 @@ def per_process(reduce_fn: Callable[[Any], Any], tree: Any, *, first_only: bool 
     `reduce_fn`'s result, the same on every device.
   """
   abstract = _global_mesh()
-  participants = topology_lib.current().replica_count // abstract.shape[DATA_AXIS]
+  over = mesh_axes.exchange_mesh(abstract)  # a model axis: all devices on one axis
+  participants = topology_lib.current().replica_count // (
+      abstract.shape[DATA_AXIS] if over is None else over.size)
 
   def body(values, previous):
     if previous is not None:  # this reduction's exchanges wait for the step's earlier ones
@@ -149,8 +172,10 @@ def per_process(reduce_fn: Callable[[Any], Any], tree: Any, *, first_only: bool 
   # call waiting for the other's (measured: 300 steps of the 2x2 global top-K
   # step aborted in XLA's rendezvous 3 runs in 3). Their tails carry the
   # order across.
-  out, tail = jax.shard_map(body, in_specs=PartitionSpec(), out_specs=PartitionSpec(),
-                            check_vma=False)(tree, steps.chain_tail())
+  with (contextlib.nullcontext() if over is None
+        else jax.sharding.use_abstract_mesh(over.abstract_mesh)):
+    out, tail = jax.shard_map(body, mesh=over, in_specs=PartitionSpec(),
+                              out_specs=PartitionSpec(), check_vma=False)(tree, steps.chain_tail())
   if tail is not None:
     steps.chain_output(tail)
   return out
