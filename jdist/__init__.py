@@ -30,6 +30,8 @@ from jdist.collectives import psum
 from jdist.collectives import replica_index
 from jdist.collectives import replica_key
 from jdist.data import ShardedLoader
+from jdist.grain_data import GrainLoader
+from jdist.grain_data import grain_shard_options
 from jdist.batches import process_slice
 from jdist.batches import shard_global_batch
 from jdist.batches import shard_batch as shard
@@ -116,6 +118,7 @@ __all__ = (
     "SkipNonFiniteState",
     "DATA_AXIS",
     "DiLoCoState",
+    "GrainLoader",
     "LocalSGDState",
     "PartialSyncState",
     "PowerSGDState",
@@ -138,6 +141,7 @@ __all__ = (
     "dist_opt",
     "errors",
     "get_topology",
+    "grain_shard_options",
     "host_allreduce",
     "init",
     "local_replicas",

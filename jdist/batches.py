@@ -144,7 +144,21 @@ def shard_global_batch(global_batch: Any, topology=None) -> Any:
   """
   if topology is None:
     topology = topology_lib.current()
-  rows = process_slice(global_batch, topology)
+  return place_process_rows(process_slice(global_batch, topology), topology)
+
+
+def place_process_rows(rows: Any, topology) -> Any:
+  """This process's rows of a global batch, placed over the data axis of `jdist.mesh()`.
+
+  Args:
+    rows: a pytree of host arrays, this process's part of the global batch
+      (from `process_slice`, or a loader that reads only this process's rows).
+    topology: the job's `jdist.Topology`.
+
+  Returns:
+    The pytree of sharded `jax.Array`s: one global array over every
+    process's devices with the "jax" backend, else over the local devices.
+  """
   sharding = NamedSharding(context.mesh(), PartitionSpec(context.DATA_AXIS))
   if topology.backend == "jax":
     return jax.tree.map(

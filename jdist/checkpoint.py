@@ -50,6 +50,7 @@ from etils import epath
 
 from jdist import checkpoint_layout as layout
 from jdist import errors
+from jdist import grain_data
 from jdist.collectives import start as start_lib
 from jdist.runtime import topology as topology_lib
 from jdist.runtime import host
@@ -65,9 +66,7 @@ _RECORD = "jdist"      # orbax item: the JSON record
 
 def _first_line(err: Exception) -> str:
   """`Kind: first line of the message` (tensorstore's run to many lines)."""
-  text = str(err).strip().splitlines()
-  first = text[0] if text else ""
-  return f"{type(err).__name__}: {first[:300]}"
+  return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}"
 
 
 class CheckpointManager:
@@ -207,7 +206,7 @@ class CheckpointManager:
           f"newer step directories first.")
 
   def save(self, step: int, state: Any, *, metadata: dict | None = None,
-           style: str | None = None) -> None:
+           style: str | None = None, data_iterator: Any = None) -> None:
     """Writes a checkpoint of `state` as step `step`.
 
     Every replica's (or process's) copy is kept (see the module doc). Rank 0
@@ -224,6 +223,7 @@ class CheckpointManager:
         batch in epoch, seed, model name, config...). Rank 0's is written.
       style: "replicated" or "global"; None tells them apart by the leaves'
         placement (`jdist.checkpoint_layout.detect_style`).
+      data_iterator: a data iterator (jdist.GrainLoader's); every process's position is kept.
 
     Raises:
       jdist.errors.ShapeError: a leaf does not fit the style (the message
@@ -253,10 +253,10 @@ class CheckpointManager:
       except errors.CheckpointError as err:
         problem = str(err)
     summaries = [layout.local_summary(x, digest=topo.multi_process) for x in host_leaves]
-    everyone = host.agree(
+    everyone, positions = zip(*host.agree(
         problem, "jdist checkpoint: save check", lambda rank, problems: errors.CheckpointError(
             f"Checkpoint step {step} not saved (rank {rank}): {problems[rank]}"),
-        payload=summaries)
+        payload=(summaries, grain_data.encode_position(data_iterator))))
     # Stored once if equal on every replica of every process, else per replica.
     per_replica = [None in column or len(set(column)) > 1 for column in zip(*everyone)]
     gathered = layout.gather_to_rank0(
@@ -264,8 +264,8 @@ class CheckpointManager:
 
     failure = None
     if topo.is_primary:
-      record = layout.build_record(step, topo, signature, per_replica, key_impls,
-                                   host_leaves, user, style)
+      record = dict(layout.build_record(step, topo, signature, per_replica, key_impls,
+                                        host_leaves, user, style), data_iterators=list(positions))
       # orbax cannot store zero-size arrays; the record alone describes them.
       arrays = {layout.leaf_name(i): gathered[i] if per_replica[i] else x[:1]
                 for i, x in enumerate(host_leaves) if x.size}
@@ -296,7 +296,7 @@ class CheckpointManager:
   # Restore ----------------------------------------------------------------
 
   def restore(self, state_template: Any, step: int | None = None, *,
-              style: str | None = None) -> tuple[Any, dict]:
+              style: str | None = None, data_iterator: Any = None) -> tuple[Any, dict]:
     """Reads a checkpoint (default: the latest) into the template's style.
 
     Args:
@@ -307,6 +307,7 @@ class CheckpointManager:
         global arrays, shardings are used.
       step: which checkpoint; default the latest complete one.
       style: "replicated" or "global"; None tells them apart as `save` does.
+      data_iterator: the data iterator to move to this process's position saved with it.
 
     Returns:
       (state, metadata): in the replicated style, every local replica's own
@@ -334,6 +335,7 @@ class CheckpointManager:
       record = self._read_record(step)
       layout.check_fingerprint(path, record, signature)
       layout.check_world(path, record, topo, style)
+      grain_data.restore_position(data_iterator, record, path, topo)
       stacked = self._read_local(path, record, style)
       if style == layout.REPLICATED:
         devices = jax.local_devices()[:topo.local_device_count]

@@ -28,7 +28,8 @@ LAYERS = (
     ("jdist.compression",),
     ("jdist.transforms",),
     ("jdist.parallel", "jdist.batches", "jdist.consistency", "jdist.metrics", "jdist.data",
-     "jdist.epoch_order", "jdist.checkpoint", "jdist.checkpoint_layout", "jdist.flax_nnx"),
+     "jdist.epoch_order", "jdist.checkpoint", "jdist.checkpoint_layout", "jdist.flax_nnx",
+     "jdist.grain_data"),
     ("jdist",),  # the package's __init__: the public API
     ("jdist.app",),
 )
