@@ -48,6 +48,20 @@ MODES = {
     "powersgd4": {"powersgd": 4},
     "powersgd1": {"powersgd": 1},
 }
+LOCAL_SGD_WARMUP = 32  # post-local SGD's synchronous steps (PyTorch's start_localSGD_iter)
+# Modes that exchange parameters every H steps instead of gradients every step
+# (`jdist.diloco`, default outer SGD 0.7 with Nesterov momentum 0.9;
+# `jdist.local_sgd`): the replicas differ between syncs. Used by
+# benchmarks.time_to_accuracy; not in this module's default --modes.
+LOCAL_MODES = {
+    "diloco8": {"diloco": 8},
+    "diloco32": {"diloco": 32},
+    "diloco128": {"diloco": 128},
+    "sdiloco32": {"diloco": 32, "diloco_fragments": 4},
+    "local_sgd8": {"local_sgd": 8, "local_sgd_warmup": LOCAL_SGD_WARMUP},
+    "local_sgd32": {"local_sgd": 32, "local_sgd_warmup": LOCAL_SGD_WARMUP},
+}
+MODES.update(LOCAL_MODES)
 LEARNING_RATE = 0.005  # SINGA's MNIST example: SGD(lr=0.005, momentum=0.9)
 MOMENTUM = 0.9
 SEED = 0
@@ -187,7 +201,7 @@ def main(argv=None) -> int:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--epochs", type=int, default=4)
   parser.add_argument("--dataset", default="auto", choices=("auto", "fashion_mnist", "digits"))
-  parser.add_argument("--modes", default=",".join(MODES),
+  parser.add_argument("--modes", default=",".join(m for m in MODES if m not in LOCAL_MODES),
                       help="from " + ", ".join(MODES).replace("%", "%%"))
   parser.add_argument("--batch", type=int, default=32, help="examples per replica per step")
   parser.add_argument("--limit", type=int, help="use only the first N training examples")

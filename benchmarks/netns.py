@@ -74,7 +74,7 @@ class Link:
 
 SHARED_MEMORY = Link("shm", None)
 LINKS = (SHARED_MEMORY, Link("10gbit", 10_000), Link("1gbit", 1_000), Link("100mbit", 100),
-         Link("100mbit+1ms", 100, delay_ms=1.0))
+         Link("100mbit+1ms", 100, delay_ms=1.0), Link("10mbit", 10))
 
 
 def link_named(name: str) -> Link:

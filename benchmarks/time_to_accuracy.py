@@ -3,6 +3,7 @@
     python -m benchmarks.time_to_accuracy [--links 1gbit,100mbit]
         [--variants ddp,plain@1gbit,powersgd4,powersgd1] [--full plain,powersgd4,powersgd1]
         [--target 0.88] [--epochs 4] [--eval-every N] [--dataset auto|fashion_mnist|digits]
+        [--max-seconds S] [--max-seconds-of NAME[@LINK]=S,...]
         [--limit N] [--out DIR] [--quick] [--render JSON]
 
 How long, in training seconds, each variant needs to reach `--target` test
@@ -14,15 +15,29 @@ Each (link, variant) is its own job of 2 processes x 1 device (`mpirun -np
 (`benchmarks.train_to_target`): SINGA's CNN, batch 32 per replica, SGD(0.005,
 momentum 0.9), the same initial weights, data order and rows per rank for
 jdist's modes (`benchmarks.accuracy.MODES`: plain, fp16, topk1%, powersgd4,
-powersgd1, ...) and for DDP over gloo (`ddp`, `ddp_fp16`, `ddp_powersgd`,
-`benchmarks.torch_accuracy`), so DDP plain follows jdist plain's accuracy
-curve and only the wall time differs. The test accuracy is measured every
+powersgd1, ..., and the modes that exchange parameters every H steps:
+diloco8/32/128, sdiloco32 (Streaming DiLoCo, 4 fragments), local_sgd8/32
+(post-local SGD after 32 synchronous steps)), for `compute_floor` (the same
+inner SGD steps with no exchange at all) and for DDP over gloo (`ddp`,
+`ddp_fp16`, `ddp_powersgd`, `ddp_postlocal`: PyTorch's post-local SGD with
+local_sgd32's warm-up and period; `benchmarks.torch_accuracy`), so DDP
+plain follows jdist plain's accuracy curve and only the wall time differs.
+`diloco_best@LINK` runs the DiLoCo mode (diloco*, sdiloco*) that reached
+the target soonest on the links run before LINK (list LINK later in
+--links). The test accuracy is measured every
 `--eval-every` steps (default a quarter epoch) with the clock stopped, and a
 run ends at the first evaluation at or above the target, except the variants
 in `--full`, which train every epoch so their accuracy after `--epochs`
 epochs is known (the default `--full` goes with the default `--variants`;
 naming `--variants` leaves it empty). A variant is `NAME` (every link) or
 `NAME@LINK` (that link only), in `--variants` and `--full` alike.
+
+`--max-seconds S` caps each run at S training seconds (0: no cap;
+`--max-seconds-of plain@10mbit=120,ddp=120` per variant): a run capped
+before the target reports the accuracy it had, and the report's ratios use
+its training seconds as a lower bound on its time to the target. The
+results are rewritten after every run, so a run stopped early keeps those
+done.
 
 Writes time_to_accuracy.json and time_to_accuracy.md into --out (default
 docs/benchmarks/time_to_accuracy; --quick: a temporary directory): per link,
@@ -60,7 +75,9 @@ from benchmarks import time_to_accuracy_report
 from benchmarks import train_to_target
 
 SECTION = "time_to_accuracy"
-VARIANTS = tuple(accuracy.MODES) + train_to_target.TORCH_VARIANTS
+BEST_DILOCO = "diloco_best"  # resolved when its link comes: see resolve_best_diloco
+VARIANTS = (tuple(accuracy.MODES) + (train_to_target.FLOOR,) + train_to_target.TORCH_VARIANTS
+            + (BEST_DILOCO,))
 DEFAULTS = {"links": "1gbit,100mbit", "variants": "ddp,plain@1gbit,powersgd4,powersgd1",
             "full": "plain,powersgd4,powersgd1", "dataset": "auto", "epochs": 4,
             "target": 0.88}
@@ -86,6 +103,38 @@ def parse_variants(text: str, links: list[str]) -> list[tuple[str, str]]:
   return pairs
 
 
+def parse_caps(text: str, links: list[str]) -> dict[tuple[str, str], float]:
+  """`{(variant, link): seconds}` of `"NAME=S,NAME@LINK=S,..."` over `links`.
+
+  Raises:
+    ValueError: an entry without `=S`, S not a positive number, or a bad name or link.
+  """
+  caps = {}
+  for entry in filter(None, (e.strip() for e in text.split(","))):
+    name, sep, seconds = entry.partition("=")
+    try:
+      value = float(seconds) if sep else -1.0
+    except ValueError:
+      value = -1.0
+    if value <= 0:
+      raise ValueError(f"{entry!r} must be NAME=SECONDS or NAME@LINK=SECONDS with "
+                       "SECONDS > 0, e.g. ddp@10mbit=120")
+    caps.update({pair: value for pair in parse_variants(name, links)})
+  return caps
+
+
+def is_diloco(variant: str) -> bool:
+  return variant in accuracy.MODES and "diloco" in accuracy.MODES[variant]
+
+
+def resolve_best_diloco(runs: list[dict]) -> str | None:
+  """The DiLoCo mode that reached the target in the fewest training seconds in `runs`."""
+  reached = [r for r in runs if is_diloco(r["variant"]) and r.get("final")
+             and r["final"].get("time_to_target_s") is not None]
+  best = min(reached, key=lambda r: r["final"]["time_to_target_s"], default=None)
+  return best and best["variant"]
+
+
 def variant_job(link: netns.Link, variant: str, options: dict[str, Any]) -> jobs_lib.Job:
   """The job training `variant` on `link` (placed in its namespace by the caller)."""
   env = network.gloo_env() if variant in train_to_target.TORCH_VARIANTS else ()
@@ -98,15 +147,22 @@ def run_record(link: str, variant: str, result: dict) -> dict[str, Any]:
   section = result.get("sections", {}).get(SECTION, {})
   rows = section.get("rows", [])
   final = next((r for r in rows if r["kind"] == "final"), None)
-  return {"link": link, "variant": variant,
-          "framework": "torch" if variant in train_to_target.TORCH_VARIANTS else "jdist",
+  framework = ("torch" if variant in train_to_target.TORCH_VARIANTS else "none"
+               if variant == train_to_target.FLOOR else "jdist")
+  return {"link": link, "variant": variant, "framework": framework,
           "curve": [r for r in rows if r["kind"] == "eval"], "final": final,
           "error": result.get("error") or section.get("error"), "wall_s": result["wall_s"]}
 
 
-def run_benchmark(args: argparse.Namespace,
-                  log: Callable[[str], None] = print) -> dict[str, Any]:
-  """Runs every (link, variant) job of `args` and returns the results (summary included)."""
+def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print,
+                  progress: Callable[[dict], None] | None = None) -> dict[str, Any]:
+  """Runs every (link, variant) job of `args` and returns the results (summary included).
+
+  Args:
+    args: `parse_args`'s namespace.
+    log: takes each progress line.
+    progress: called with the results so far (summary included) after each run.
+  """
   start = time.perf_counter()
   environment = network.environment()  # load average at the start
   links, skipped = network.available_links(netns.link_named(n) for n in args.links)
@@ -122,6 +178,21 @@ def run_benchmark(args: argparse.Namespace,
              "batch": args.batch, "target": args.target, "eval_every": args.eval_every}
   netns.remove_stale()
   runs = []
+  resolved = {}
+
+  def results_now() -> dict[str, Any]:
+    environment["load_average_end"] = list(os.getloadavg())
+    results = {"command": args.command, "environment": environment, "skipped": skipped,
+               "options": dict(options, stop_at_target=args.stop_at_target,
+                               full=[f"{v}@{l}" for v, l in plan if (v, l) in args.full],
+                               max_seconds=args.max_seconds, resolved=resolved,
+                               caps={f"{v}@{l}": c for (v, l), c in args.caps.items()},
+                               learning_rate=accuracy.LEARNING_RATE,
+                               momentum=accuracy.MOMENTUM),
+               "runs": list(runs), "wall_s": time.perf_counter() - start}
+    results["summary"] = time_to_accuracy_report.summarize(results)
+    return results
+
   for link in links:
     variants = [v for v, l in plan if l == link.name]
     if not variants:
@@ -129,18 +200,21 @@ def run_benchmark(args: argparse.Namespace,
     with network.link_namespace(link) as name:
       for variant in variants:
         stop = args.stop_at_target and (variant, link.name) not in args.full
+        cap = args.caps.get((variant, link.name), args.max_seconds)
+        if variant == BEST_DILOCO:
+          variant = resolve_best_diloco(runs)
+          if variant is None:
+            log(f"[time_to_accuracy] SKIPPED {BEST_DILOCO}@{link.name}: no DiLoCo mode "
+                "reached the target on an earlier link")
+            continue
+          resolved[f"{BEST_DILOCO}@{link.name}"] = variant
         job = network.in_namespace(variant_job(link, variant, dict(
-            options, stop_at_target=stop)), name)
+            options, stop_at_target=stop, max_seconds=cap)), name)
         result = jobs_lib.run(job, quick=False, timeout=args.timeout, log=log)
         runs.append(run_record(link.name, variant, result))
-  environment["load_average_end"] = list(os.getloadavg())
-  results = {"command": args.command, "environment": environment, "skipped": skipped,
-             "options": dict(options, stop_at_target=args.stop_at_target,
-                             full=[f"{v}@{l}" for v, l in plan if (v, l) in args.full],
-                             learning_rate=accuracy.LEARNING_RATE, momentum=accuracy.MOMENTUM),
-             "runs": runs, "wall_s": time.perf_counter() - start}
-  results["summary"] = time_to_accuracy_report.summarize(results)
-  return results
+        if progress is not None:
+          progress(results_now())
+  return results_now()
 
 
 def write_outputs(results: dict, out_dir: str) -> list[str]:
@@ -176,6 +250,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="auto: Fashion-MNIST where installed, else digits")
   parser.add_argument("--limit", type=int, help="use only the first N training examples")
   parser.add_argument("--batch", type=int, default=32, help="examples per replica per step")
+  parser.add_argument("--max-seconds", type=float, default=0.0,
+                      help="cap each run at this many training seconds (default 0: none)")
+  parser.add_argument("--max-seconds-of", default="", metavar="NAME[@LINK]=S,...",
+                      help="per-variant caps, over --max-seconds")
   parser.add_argument("--timeout", type=float, default=JOB_TIMEOUT,
                       help="seconds before a job is killed")
   parser.add_argument("--out", help="output directory (default docs/benchmarks/"
@@ -201,11 +279,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.links = [netns.link_named(n.strip()).name for n in args.links.split(",")]
     args.variants = parse_variants(args.variants, args.links)
     args.full = set(parse_variants(args.full, args.links))
+    args.caps = parse_caps(args.max_seconds_of, args.links)
   except ValueError as err:
     parser.error(str(err))
-  if args.epochs < 1 or args.batch < 1 or args.eval_every < 0 or not 0 < args.target <= 1:
+  if (args.epochs < 1 or args.batch < 1 or args.eval_every < 0 or not 0 < args.target <= 1
+      or args.max_seconds < 0):
     parser.error("--epochs and --batch must be >= 1, --eval-every >= 0 (0: a quarter "
-                 "epoch), --target in (0, 1].")
+                 "epoch), --target in (0, 1], --max-seconds >= 0 (0: no cap).")
   return args
 
 
@@ -215,7 +295,7 @@ def main(argv=None) -> int:
     network.render(args.render, time_to_accuracy_report.summarize, write_outputs, args.out)
     return 0
   netns.terminate_on_sigterm()  # so a killed run still deletes its namespace
-  results = run_benchmark(args)
+  results = run_benchmark(args, progress=lambda partial: write_outputs(partial, args.out))
   written = write_outputs(results, args.out)
   for target in results["summary"]["targets"]:
     print(f"{target['target']} [{target['where']}]: {target['measured']} (bound "

@@ -16,8 +16,11 @@ parameters of `benchmarks.accuracy.build_model` into it (`torch_state`):
 It trains with `torch.optim.SGD(lr=accuracy.LEARNING_RATE,
 momentum=accuracy.MOMENTUM)` (optax's trace momentum: v = g + mu v, the
 same update) on the mean cross-entropy, wrapped by `torch_peer.wrap` (DDP
-plain, fp16 hook or PowerSGD), and rank r trains on the rows of the replicas
-it owns in jdist's 2x1 layout. torch is a benchmark-only extra, never a
+plain, fp16 hook or PowerSGD) or by `post_local_sgd` ("ddp_postlocal":
+PyTorch's post-local SGD, `post_localSGD_hook` and `PostLocalSGDOptimizer`
+with a `PeriodicModelAverager`, the warm-up and period of jdist's
+`local_sgd32`), and rank r trains on the rows of the replicas it owns in
+jdist's 2x1 layout. torch is a benchmark-only extra, never a
 jdist dependency: only this module and `torch_peer` import it.
 """
 
@@ -31,6 +34,10 @@ from torch import nn
 
 from benchmarks import accuracy
 from benchmarks import torch_peer
+
+POST_LOCAL = "ddp_postlocal"
+# PyTorch's post-local SGD run like jdist's local SGD mode of the same name.
+POST_LOCAL_MODE = "local_sgd32"
 
 EVAL_CHUNK = 1000
 # SingaCNN's layers that hold parameters, by their flax names.
@@ -93,11 +100,41 @@ def singa_cnn_from_flax(flax_model, params: Any, input_shape: Sequence[int]) -> 
   return net
 
 
+def post_local_sgd(net: nn.Module, optimizer: torch.optim.Optimizer, *, period: int,
+                   warmup_steps: int):
+  """`net` in DDP with PyTorch's post-local SGD, and the optimizer that averages.
+
+  The hook all-reduces gradients for the first `warmup_steps` steps and then
+  nothing (`post_local_gradient_allreduce=False`: one process stands for one
+  machine here, so there is no intra-machine group to reduce in); the
+  optimizer's `PeriodicModelAverager` then averages the parameters over every
+  rank once every `period` steps (at steps warmup_steps, warmup_steps +
+  period, ... counted from 0, where jdist.local_sgd averages after steps
+  warmup_steps + period - 1, ...: the same period, one step apart).
+
+  Returns:
+    `(ddp_model, optimizer)`.
+  """
+  # pylint: disable=import-outside-toplevel
+  from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
+  from torch.distributed.algorithms.model_averaging import averagers
+  from torch.distributed.optim import PostLocalSGDOptimizer
+  from torch.nn.parallel import DistributedDataParallel
+  ddp = DistributedDataParallel(net)
+  state = post_localSGD_hook.PostLocalSGDState(process_group=None, subgroup=None,
+                                               start_localSGD_iter=warmup_steps,
+                                               post_local_gradient_allreduce=False)
+  ddp.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)
+  averager = averagers.PeriodicModelAverager(period=period, warmup_steps=warmup_steps)
+  return ddp, PostLocalSGDOptimizer(optim=optimizer, averager=averager)
+
+
 class TorchTrainer:
   """One torch variant's run: `step(indices)` trains on a batch, `evaluate()` tests.
 
   Args:
-    variant: "ddp", "ddp_fp16" or "ddp_powersgd" (see `torch_peer.wrap`).
+    variant: "ddp", "ddp_fp16" or "ddp_powersgd" (see `torch_peer.wrap`), or
+      "ddp_postlocal" (`post_local_sgd`).
     flax_model: the flax CNN whose initial `params` every rank starts from.
     params: those parameters.
     data: the `jdist.app.datasets.Dataset`.
@@ -108,9 +145,17 @@ class TorchTrainer:
 
   def __init__(self, variant: str, flax_model, params: Any, data, replicas: Sequence[int]):
     self.net = singa_cnn_from_flax(flax_model, params, data.train_x.shape[1:])
-    self.model = torch_peer.wrap(variant, self.net)
-    self.optimizer = torch.optim.SGD(self.model.parameters(), lr=accuracy.LEARNING_RATE,
-                                     momentum=accuracy.MOMENTUM)
+    sgd = torch.optim.SGD(self.net.parameters(), lr=accuracy.LEARNING_RATE,
+                          momentum=accuracy.MOMENTUM)
+    self.test_net = self.net  # the model `evaluate` tests
+    self.average_net = None
+    if variant == POST_LOCAL:
+      self.average_net = singa_cnn_from_flax(flax_model, params, data.train_x.shape[1:])
+      mode = accuracy.MODES[POST_LOCAL_MODE]
+      self.model, self.optimizer = post_local_sgd(
+          self.net, sgd, period=mode["local_sgd"], warmup_steps=mode["local_sgd_warmup"])
+    else:
+      self.model, self.optimizer = torch_peer.wrap(variant, self.net), sgd
     self.loss_fn = nn.CrossEntropyLoss()
     self.replicas = list(replicas)
     self.train_x, self.train_y = nchw(data.train_x), data.train_y.astype(np.int64)
@@ -131,13 +176,25 @@ class TorchTrainer:
     hits = 0
     with torch.no_grad():
       for start in range(0, len(self.test_y), EVAL_CHUNK):
-        logits = self.net(torch.from_numpy(self.test_x[start:start + EVAL_CHUNK]))
+        logits = self.test_net(torch.from_numpy(self.test_x[start:start + EVAL_CHUNK]))
         hits += int((logits.argmax(1) == torch.from_numpy(
             self.test_y[start:start + EVAL_CHUNK])).sum())
     return hits / len(self.test_y)
 
   def sync(self) -> None:
-    """DDP keeps every rank's parameters equal: nothing to gather before a test."""
+    """DDP keeps every rank's parameters equal: nothing to gather before a test.
+
+    Post-local SGD's ranks differ between averagings: their average is
+    tested, as for jdist's local SGD (a collective, outside the clock)."""
+    if self.average_net is None:
+      return
+    world = torch.distributed.get_world_size()
+    with torch.no_grad():
+      for mine, average in zip(self.net.parameters(), self.average_net.parameters()):
+        average.copy_(mine)
+        torch.distributed.all_reduce(average)
+        average /= world
+    self.test_net = self.average_net
 
   def wire_bytes(self) -> None:
     """DDP does not report what it sends (the report shows a dash)."""

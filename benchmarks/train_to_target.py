@@ -7,19 +7,29 @@ rank and in every variant) with batch `batch` per replica over the batches
 of `benchmarks.accuracy.epoch_batches` (the same order everywhere):
 
   * a jdist mode of `benchmarks.accuracy.MODES` (`JdistTrainer`:
-    `jdist.dist_opt(optax.sgd(0.005, momentum=0.9), **mode)`);
-  * a torch variant, "ddp", "ddp_fp16" or "ddp_powersgd"
+    `jdist.dist_opt(optax.sgd(0.005, momentum=0.9), **mode)`; DiLoCo and
+    local SGD modes test the replicas' average, which after a sync step is
+    the synced model);
+  * "compute_floor" (`FloorTrainer`): the same inner SGD step on each
+    rank's own rows with no exchange at all (not even the loss), so its
+    training seconds after S steps are what any exchange scheme costs at
+    least for S steps on this machine (its accuracy is rank 0's own model);
+  * a torch variant, "ddp", "ddp_fp16", "ddp_powersgd" or "ddp_postlocal"
     (`benchmarks.torch_accuracy.TorchTrainer`: DDP over gloo from the same
-    weights and rows).
+    weights and rows; "ddp_postlocal" is PyTorch's post-local SGD with the
+    warm-up and period of jdist's "local_sgd32").
 
 Every `eval_every` steps (and after the last step) the training clock stops,
 rank 0 measures the test accuracy and every rank takes rank 0's figure
 (`jdist.runtime.host.allgather_object`), so all ranks decide alike whether
-the target is reached; with `stop_at_target` the run ends there. Rows: one
+the target is reached; with `stop_at_target` the run ends there. With `max_seconds` a run also
+ends once its training seconds reach it (after an evaluation there, if the
+step had none): its final row says `capped`. Rows: one
 per evaluation (`kind` "eval": step, epoch fraction, training seconds so
 far, test accuracy, mean training loss since the previous one), then one
 `kind` "final" row (time and steps to target, None if never reached; the
-median, first and total step time; bytes sent per step for jdist).
+median, first and total step time; bytes sent per step for jdist, the
+mean over the steps trained, so DiLoCo's syncs count once per H steps).
 
 The training clock is the sum of step times, each from taking the batch's
 rows to the step's results being ready (`jax.block_until_ready`; DDP's
@@ -27,7 +37,8 @@ backward waits for its all-reduces), so evaluation never counts; jdist's
 first step includes its compilation (`first_step_s` says how long).
 
 Options (ctx.options): `variant`, `dataset`, `limit`, `epochs`, `batch`,
-`target`, `eval_every` (0: a quarter epoch), `stop_at_target`.
+`target`, `eval_every` (0: a quarter epoch), `stop_at_target`, `max_seconds`
+(0: no cap).
 """
 
 from __future__ import annotations
@@ -38,13 +49,15 @@ import time
 from typing import Any, Callable, Iterator
 
 import jax
+import optax
 
 import jdist
 from benchmarks import accuracy
 from benchmarks import workload
 from jdist.runtime import host
 
-TORCH_VARIANTS = ("ddp", "ddp_fp16", "ddp_powersgd")
+TORCH_VARIANTS = ("ddp", "ddp_fp16", "ddp_powersgd", "ddp_postlocal")
+FLOOR = "compute_floor"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,12 +70,14 @@ class Schedule:
     eval_every: steps between two evaluations.
     target: the test accuracy it trains to reach.
     stop_at_target: end at the first evaluation at or above `target`.
+    max_seconds: end once this many training seconds are spent (0: never).
   """
   epochs: int
   steps_per_epoch: int
   eval_every: int
   target: float
   stop_at_target: bool = True
+  max_seconds: float = 0.0
 
   @property
   def total_steps(self) -> int:
@@ -104,13 +119,17 @@ def run_to_target(trainer, schedule: Schedule, batches: Callable[[int], Any], *,
   curve: list[dict] = []
   step = 0
   stop = False
+  capped = False
+  trained = 0.0  # training seconds so far
   for epoch in range(schedule.epochs):
     for indices in batches(epoch):
       start = clock()
       losses.append(trainer.step(indices))
       step_times.append(clock() - start)
       step += 1
-      if not schedule.evaluates_after(step):
+      trained += step_times[-1]
+      capped = bool(schedule.max_seconds) and trained >= schedule.max_seconds
+      if not (schedule.evaluates_after(step) or capped):
         continue
       trainer.sync()
       point = {"kind": "eval", "step": step, "epoch": step / schedule.steps_per_epoch,
@@ -121,14 +140,16 @@ def run_to_target(trainer, schedule: Schedule, batches: Callable[[int], Any], *,
       curve.append(point)
       yield point
       stop = schedule.stop_at_target and point["test_accuracy"] >= schedule.target
-      if stop:
+      capped = capped and not stop
+      if stop or capped:
         break
-    if stop:
+    if stop or capped:
       break
   reached = first_at_target(curve, schedule.target)
   yield {"kind": "final", "steps": step, "epochs_trained": step / schedule.steps_per_epoch,
          "completed_all_epochs": step == schedule.total_steps,
-         "stopped_at_target": stop, "train_s": sum(step_times),
+         "stopped_at_target": stop, "capped": capped,
+         "max_seconds": schedule.max_seconds or None, "train_s": sum(step_times),
          "median_step_s": statistics.median(step_times) if step_times else None,
          "first_step_s": step_times[0] if step_times else None,
          "final_accuracy": curve[-1]["test_accuracy"] if curve else None,
@@ -152,8 +173,9 @@ class JdistTrainer:
   framework = "jdist"
 
   def __init__(self, mode: str, model, params: Any, data, replicas):
-    self.partial = "partial" in accuracy.MODES[mode]
+    self.partial = bool({"partial", "diloco", "local_sgd"} & set(accuracy.MODES[mode]))
     tx = accuracy.mode_transformation(mode)
+    self.sent = []  # per step, the bytes the step sent (device scalars, read at the end)
     self.train_step = workload.jdist_step(model, tx)
     self.params = jdist.replicate(params)
     self.opt_state = jdist.data_parallel(tx.init)(self.params)
@@ -168,21 +190,69 @@ class JdistTrainer:
         self.params, self.opt_state, workload.shard(self.data.train_x[rows]),
         workload.shard(self.data.train_y[rows]))
     jax.block_until_ready((self.params, self.opt_state, loss))
+    self.sent.append(jdist.wire_bytes(self.opt_state))
     return float(loss[0])
 
   def sync(self) -> None:
-    """Partial sync's replicas differ between syncs: test their average."""
+    """Partial sync's, DiLoCo's and local SGD's replicas differ between syncs: test
+    their average (outside the training clock)."""
     synced = jdist.sync_params(self.params) if self.partial else self.params
     self.test_params = jdist.unreplicate(synced)
 
   def evaluate(self) -> float:
     return self.accuracy_of(self.test_params)
 
-  def wire_bytes(self) -> float:
-    return float(jdist.wire_bytes(jdist.unreplicate(self.opt_state)))
+  def wire_bytes(self) -> float | None:
+    """Mean bytes sent per step over the steps so far (None before the first)."""
+    if not self.sent:
+      return None
+    return float(sum(float(jax.numpy.ravel(b)[0]) for b in self.sent) / len(self.sent))
 
   def details(self) -> dict[str, Any]:
     return {}
+
+
+class FloorTrainer(JdistTrainer):
+  """The compute floor: `optax.sgd(0.005, momentum=0.9)` on this rank's own rows,
+  one `jax.jit` step on its one device, nothing exchanged (not even the loss).
+
+  Its steps are the inner steps of DiLoCo and local SGD; what it tests is rank
+  0's own model (no average: that would be an exchange, and a meaningless model).
+  """
+
+  def __init__(self, model, params: Any, data, replicas):  # pylint: disable=super-init-not-called
+    if len(replicas) != 1:
+      raise ValueError(f"{FLOOR} runs one device per process; this process has "
+                       f"{len(replicas)} replicas ({list(replicas)}). Use 2 processes x 1 "
+                       "device, as benchmarks.time_to_accuracy does.")
+    tx = optax.sgd(accuracy.LEARNING_RATE, momentum=accuracy.MOMENTUM)
+
+    @jax.jit
+    def train_step(params, opt_state, x, y):
+      loss, grads = workload.loss_and_grads(model, params, x, y)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss
+
+    self.train_step = train_step
+    self.params = jax.tree.map(jax.numpy.asarray, params)
+    self.opt_state = tx.init(self.params)
+    self.replicas = list(replicas)
+    self.data = data
+    self.accuracy_of = accuracy.make_evaluate(model, data)
+    self.test_params = None
+
+  def step(self, indices) -> float:
+    rows = indices[self.replicas[0]]  # [batch]
+    self.params, self.opt_state, loss = self.train_step(
+        self.params, self.opt_state, self.data.train_x[rows], self.data.train_y[rows])
+    jax.block_until_ready((self.params, self.opt_state, loss))
+    return float(loss)
+
+  def sync(self) -> None:
+    self.test_params = self.params
+
+  def wire_bytes(self) -> float:
+    return 0.0
 
 
 def trainer_for(variant: str, model, params, data, replicas):
@@ -190,9 +260,11 @@ def trainer_for(variant: str, model, params, data, replicas):
   if variant in TORCH_VARIANTS:
     from benchmarks import torch_accuracy  # pylint: disable=import-outside-toplevel
     return torch_accuracy.TorchTrainer(variant, model, params, data, replicas)
+  if variant == FLOOR:
+    return FloorTrainer(model, params, data, replicas)
   if variant not in accuracy.MODES:
-    raise ValueError(f"Unknown variant {variant!r}: choose from {list(accuracy.MODES)} "
-                     f"or {list(TORCH_VARIANTS)}.")
+    raise ValueError(f"Unknown variant {variant!r}: choose from {list(accuracy.MODES)}, "
+                     f"{FLOOR} or {list(TORCH_VARIANTS)}.")
   return JdistTrainer(variant, model, params, data, replicas)
 
 
@@ -208,7 +280,8 @@ def run(ctx):
   schedule = Schedule(int(options.get("epochs", 4)), steps_per_epoch,
                       int(options.get("eval_every") or default_eval_every(steps_per_epoch)),
                       float(options.get("target", 0.88)),
-                      bool(options.get("stop_at_target", True)))
+                      bool(options.get("stop_at_target", True)),
+                      float(options.get("max_seconds") or 0.0))
   if variant in TORCH_VARIANTS:
     from benchmarks import torch_peer  # pylint: disable=import-outside-toplevel
     torch_peer.init(ctx.rank, ctx.topo.process_count)  # gloo; threads: cores / processes

@@ -284,3 +284,167 @@ def test_command_runs_end_to_end_in_a_subprocess(tmp_path, topo):
     for jdist_point, ddp_point in zip(runs["plain"]["curve"], runs["ddp"]["curve"]):
       assert abs(jdist_point["test_accuracy"] - ddp_point["test_accuracy"]) <= 0.02
   assert "## shm" in (tmp_path / "time_to_accuracy.md").read_text()
+
+
+# ----------------------------------------------------------------------------
+# Issue 28: caps, bounds, DiLoCo / local SGD / post-local SGD variants.
+
+
+def test_a_capped_run_stops_at_max_seconds_with_an_evaluation_there():
+  schedule = train_to_target.Schedule(epochs=2, steps_per_epoch=10, eval_every=4,
+                                      target=0.9, max_seconds=6)
+  curve, final = _run(FakeTrainer([0.2, 0.3]), schedule)
+  assert [(p["step"], p["train_s"], p["test_accuracy"]) for p in curve] == [
+      (4, 4.0, 0.2), (6, 6.0, 0.3)]
+  assert final["capped"] and final["max_seconds"] == 6 and final["steps"] == 6
+  assert final["time_to_target_s"] is None and final["train_s"] == 6.0
+  # Reaching the target on the capped step is reaching it, not a cap.
+  _, final = _run(FakeTrainer([0.2, 0.95]), schedule)
+  assert final["stopped_at_target"] and not final["capped"]
+
+
+def test_caps_are_name_or_name_at_link_equals_seconds():
+  links = ["10mbit", "100mbit"]
+  assert time_to_accuracy.parse_caps("plain@10mbit=120,ddp=60", links) == {
+      ("plain", "10mbit"): 120.0, ("ddp", "10mbit"): 60.0, ("ddp", "100mbit"): 60.0}
+  for bad in ("ddp", "ddp=0", "ddp=soon"):
+    with pytest.raises(ValueError, match="NAME=SECONDS"):
+      time_to_accuracy.parse_caps(bad, links)
+  with pytest.raises(ValueError, match="unknown variant"):
+    time_to_accuracy.parse_caps("diloco7=5", links)
+
+
+def _slow_record(link, variant, *, reached=None, train_s=None, step=2816, curve=()):
+  """A run that reached the target after `reached` s at `step`, or was capped at `train_s`."""
+  final = {"kind": "final", "steps": step if reached else 100, "epochs_trained": 1.0,
+           "completed_all_epochs": False, "capped": reached is None,
+           "train_s": reached or train_s, "time_to_target_s": reached,
+           "reached_step": step if reached else None,
+           "epochs_to_target": step / 937 if reached else None, "median_step_s": 2.5,
+           "first_step_s": 3.0, "final_accuracy": 0.6, "wire_bytes_per_step": None,
+           "dataset": "fashion_mnist", "train_examples": 60000, "test_examples": 10000,
+           "steps_per_epoch": 937, "eval_every": 256}
+  record = _run_record(link, variant, reached, 0.6, False)
+  return dict(record, final=final, curve=[
+      {"kind": "eval", "step": s, "epoch": s / 937, "train_s": t, "test_accuracy": a,
+       "train_loss": 0.5} for s, t, a in curve] or record["curve"])
+
+
+def test_slow_targets_bound_a_capped_ddp_plain_and_compare_diloco_with_its_floor():
+  def runs(ddp_cap):
+    return [
+        _slow_record("shm", "plain", reached=170.0, curve=[(256, 15.0, 0.79),
+                                                           (2816, 170.0, 0.886)]),
+        _slow_record("10mbit", "powersgd1", reached=300.0),
+        _slow_record("10mbit", "diloco128", reached=150.0, curve=[(256, 14.0, 0.77),
+                                                                  (2816, 150.0, 0.881)]),
+        _slow_record("10mbit", "diloco32", reached=200.0),
+        _slow_record("10mbit", "plain", train_s=120.0),
+        _slow_record("10mbit", "ddp", train_s=ddp_cap),
+        _slow_record("10mbit", "ddp_powersgd", reached=400.0),
+        _slow_record("100mbit", "diloco128", reached=130.0, step=2816),
+        _slow_record("100mbit", "compute_floor", train_s=160.0,
+                     curve=[(2816, 125.0, 0.85), (3072, 137.0, 0.85)])]
+
+  current, ddp, ddp_best, floor, accuracy = _results(runs(120.0))["summary"]["targets"]
+  assert current["measured"] == pytest.approx(0.5) and current["met"] is True
+  assert "diloco128 / powersgd1" in current["where"]
+  # DDP plain capped at 120 s: 150 / 120 bounds the ratio from above, too loosely.
+  assert ddp["kind"] == "<=" and ddp["measured"] == pytest.approx(1.25)
+  assert ddp["met"] is None and "ddp not reached in 120 s" in ddp["note"]
+  assert "projected 7040 s (2816 steps" in ddp["note"]  # 3 s + 2815 x 2.5 s
+  assert ddp_best["measured"] == pytest.approx(150 / 400) and ddp_best["met"] is True
+  assert floor["measured"] == pytest.approx(130 / 125) and floor["met"] is True
+  assert accuracy["measured"] == pytest.approx(0.881 - 0.886) and accuracy["met"] is True
+  assert "step 2816" in accuracy["note"]
+  results = _results(runs(2000.0))
+  ddp = results["summary"]["targets"][1]
+  assert ddp["kind"] == "<=" and ddp["measured"] == pytest.approx(0.075) and ddp["met"]
+  text = tta_report.markdown(results)
+  assert "| <= 0.075 | met |" in text
+  assert "| ddp | not reached in 2000 s (accuracy 0.6000 at step 100) |" in text
+  rows = {r["variant"]: r for r in results["summary"]["links"]["10mbit"]}
+  assert (rows["diloco128"]["vs_ddp"], rows["diloco128"]["vs_ddp_kind"]) == (
+      pytest.approx(0.075), "<=")
+
+
+def test_diloco_best_runs_the_fastest_diloco_mode_of_the_earlier_links(monkeypatch,
+                                                                        tmp_path):
+  import contextlib  # pylint: disable=import-outside-toplevel
+  from benchmarks import netns  # pylint: disable=import-outside-toplevel
+  network = time_to_accuracy.network
+  links = [netns.link_named("shm"), netns.link_named("10mbit")]
+  monkeypatch.setattr(network, "available_links", lambda names: (links, []))
+  monkeypatch.setattr(network, "link_namespace", lambda link: contextlib.nullcontext("ns"))
+  monkeypatch.setattr(network, "in_namespace", lambda job, name: job)
+  monkeypatch.setattr(netns, "remove_stale", lambda: [])
+  launched, progress = [], []
+  times = {"diloco32": 200.0, "diloco128": 150.0, "local_sgd32": 100.0}
+
+  def fake_run(job, **kwargs):
+    del kwargs
+    options = dict(job.options)
+    launched.append((job.name, options["max_seconds"]))
+    run = _slow_record("shm", options["variant"], reached=times.get(options["variant"]))
+    return {"wall_s": 1.0,
+            "sections": {"time_to_accuracy": {"rows": run["curve"] + [run["final"]]}}}
+
+  monkeypatch.setattr(time_to_accuracy.jobs_lib, "run", fake_run)
+  args = time_to_accuracy.parse_args([
+      "--links", "shm,10mbit", "--variants", "diloco32@shm,diloco128@shm,local_sgd32@shm,"
+      "diloco_best@10mbit,compute_floor@10mbit", "--max-seconds", "300",
+      "--max-seconds-of", "compute_floor=50", "--out", str(tmp_path)])
+  results = time_to_accuracy.run_benchmark(args, log=lambda line: None,
+                                           progress=progress.append)
+  assert launched == [("diloco32@shm", 300.0), ("diloco128@shm", 300.0),
+                      ("local_sgd32@shm", 300.0), ("diloco128@10mbit", 300.0),
+                      ("compute_floor@10mbit", 50.0)]
+  assert results["options"]["resolved"] == {"diloco_best@10mbit": "diloco128"}
+  assert [r["framework"] for r in results["runs"]][-1] == "none"
+  assert [len(p["runs"]) for p in progress] == [1, 2, 3, 4, 5]
+
+
+def test_ddp_post_local_sgd_on_one_rank_trains_like_plain_sgd():
+  # One rank: the warm-up all-reduce and the periodic averaging are identities,
+  # so post-local SGD must follow torch.optim.SGD step for step; this checks
+  # the hook, the averager and the optimizer are wired (run past the warm-up
+  # and two averaging periods) and that sync/evaluate test the averaged model.
+  torch = _torch_or_skip()
+  import types  # pylint: disable=import-outside-toplevel
+  from benchmarks import accuracy  # pylint: disable=import-outside-toplevel
+  from benchmarks import torch_accuracy  # pylint: disable=import-outside-toplevel
+  dist = torch.distributed
+  if dist.is_initialized():
+    pytest.skip("a torch process group is already up in this process")
+  shape = (8, 8, 1)
+  flax_model = models.create_model("cnn", num_classes=10, input_shape=shape)
+  params, _ = models.init_model(flax_model, jax.random.key(0), shape)
+  rng = np.random.default_rng(0)
+  data = types.SimpleNamespace(
+      train_x=rng.random((64,) + shape, dtype=np.float32), train_y=rng.integers(0, 10, 64),
+      test_x=rng.random((20,) + shape, dtype=np.float32), test_y=rng.integers(0, 10, 20))
+  mode = accuracy.MODES[torch_accuracy.POST_LOCAL_MODE]
+  steps = mode["local_sgd_warmup"] + 2 * mode["local_sgd"] + 1
+  dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+  try:
+    trainer = torch_accuracy.TorchTrainer("ddp_postlocal", flax_model, params, data, [0])
+    reference = torch_accuracy.singa_cnn_from_flax(flax_model, params, shape)
+    sgd = torch.optim.SGD(reference.parameters(), lr=accuracy.LEARNING_RATE,
+                          momentum=accuracy.MOMENTUM)
+    x, y = torch.from_numpy(torch_accuracy.nchw(data.train_x)), torch.from_numpy(
+        data.train_y.astype(np.int64))
+    for step in range(steps):
+      indices = (np.arange(8) + 8 * step) % 64
+      loss = trainer.step(indices[None])
+      sgd.zero_grad()
+      expected = torch.nn.functional.cross_entropy(reference(x[indices]), y[indices])
+      expected.backward()
+      sgd.step()
+      assert loss == pytest.approx(float(expected), rel=1e-5)
+    trainer.sync()
+    assert trainer.test_net is trainer.average_net
+    for got, want in zip(trainer.test_net.parameters(), reference.parameters()):
+      np.testing.assert_allclose(got.detach().numpy(), want.detach().numpy(), atol=1e-5)
+    assert 0.0 <= trainer.evaluate() <= 1.0
+  finally:
+    dist.destroy_process_group()

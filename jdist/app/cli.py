@@ -131,6 +131,12 @@ def build_train_parser(prog: str = "jdist train") -> argparse.ArgumentParser:
   group.add_argument("--log-file", help="JSON-lines log: one record per epoch and a summary")
   group.add_argument("--eval-every", type=int, default=defaults.eval_every, metavar="EPOCHS",
                      help="evaluate every N epochs and after the last (0: never)")
+  group.add_argument("--local-checkpoint-every", type=int, default=0, metavar="STEPS",
+                     help="also save every N steps to a fast per-node local tier (0: never); "
+                     "a resume takes the newest intact checkpoint of either tier")
+  group.add_argument("--local-checkpoint-dir", metavar="DIR",
+                     help="the local tier's directory (default: per node, under /dev/shm or "
+                     "the temp dir)")
   group.add_argument("--no-progress", dest="progress", action="store_false",
                      help="no progress bar (per-epoch lines are printed either way)")
   group = parser.add_argument_group("runtime")

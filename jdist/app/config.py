@@ -60,6 +60,11 @@ class TrainConfig:
     checkpoint_every: also checkpoint every N steps (0: only at epoch ends).
     resume: continue from the latest checkpoint in checkpoint_dir.
     max_steps: stop (with a checkpoint) after this many steps in all; None
+    local_checkpoint_every: also save to a fast per-node local tier every N
+      steps (0: never); a resume takes the newest intact checkpoint of
+      either tier (`jdist.app.checkpoint_tiers`); needs checkpoint_dir.
+    local_checkpoint_dir: the local tier's directory (None: a per-node one
+      under /dev/shm or the system temp dir).
       to run every epoch. Resuming afterwards continues the same run.
     log_file: JSON-lines log (one record per epoch and a summary), or None.
     eval_every: evaluate every N epochs (the last epoch always; 0: never).
@@ -95,6 +100,8 @@ class TrainConfig:
   checkpoint_every: int = 0
   resume: bool = False
   max_steps: int | None = None
+  local_checkpoint_every: int = 0
+  local_checkpoint_dir: str | None = None
   log_file: str | None = None
   eval_every: int = 1
   check_replicas_every: int = 100
@@ -175,6 +182,7 @@ def validate(config: TrainConfig) -> TrainConfig:
   _int(config, "test_limit", 1, optional=True)
   _int(config, "checkpoint_every", 0)
   _int(config, "max_steps", 1, optional=True)
+  _int(config, "local_checkpoint_every", 0)
   _int(config, "eval_every", 0)
   _int(config, "check_replicas_every", 0)
   _int(config, "cpu_devices", 1, optional=True)
@@ -228,6 +236,11 @@ def validate(config: TrainConfig) -> TrainConfig:
   if config.checkpoint_every and not config.checkpoint_dir:
     raise ConfigError("--checkpoint-every needs --checkpoint-dir DIR: where to write them.")
   return config
+  if (config.local_checkpoint_every or config.local_checkpoint_dir) and not config.checkpoint_dir:
+    raise ConfigError("--local-checkpoint-every needs --checkpoint-dir DIR: the persistent "
+                      "tier the local one backs up.")
+  if config.local_checkpoint_dir and not config.local_checkpoint_every:
+    raise ConfigError("--local-checkpoint-dir needs --local-checkpoint-every STEPS.")
 
 
 def _check_timeline(config: TrainConfig) -> None:

@@ -29,6 +29,7 @@ import numpy as np
 import jdist
 from jdist import consistency
 from jdist import errors
+from jdist.app import checkpoint_tiers as tiers
 from jdist.app import train_guard
 from jdist.runtime import host
 from jdist.app.resume_policy import resume_conflicts
@@ -82,6 +83,7 @@ class Run:
     self.timeline = (jdist.timeline(config.timeline, steps=config.timeline_steps,
                                     function="train_step") if config.timeline else None)
     self.manager, self.synced_at, self.rollbacks = None, -1, 0
+    self.local = None  # the local tier (--local-checkpoint-every), or None
 
   @property
   def step(self) -> int:
@@ -90,7 +92,7 @@ class Run:
   # Checkpoints and resume ---------------------------------------------------
 
   def open_checkpoints(self) -> int | None:
-    """Sets up checkpointing; resumes if asked. Returns the step resumed from."""
+    """Sets up checkpointing (both tiers); resumes if asked. Returns the step resumed from."""
     config = self.config
 
     def open_manager():
@@ -99,41 +101,61 @@ class Run:
       return jdist.CheckpointManager(config.checkpoint_dir, keep=3)
 
     self.manager = agree(open_manager, "checkpoint directory")
+    if config.local_checkpoint_every:
+      local_dir = config.local_checkpoint_dir or tiers.default_local_dir(config.checkpoint_dir)
+
+      def open_local():
+        if self.topo.is_primary:
+          train_guard.probe_writable(local_dir)
+        return tiers.LocalManager(local_dir)
+
+      self.local = agree(open_local, "local checkpoint directory")
     steps = self.manager.all_steps()
-    if not steps:
+    local_steps = tiers.usable_local_steps(self.local) if self.local else []
+    if not config.resume or not (steps or local_steps):
+      if steps:
+        raise TrainError(
+            f"{config.checkpoint_dir} already holds checkpoints (latest step {steps[-1]}); "
+            f"pass --resume to continue that run, or choose an empty --checkpoint-dir.")
       if config.resume:
         self.out.say(f"no checkpoint in {config.checkpoint_dir} yet: starting from scratch")
+      if self.local:
+        self.local.drop_after(None)  # an earlier run's: steps start again from 0
       return None
-    if not config.resume:
-      raise TrainError(
-          f"{config.checkpoint_dir} already holds checkpoints (latest step {steps[-1]}); pass "
-          f"--resume to continue that run, or choose an empty --checkpoint-dir.")
-    for step in reversed(steps):
+    candidates = tiers.resume_order(steps, local_steps)
+    for index, (step, tier) in enumerate(candidates):
+      manager = self.local if tier == tiers.LOCAL else self.manager
       try:
-        return self._resume_from(step)
+        self._resume_from(step, manager)
       except errors.CheckpointCorruptError as err:
-        moved = self.manager.set_aside(step)
-        older = [s for s in steps if s < step]
-        self.out.say(f"warning: checkpoint step {step} cannot be read ({err}); moved it to "
-                     f"{moved}" + (f"; trying step {older[-1]}" if older else ""))
+        moved = manager.set_aside(step)
+        following = candidates[index + 1:]
+        self.out.say(f"warning: {'local ' if tier == tiers.LOCAL else ''}checkpoint step {step} "
+                     f"cannot be read ({err}); moved it to {moved}" + (
+                         f"; trying {'local ' if following[0][1] == tiers.LOCAL else ''}step "
+                         f"{following[0][0]}" if following else ""))
+        continue
+      if self.local:
+        self.local.drop_after(step)  # newer local steps (not on every node) are discarded
+      return step
     raise TrainError(f"no checkpoint in {config.checkpoint_dir} can be read (steps {steps} "
                      f"were damaged and are set aside as <step>.corrupt). Start a new run "
                      f"with an empty --checkpoint-dir.")
 
-  def _resume_from(self, step: int) -> int:
+  def _resume_from(self, step: int, manager) -> int:
     config = self.config
-    saved = self.manager.read_metadata(step)["user"]
+    saved = manager.read_metadata(step)["user"]
     saved_config, refusal, note = train_guard.resume_world(saved, config, self.topo)
     if refusal:
-      raise TrainError(f"cannot resume from {config.checkpoint_dir} (step {step}) with "
+      raise TrainError(f"cannot resume from {manager.directory} (step {step}) with "
                        f"{self.topo.replica_count} replicas: {refusal}")
     conflicts, notes = resume_conflicts(saved_config, config)
     if conflicts:
       raise TrainError(
-          f"cannot resume from {config.checkpoint_dir} (step {step}): it belongs to a run "
+          f"cannot resume from {manager.directory} (step {step}): it belongs to a run "
           f"with other settings: {'; '.join(conflicts)}. Use the checkpoint's settings, or a "
           f"new --checkpoint-dir to start a new run.")
-    restored, saved = self.manager.restore(self.state, step=step)
+    restored, saved = manager.restore(self.state, step=step)
     self.state.update(restored)
     if note:
       self.out.say(f"note: resuming with a changed setting ({note}).")
@@ -141,13 +163,15 @@ class Run:
       self.out.say(f"note: resuming with a changed setting ({text}); the run will differ "
                    f"from an uninterrupted one.")
     self.position.update({k: saved[k] for k in self.position if k in saved})
-    self.out.say(f"resumed from {config.checkpoint_dir} step {step} (epoch "
+    self.out.say(f"resumed from {manager.directory} step {step} (epoch "
                  f"{self.position['epoch'] + 1}, batch {self.position['batch_in_epoch']}/"
                  f"{self.steps_per_epoch})")
     return step
 
-  def save(self, epoch: int, batch_in_epoch: int, epoch_so_far: dict) -> bool:
-    """Checkpoints the run; False (nothing saved) if its state was rolled back instead."""
+  def save(self, epoch: int, batch_in_epoch: int, epoch_so_far: dict, local: bool = False
+           ) -> bool:
+    """Checkpoints the run (`local`: to the local tier); False (nothing saved) if its
+    state was rolled back instead."""
     self.sync_for_use()
     if not self.finite("before saving a checkpoint"):
       return False  # the restored checkpoint is the newest already
@@ -158,7 +182,9 @@ class Run:
                          history=self.position["history"])
     metadata = {**self.position, "seed": self.config.seed, "config": self.config.to_dict(),
                 "replica_count": self.topo.replica_count}
-    self.manager.save(self.step, self.state, metadata=metadata)
+    (self.local if local else self.manager).save(self.step, self.state, metadata=metadata)
+    if not local:  # `jdist launch` reads it: a restart onto more hosts loses nothing from here
+      self.out.say(f"checkpoint saved at step {self.step}")
     return True
 
   # Guards -------------------------------------------------------------------
@@ -291,6 +317,11 @@ class Run:
           if self.save(epoch, batch_index, so_far()):
             saved_at = self.step
           else:
+            tally.restart(self.skipped_total())
+            first_batch, epoch_start = batch_index, time.perf_counter()
+        elif (self.local and self.step % config.local_checkpoint_every == 0
+              and batch_index < self.steps_per_epoch):
+          if not self.save(epoch, batch_index, so_far(), local=True):
             tally.restart(self.skipped_total())
             first_batch, epoch_start = batch_index, time.perf_counter()
         if reached(config.max_steps, self.step):
