@@ -27,6 +27,7 @@ from jdist import batches
 from jdist.runtime import host
 from jdist.runtime import topology as topology_lib
 from jdist.collectives import context
+from jdist.collectives import mesh_axes
 from jdist.collectives import ops
 from jdist.collectives import start
 from jdist.collectives import steps
@@ -218,6 +219,7 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
     # Looked up per call, not at decoration: a module-level @data_parallel
     # must leave the user's later jdist.init(...) free to set the job up.
     topo = start.ensure_initialized()
+    mesh_axes.refuse_per_replica_step(name)  # a model axis it cannot use: say so, not JAX
     if check_inputs:
       check_mapped_inputs(args, _mapped_positions(in_axes, len(args), static),
                           topo.local_device_count, name)

@@ -143,3 +143,13 @@ def test_a_two_axis_mesh_jdist_did_not_build_is_a_clear_error(topo):
     with pytest.raises(errors.CollectiveContextError) as info:
       jax.jit(jdist.psum)(jnp.ones(2))
   assert "jdist.mesh(model=K)" in str(info.value)
+
+
+def test_a_data_parallel_step_under_a_model_mesh_says_it_has_no_model_axis(topo):
+  step = jdist.data_parallel(jdist.pmean)
+  values = jnp.ones((topo.local_device_count, 2))
+  with jax.set_mesh(jdist.mesh(model=_model_size(topo), names=("batch", "model"))):
+    with pytest.raises(errors.CollectiveContextError) as info:
+      step(values)
+  assert "model axis 'model'" in str(info.value) and "jax.jit step" in str(info.value)
+  np.testing.assert_allclose(step(values), values)  # outside the mesh it runs as ever

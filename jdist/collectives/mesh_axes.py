@@ -146,3 +146,26 @@ def exchange_mesh(abstract: AbstractMesh) -> Mesh | None:
   """The one-axis mesh a global step's reduction runs over; None: the step's own mesh."""
   layout = _layouts.get(abstract)
   return None if layout is None else layout.exchange
+
+
+def refuse_per_replica_step(what: str) -> None:
+  """Raises where a `jdist.data_parallel` step is called under a two-axis jdist mesh.
+
+  Such a step makes each local device a replica holding whole parameters:
+  it has no model axis, and JAX refuses its one-axis `shard_map` under the
+  two-axis context mesh with a message that names neither.
+
+  Raises:
+    jdist.errors.CollectiveContextError: names both ways out.
+  """
+  abstract = jax.sharding.get_abstract_mesh()
+  layout = _layouts.get(abstract)
+  if layout is None or abstract.manual_axes:
+    return
+  raise errors.CollectiveContextError(
+      f"{what} is a jdist.data_parallel step (every local device a replica with whole "
+      f"parameters), called under jax.set_mesh(jdist.mesh(model="
+      f"{abstract.shape[layout.model]}, ...)), whose model axis {layout.model!r} it cannot "
+      f"use. For a model axis, write the step as a jax.jit step over global arrays under "
+      f"that mesh (docs/model_axis.md); for data parallelism alone, call this step outside "
+      f"it (under jax.set_mesh(jdist.mesh()) or no mesh).")
