@@ -11,12 +11,14 @@ import argparse
 import io
 import json
 import os
+import re
 import sys
 
 import pytest
 
 from jdist.app import elastic
 from jdist.app import launch
+from jdist.app import launch_elastic
 from jdist.runtime import abort
 
 Host = elastic.Host
@@ -87,7 +89,7 @@ def test_restart_batch_size_is_left_alone_outside_a_restart(monkeypatch, tmp_pat
   assert elastic.restart_batch_size(None, 2, 8) == (8, None)  # no checkpoints, nothing to keep
 
 
-def _args(hostfile, **overrides):
+def _args(hostfile=None, **overrides):
   values = dict(hostfile=hostfile, processes=None, mpirun=sys.executable, mpirun_args="",
                 abort_grace=5.0, max_restarts=1, min_nodes=1, cooldown=600.0)
   values.update(overrides)
@@ -95,7 +97,7 @@ def _args(hostfile, **overrides):
 
 
 FAKE_MPIRUN = """\
-import json, os, sys
+import json, os, sys, time
 args = sys.argv[1:]
 hosts = open(args[args.index('--hostfile') + 1]).read().split()
 np_ = int(args[args.index('-np') + 1])
@@ -103,11 +105,16 @@ state = json.load(open(STATE)) if os.path.exists(STATE) else []
 state.append(dict(hosts=hosts, np=np_, restart=os.environ.get('JDIST_RESTART')))
 json.dump(state, open(STATE, 'w'))
 print(HOSTS_MARKER + ' ' + ' '.join(f'{r}:node{"AB"[r // 2]}' for r in range(np_)), flush=True)
-if MODE == 'lose' and len(state) == 1:
+if MODE in ('lose', 'grow') and len(state) == 1:
   sys.stderr.write(LOST)
   sys.exit(0)
 if MODE == 'bug':
   sys.exit(3)
+if MODE in ('grow', 'discover') and np_ == 2:  # on fewer hosts: checkpoints until stopped
+  for step in (5, 10, 15):
+    print(f'checkpoint saved at step {step}', flush=True)
+    time.sleep(1.0)
+  sys.exit(4)  # not stopped: the test fails on the runs it sees
 print('trained', flush=True)
 """
 
@@ -122,7 +129,8 @@ def _elastic_run(tmp_path, monkeypatch, mode, **overrides):
                     f"HOSTS_MARKER = {abort.HOSTS_MARKER!r}\n" + FAKE_MPIRUN)
   hostfile = _hostfile(tmp_path, "10.0.0.1 slots=2\n10.0.0.2 slots=2\n")
   out, err = io.StringIO(), io.StringIO()
-  runner = launch.Elastic([], _args(hostfile, **overrides), stdout=out, stderr=err)
+  overrides.setdefault("hostfile", hostfile)
+  runner = launch_elastic.Elastic([], _args(**overrides), stdout=out, stderr=err)
   # mpirun_argv puts `--hostfile H -np N` right after the "mpirun": run the script there.
   original = launch.mpirun_argv
   monkeypatch.setattr(launch, "mpirun_argv", lambda command, **kw: (
@@ -130,6 +138,72 @@ def _elastic_run(tmp_path, monkeypatch, mode, **overrides):
   status = runner.run()
   runs = json.load(open(state)) if os.path.exists(state) else []
   return status, err.getvalue(), runs
+
+
+def test_parse_discovery_reads_horovod_and_hostfile_lines():
+  assert elastic.parse_discovery("a\nb:2\n\n# c\nc slots=3  # rack 2\n") == [
+      Host("a", 1), Host("b", 2), Host("c", 3)]
+  assert elastic.parse_discovery("") == []  # no host available now
+  for text, words in (("a b\n", "line 1: cannot read 'a b'"), ("a:2 slots=3", "cannot read"),
+                      ("a\nb:0\n", "line 2: 0 slots"), ("a\na:2\n", "host a is listed twice")):
+    with pytest.raises(elastic.ElasticError, match=words):
+      elastic.parse_discovery(text)
+
+
+def test_discover_runs_the_script_and_names_its_failure(tmp_path):
+  script = tmp_path / "discover.sh"
+  script.write_text("#!/bin/sh\necho nodeA:2\necho nodeB slots=2\n")
+  script.chmod(0o755)
+  assert elastic.discover(str(script)) == [Host("nodeA", 2), Host("nodeB", 2)]
+  script.write_text("#!/bin/sh\necho no hosts file >&2\nexit 2\n")
+  with pytest.raises(elastic.ElasticError, match="failed with exit status 2: no hosts file"):
+    elastic.discover(str(script))
+  with pytest.raises(elastic.ElasticError, match="must be an executable file"):
+    elastic.discover(str(tmp_path / "missing.sh"))
+
+
+def test_grow_to_only_when_the_job_gets_more_processes():
+  a, b, c = Host("a", 2), Host("b", 2), Host("c", 1)
+  assert elastic.grow_to([a], 2, [a], None, None) is None  # nothing new
+  assert elastic.grow_to([a], 2, [a, b], None, None) == ([a, b], 4)  # every slot
+  assert elastic.grow_to([a], 2, [a, b], 4, 2) == ([a, b], 4)  # back to the fixed -np
+  assert elastic.grow_to([a, b], 4, [a, b, c], 4, 2) is None  # fixed -np already reached
+  assert elastic.grow_to([a, b], 4, [b, c], None, None) is None  # 3 slots: fewer
+  clock = iter([0.0, 1.0]).__next__
+  blacklist = elastic.Blacklist(cooldown=5.0, clock=clock)
+  blacklist.add("b")
+  assert blacklist.lost_before("b") and not blacklist.lost_before("a")
+
+
+def test_a_host_back_after_its_cooldown_is_grown_onto_at_the_next_checkpoint(
+    tmp_path, monkeypatch):
+  # The launch agent is `true`: every host answers the probe.
+  status, err, runs = _elastic_run(tmp_path, monkeypatch, "grow", cooldown=0.5,
+                                   discovery_interval=0.1,
+                                   mpirun_args="--prtemca plm_ssh_agent true")
+  assert status == 0, err
+  assert "restart 1: lost host nodeB (ranks 2, 3); continuing on 2 of 4 processes" in err
+  assert "host nodeB is back: stopping the job at its next checkpoint" in err
+  # Stopped at the first checkpoint after node B was seen back.
+  assert re.search(r"restart 2: host nodeB is back; continuing on 4 of 4 processes from "
+                   r"step (5|10|15)\n", err), err
+  assert [(len(r["hosts"]) // 2, r["np"], r["restart"]) for r in runs] == [
+      (2, 4, "0"), (1, 2, "1"), (2, 4, "2")]
+
+
+def test_a_host_the_discovery_script_adds_is_grown_onto(tmp_path, monkeypatch):
+  script, count = tmp_path / "discover.sh", tmp_path / "calls"
+  # The first call (the start) lists node A only, later ones both.
+  script.write_text(f"#!/bin/sh\necho x >> {count}\necho 10.0.0.1:2\n"
+                    f"[ $(wc -l < {count}) -gt 1 ] && echo 10.0.0.2:2\nexit 0\n")
+  script.chmod(0o755)
+  status, err, runs = _elastic_run(tmp_path, monkeypatch, "discover", hostfile=None,
+                                   host_discovery=str(script), discovery_interval=0.1)
+  assert status == 0, err
+  assert re.search(r"restart 1: host 10.0.0.2 is new; continuing on 4 of 2 processes from "
+                   r"step (5|10|15)\n", err), err
+  assert [(r["hosts"], r["np"]) for r in runs] == [
+      (["10.0.0.1", "slots=2"], 2), (["10.0.0.1", "slots=2", "10.0.0.2", "slots=2"], 4)]
 
 
 def test_a_lost_host_is_left_out_and_the_job_goes_on(tmp_path, monkeypatch):
@@ -173,6 +247,13 @@ def test_launch_main_checks_the_elastic_flags(capsys, tmp_path):
   assert launch.main(["--hostfile", hostfile, "-np", "3", "--max-restarts", "1", "--",
                       "true"]) == launch.EXIT_USAGE
   assert "-np 3 is more than the 2 slots" in capsys.readouterr().err
+  assert launch.main(["--hostfile", hostfile, "--host-discovery", "x", "--", "true"]
+                     ) == launch.EXIT_USAGE
+  assert "--hostfile or --host-discovery, not both" in capsys.readouterr().err
+  assert launch.main(["--discovery-interval", "0", "--", "true"]) == launch.EXIT_USAGE
+  assert launch.main(["--host-discovery", str(tmp_path / "none.sh"), "--", "true"]
+                     ) == launch.EXIT_USAGE
+  assert "must be an executable file" in capsys.readouterr().err
 
 
 def test_fault_lost_node_restarts_and_training_goes_on(rig_ready, tmp_path):

@@ -14,7 +14,12 @@ holds what decides the next run, apart from mpirun itself:
     processes per node when -np was fixed);
   * `restart_batch_size`: the hook `jdist train` uses on a restarted run so
     that a checkpoint written by R replicas x batch B continues exactly on
-    R' replicas (batch B x R / R': the same global batch).
+    R' replicas (batch B x R / R': the same global batch);
+  * `parse_discovery` / `discover`: `--host-discovery SCRIPT`'s hosts
+    (Horovod style: `HOST`, `HOST:SLOTS` or `HOST slots=N` lines), read at
+    each (re)start and every `--discovery-interval` seconds;
+  * `grow_to`: whether a running job on fewer hosts than are available
+    should be stopped at its next checkpoint and restarted over more.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import subprocess
 import time
 from typing import Callable, Sequence
 
@@ -103,6 +109,10 @@ class Blacklist:
     blocked = set(self.blocked())
     return [host for host in hosts if host.name not in blocked]
 
+  def lost_before(self, name: str) -> bool:
+    """Whether `name` was lost once (in its cooldown or past it)."""
+    return name in self._since
+
 
 def placement(hosts: Sequence[Host], processes: int) -> list[str]:
   """The host of each rank under Open MPI's default by-slot mapping (`--map-by slot`)."""
@@ -143,6 +153,77 @@ def lost_entries(lost: Sequence[str], rank_hosts: dict[int, str], hosts: Sequenc
           f"keep Open MPI's default by-slot mapping")
     found += [entry for entry in entries if entry not in found]
   return found
+
+
+def parse_discovery(text: str, source: str = "host discovery") -> list[Host]:
+  """The hosts a `--host-discovery` script printed, one a line.
+
+  Each line is `HOST`, `HOST:SLOTS` or `HOST slots=N` (Horovod's forms and
+  the hostfile's); blank lines and `#` comments are skipped. The output may
+  name no host (none available now).
+
+  Raises:
+    ElasticError: a line that is none of those forms, a slot count below 1,
+      or a host listed twice (naming the line).
+  """
+  hosts: list[Host] = []
+  for number, line in enumerate(text.splitlines(), 1):
+    words = line.split("#", 1)[0].split()
+    if not words:
+      continue
+    match = re.fullmatch(r"([^:\s]+)(?::(\d+))?", words[0])
+    slots = int(match.group(2)) if match and match.group(2) else 1
+    extra = re.fullmatch(r"slots=(\d+)", words[1]) if len(words) == 2 else None
+    if not match or len(words) > 2 or (len(words) == 2 and (not extra or match.group(2))):
+      raise ElasticError(f"{source} line {number}: cannot read {line.strip()!r} (expected "
+                         f"`HOST`, `HOST:SLOTS` or `HOST slots=N`)")
+    if extra:
+      slots = int(extra.group(1))
+    if slots < 1:
+      raise ElasticError(f"{source} line {number}: {slots} slots; a host needs at least 1")
+    if any(host.name == match.group(1) for host in hosts):
+      raise ElasticError(f"{source} line {number}: host {match.group(1)} is listed twice")
+    hosts.append(Host(match.group(1), slots))
+  return hosts
+
+
+def discover(script: str, timeout: float = 30.0) -> list[Host]:
+  """Runs a `--host-discovery` script; returns the hosts it printed.
+
+  Raises:
+    ElasticError: the script cannot be run, fails, or runs past `timeout`.
+  """
+  try:
+    done = subprocess.run([script], capture_output=True, text=True, timeout=timeout,
+                          check=False)
+  except (OSError, subprocess.TimeoutExpired) as err:
+    raise ElasticError(f"host discovery {script} could not run ({type(err).__name__}: "
+                       f"{err}); it must be an executable file") from None
+  if done.returncode:
+    raise ElasticError(f"host discovery {script} failed with exit status {done.returncode}: "
+                       f"{done.stderr.strip()[-300:] or 'no message'}")
+  return parse_discovery(done.stdout, f"host discovery {script}")
+
+
+def grow_to(running: Sequence[Host], processes: int, available: Sequence[Host],
+            fixed: int | None, per_node: int | None) -> tuple[list[Host], int] | None:
+  """Where a running job should continue when more hosts are available, or None.
+
+  Args:
+    running: the hosts the job runs on.
+    processes: its -np.
+    available: the hosts it could run on now (discovered, or the hostfile's
+      past their cooldown that answer a probe), in order.
+    fixed, per_node: as for `processes_for`.
+
+  Returns:
+    (hosts, processes) of the larger run, or None when it would not have
+    more processes (nothing new, or a fixed -np already reached).
+  """
+  if not {h.name for h in available} - {h.name for h in running}:
+    return None
+  more = processes_for(available, fixed, per_node)
+  return (list(available), more) if more > processes else None
 
 
 def used_hosts(hosts: Sequence[Host], processes: int) -> int:

@@ -28,6 +28,14 @@ a fixed -np), and every rank sees `JDIST_RESTART=<k>`; below `--min-nodes`
 healthy hosts it stops (`jdist.app.elastic`, docs/multinode.md "Elastic
 restarts"). The command is run as given each time: for `jdist train`, give
 it `--checkpoint-dir D --checkpoint-every K --resume` from the start.
+
+`--host-discovery SCRIPT` replaces the hostfile with a script's output, read
+at each (re)start and every `--discovery-interval` seconds. When the job runs
+on fewer processes than the available hosts hold (a lost host past its
+cooldown that answers a probe through the launch agent, or a host the
+script newly lists), the supervisor waits for the job's next "checkpoint
+saved at step S" line, stops it and starts it over the larger set: it
+resumes from step S, with the same global batch (`elastic.restart_batch_size`).
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import IO, Sequence
+from typing import IO, Callable, Sequence
 
 from jdist.app import elastic
 from jdist.runtime import abort
@@ -63,6 +71,10 @@ _LOST_DAEMON = ("PRTE has lost communication with a remote daemon",
                 "A daemon failed to report back")
 _REMOTE_NODE = re.compile(r"Remote daemon:.* on node (\S+)|Remote host:\s+(\S+)")
 _SILENT = re.compile(r"ranks? ([\d, ]+) on host (\S+) stopped answering")
+# jdist train's words (rank 0) after each checkpoint of its --checkpoint-dir.
+_SAVED = re.compile(r"^checkpoint saved at step (\d+)")
+DEFAULT_DISCOVERY_INTERVAL_S = 30.0
+DEFAULT_PROBE_TIMEOUT_S = 5.0
 
 
 @dataclasses.dataclass
@@ -74,6 +86,8 @@ class JobState:
   aborted_at: float | None = None
   lost_hosts: list[str] = dataclasses.field(default_factory=list)
   silent: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+  saved_step: int | None = None   # the job's newest "checkpoint saved at step S"
+  stopped_for: str | None = None  # why the supervisor stopped a healthy job
   _after_lost_daemon: bool = False
 
   def read(self, line: str) -> bool:
@@ -91,6 +105,9 @@ class JobState:
       self.lost_hosts.append(host)
     for ranks, host in _SILENT.findall(line):
       self.silent.setdefault(host, sorted({int(r) for r in ranks.split(",")}))
+    saved = _SAVED.match(line)
+    if saved:
+      self.saved_step = int(saved.group(1))
     return True
 
   def lost(self) -> list[str]:
@@ -155,12 +172,14 @@ def _stop(process: subprocess.Popen) -> None:
 
 def supervise(argv: Sequence[str], *, abort_grace: float = DEFAULT_ABORT_GRACE_S,
               env: dict[str, str] | None = None, stdout: IO[str] | None = None,
-              stderr: IO[str] | None = None) -> tuple[int, JobState]:
+              stderr: IO[str] | None = None,
+              watch: Callable[[JobState], str | None] | None = None) -> tuple[int, JobState]:
   """Runs `argv` (an mpirun command) to its end; returns (exit status, what was seen).
 
   The exit status is mpirun's, except that a job whose output shows a lost
   node or an abort never returns 0, and a job that aborted is ended
-  `abort_grace` seconds later if mpirun has not ended it.
+  `abort_grace` seconds later if mpirun has not ended it. `watch`, polled
+  while the job runs, may stop it: its reason goes to `JobState.stopped_for`.
   """
   stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
   state = JobState()
@@ -180,6 +199,11 @@ def supervise(argv: Sequence[str], *, abort_grace: float = DEFAULT_ABORT_GRACE_S
         _stop(process)
         stopped = True
         break
+      reason = watch(state) if watch is not None and state.aborted_at is None else None
+      if reason is not None and process.poll() is None:
+        state.stopped_for = reason
+        _stop(process)
+        break
       time.sleep(0.1)
   except KeyboardInterrupt:
     _stop(process)
@@ -187,6 +211,8 @@ def supervise(argv: Sequence[str], *, abort_grace: float = DEFAULT_ABORT_GRACE_S
   for reader in readers:
     reader.join(timeout=2.0)  # a lost node's daemon may hold the pipes open
   code = process.wait()
+  if state.stopped_for is not None:
+    return code, state
   failure = state.failure()
   if failure is not None or stopped:
     stderr.write(f"jdist launch: the job failed: {failure or 'stopped'}.\n")
@@ -201,6 +227,15 @@ def build_parser() -> argparse.ArgumentParser:
       prog="jdist launch", description=__doc__.split("\n\n")[0],
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--hostfile", help="mpirun hostfile (`HOST slots=N` lines)")
+  parser.add_argument("--host-discovery", metavar="SCRIPT",
+                      help="instead of --hostfile: an executable printing `HOST[:SLOTS]` or "
+                      "`HOST slots=N` lines, run at each (re)start and periodically")
+  parser.add_argument("--discovery-interval", type=float, default=DEFAULT_DISCOVERY_INTERVAL_S,
+                      metavar="SECONDS", help="how often to look for more hosts while the job "
+                      "runs (the discovery script, or probes of hosts past their cooldown)")
+  parser.add_argument("--probe-timeout", type=float, default=DEFAULT_PROBE_TIMEOUT_S,
+                      metavar="SECONDS", help="a hostfile host answers `AGENT HOST true` within "
+                      "this long, or is not back")
   parser.add_argument("-np", "--np", type=int, dest="processes", help="number of processes")
   parser.add_argument("--mpirun", default="mpirun", help="the mpirun to run")
   parser.add_argument("--mpirun-args", default="", help="more mpirun options, one string")
@@ -238,7 +273,16 @@ def main(argv: Sequence[str] | None = None) -> int:
   if not args.cooldown >= 0:
     sys.stderr.write(f"jdist launch: error: --cooldown {args.cooldown} must be >= 0.\n")
     return EXIT_USAGE
-  if args.max_restarts:
+  for name, value in (("--discovery-interval", args.discovery_interval),
+                      ("--probe-timeout", args.probe_timeout)):
+    if not value > 0:
+      sys.stderr.write(f"jdist launch: error: {name} {value} must be positive.\n")
+      return EXIT_USAGE
+  if args.hostfile and args.host_discovery:
+    sys.stderr.write("jdist launch: error: give --hostfile or --host-discovery, not both.\n")
+    return EXIT_USAGE
+  if args.max_restarts or args.host_discovery:
+    from jdist.app.launch_elastic import Elastic  # pylint: disable=g-import-not-at-top
     try:
       return Elastic(command, args).run()
     except elastic.ElasticError as err:
@@ -248,89 +292,3 @@ def main(argv: Sequence[str] | None = None) -> int:
                      processes=args.processes, mpirun_args=shlex.split(args.mpirun_args))
   code, _ = supervise(argv, abort_grace=args.abort_grace, env=_environment())
   return code
-
-
-class Elastic:
-  """Runs the job, and again without its lost hosts, up to `--max-restarts` times."""
-
-  def __init__(self, command: Sequence[str], args: argparse.Namespace, *,
-               stdout: IO[str] | None = None, stderr: IO[str] | None = None,
-               blacklist: elastic.Blacklist | None = None):
-    self.command, self.args = list(command), args
-    self.stdout, self.stderr = stdout or sys.stdout, stderr or sys.stderr
-    self.blacklist = blacklist or elastic.Blacklist(args.cooldown)
-    self.hosts = elastic.read_hostfile(args.hostfile) if args.hostfile else None
-    self.first = args.processes or (sum(h.slots for h in self.hosts) if self.hosts else None)
-    self.per_node = None
-    if self.hosts and args.processes:
-      if args.processes > sum(h.slots for h in self.hosts):
-        raise elastic.ElasticError(
-            f"-np {args.processes} is more than the {sum(h.slots for h in self.hosts)} slots "
-            f"of {args.hostfile}; with --max-restarts every process needs a slot")
-      used = elastic.used_hosts(self.hosts, args.processes)
-      self.per_node = -(-args.processes // used)
-
-  def say(self, text: str) -> None:
-    self.stderr.write(f"jdist launch: {text}\n")
-    self.stderr.flush()
-
-  def run(self) -> int:
-    """Runs the job until it succeeds or cannot go on; returns the exit status."""
-    workdir = tempfile.mkdtemp(prefix="jdist-launch-")  # each run's hostfile
-    try:
-      return self._runs(workdir)
-    finally:
-      shutil.rmtree(workdir, ignore_errors=True)
-
-  def _runs(self, workdir: str) -> int:
-    hosts, processes, code = self.hosts, self.first, EXIT_FAILURE
-    for restart in range(self.args.max_restarts + 1):
-      hostfile = (elastic.write_hostfile(hosts, os.path.join(workdir, f"hosts.{restart}"))
-                  if hosts else None)
-      extra = shlex.split(self.args.mpirun_args) + ["-x", elastic.RESTART_ENV]
-      argv = mpirun_argv(self.command, mpirun=self.args.mpirun, hostfile=hostfile,
-                         processes=processes, mpirun_args=extra)
-      code, state = supervise(argv, abort_grace=self.args.abort_grace,
-                              env=_environment({elastic.RESTART_ENV: str(restart)}),
-                              stdout=self.stdout, stderr=self.stderr)
-      if code in (0, 130):
-        return code
-      reason = self.account(state, code, hosts, processes)
-      if reason is None:
-        return code
-      if restart == self.args.max_restarts:
-        self.say(f"giving up: {reason}, and the job has been restarted {restart} time(s) "
-                 f"(--max-restarts {self.args.max_restarts}).")
-        return code
-      if self.hosts:
-        hosts = self.blacklist.healthy(self.hosts)
-        if len(hosts) < self.args.min_nodes:
-          self.say(f"giving up: {reason}; {len(hosts)} healthy host(s) left "
-                   f"({', '.join(h.name for h in hosts) or 'none'}), fewer than --min-nodes "
-                   f"{self.args.min_nodes} (left out: {', '.join(self.blacklist.blocked())}).")
-          return code
-        processes = elastic.processes_for(hosts, self.args.processes, self.per_node)
-      where = (f" on {', '.join(f'{h.name} slots={h.slots}' for h in hosts)}"
-               if hosts else "")
-      self.say(f"restart {restart + 1}: {reason}; continuing on {processes} of {self.first} "
-               f"processes{where}" if processes else f"restart {restart + 1}: {reason}")
-    return code
-
-  def account(self, state: JobState, code: int, hosts, processes) -> str | None:
-    """Why the run failed, with its lost hosts blacklisted; None: it cannot go on."""
-    lost = state.lost()
-    if not lost:
-      return (f"the job failed without losing a host (exit status {code}; an error in the "
-              f"command itself is retried too, and counts against --max-restarts)")
-    if not hosts:
-      self.say(f"giving up: {state.failure()}, and without --hostfile there is no host list "
-               f"to leave it out of.")
-      return None
-    try:
-      entries = elastic.lost_entries(lost, state.hosts, hosts, processes, state.silent)
-    except elastic.ElasticError as err:
-      self.say(f"giving up: {err}.")
-      return None
-    for entry in entries:
-      self.blacklist.add(entry)
-    return state.failure()
