@@ -22,6 +22,7 @@ read once ready, so the steps never wait for the host.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -86,19 +87,22 @@ def dense_wire_bytes(params: Any, processes: int) -> float:
   return 2 * (processes - 1) / processes * nbytes if processes > 1 else 0.0
 
 
-def _per_replica(opt_state: Any) -> tuple[jax.Array, jax.Array]:
-  """(sum of squared residual entries, bytes sent) for one replica's state."""
-  squares = [jnp.sum(jnp.square(jnp.asarray(leaf, jnp.float32)))
-             for leaf in residual_leaves(opt_state)]
-  sent = [jnp.asarray(s.wire_bytes, jnp.float32)
-          for s in jax.tree.leaves(opt_state, is_leaf=protocol.is_wire_state)
+def _wire_leaves(opt_state: Any) -> list[jax.Array]:
+  return [s.wire_bytes for s in jax.tree.leaves(opt_state, is_leaf=protocol.is_wire_state)
           if protocol.is_wire_state(s)]
-  return sum(squares, jnp.zeros([], jnp.float32)), sum(sent, jnp.zeros([], jnp.float32))
 
 
-# Over the process's state: leaves carry the local device axis (sharded
-# over it), so each device reduces its own replica; nothing crosses devices.
-_process_counters = jax.jit(jax.vmap(_per_replica))
+@functools.partial(jax.jit, static_argnums=2)
+def _process_counters(residuals: list[jax.Array], sent: list[jax.Array], devices: int):
+  """Per local replica: (sum of squared residual entries, bytes sent).
+
+  Leaves carry the local device axis (sharded over it), so each device
+  reduces its own replica's rows; nothing crosses devices.
+  """
+  zeros = jnp.zeros((devices,), jnp.float32)
+  squares = sum((jnp.sum(jnp.square(r.astype(jnp.float32)).reshape(r.shape[0], -1), axis=1)
+                 for r in residuals), zeros)
+  return squares, sum((jnp.asarray(b, jnp.float32).reshape(-1) for b in sent), zeros)
 
 
 class Counters(NamedTuple):
@@ -128,8 +132,8 @@ class Dispatcher:
     self.processes = processes
     self._shape: Any = None
     self._dense = 0.0
-    self._residual = False
-    self._wire = False
+    self._picks: tuple[list[int], list[int]] = ([], [])  # residual, wire_bytes leaf indices
+    self._devices: Any = None
 
   def dispatch(self, opt_state: Any, params: Any) -> Any:
     """Starts computing the counters of `opt_state` (leading local device axis).
@@ -143,13 +147,18 @@ class Dispatcher:
       leaves = jax.tree.leaves(params)
       devices = max(1, int(leaves[0].shape[0])) if leaves else 1
       self._dense = dense_wire_bytes(params, self.processes) / devices
-      self._residual = has_residual(opt_state)
-      self._wire = any(protocol.is_wire_state(s) for s in jax.tree.leaves(
-          opt_state, is_leaf=protocol.is_wire_state))
-    if not (self._residual or self._wire):
+      # Only the leaves counted go to the device function: a call per step stays cheap.
+      index = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(opt_state))}
+      self._picks = ([index[id(x)] for x in residual_leaves(opt_state) if np.size(x)],
+                     [index[id(x)] for x in _wire_leaves(opt_state)])
+      self._devices = devices
+    residual, wire = self._picks
+    if not (residual or wire):
       return None
-    squares, sent = _process_counters(opt_state)
-    return squares, sent, self._dense, self._residual
+    leaves = jax.tree.leaves(opt_state)
+    squares, sent = _process_counters([leaves[i] for i in residual], [leaves[i] for i in wire],
+                                      self._devices)
+    return squares, sent, self._dense, bool(residual)
 
   @staticmethod
   def ready(handle: Any) -> bool:

@@ -136,3 +136,29 @@ def test_the_ring_keeps_the_last_slots():
   entries = flight_recorder.snapshot()
   assert len(entries) == flight_recorder.SLOTS
   assert entries[0].ordinal == 11 and entries[-1].ordinal == flight_recorder.SLOTS + 10
+
+
+def test_switched_off_it_records_nothing_but_still_serves_listeners():
+  seen = []
+
+  class Listener:
+    def step_dispatched(self, number, name, at_ns, call):
+      seen.append(("dispatched", number, call))
+
+    def step_done(self, number, start_ns, done_ns):
+      seen.append(("done", number))
+
+  flight_recorder.add_listener(Listener())
+  assert flight_recorder.set_enabled(False) is True  # on by default (JDIST_FLIGHT_RECORDER)
+  try:
+    key = flight_recorder.device_posted(0, 0, "sum", 64, devices=1)
+    flight_recorder.device_done(key)
+    flight_recorder.host_done(flight_recorder.host_posted(1, "barrier"))
+    flight_recorder.step_dispatched(1, "train_step", 0, 1)
+    flight_recorder.step_done(1, 0, 10)
+    assert flight_recorder.snapshot() == [] and flight_recorder.summary()["host"] == 0
+  finally:
+    assert flight_recorder.set_enabled(True) is False
+  assert seen == [("dispatched", 1, 1), ("done", 1)]
+  flight_recorder.device_done(flight_recorder.device_posted(0, 0, "sum", 64, devices=1))
+  assert [e.state for e in flight_recorder.snapshot()] == ["done"]

@@ -23,6 +23,10 @@ every rank. Host exchanges have kind "host" and their count as ordinal.
 The watchdog's status replies carry `summary()`; `flight_report` finds the
 first exchange the ranks disagree on. `jdist.timeline` listens to the steps
 (`add_listener`) for its trace.
+
+`JDIST_FLIGHT_RECORDER=0` (or `set_enabled(False)`) stops the Python side
+recording, for benchmarks/timeline.py's A/B of its cost only: an abort report
+then lacks those exchanges. The engine's C++ ring stays on (a few stores).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import time
 from typing import Any, Callable
 
 SLOTS = 256
+ENABLE_ENV = "JDIST_FLIGHT_RECORDER"  # "0": Python side off (benchmark A/B only)
 STATES = ("posted", "wire", "done")
 _LABEL_LIMIT = 4096  # traced exchanges remembered for labels
 # The module whose code traced an exchange names its payload, outermost first.
@@ -83,6 +88,21 @@ class _Recorder:
 
 
 _state = _Recorder()
+_enabled = os.environ.get(ENABLE_ENV, "1") != "0"
+
+
+def set_enabled(on: bool) -> bool:
+  """Turns the Python side's recording on or off (benchmarks); returns the previous setting.
+
+  Listeners (`jdist.timeline`) and abort hooks are served either way.
+  """
+  global _enabled
+  previous, _enabled = _enabled, bool(on)
+  return previous
+
+
+def enabled() -> bool:
+  return _enabled
 
 
 def reset() -> None:
@@ -153,6 +173,8 @@ def _next_call(key: tuple) -> int:
 def device_posted(device: int, ordinal: int, kind: str, nbytes: int, devices: int,
                   route: str = "callback") -> tuple:
   """A local device enters exchange `ordinal` (a host function); returns its key."""
+  if not _enabled:
+    return ()
   now = time.monotonic_ns()
   with _state.lock:
     call = _next_call(("device", int(device), ordinal))
@@ -167,6 +189,8 @@ def device_posted(device: int, ordinal: int, kind: str, nbytes: int, devices: in
 
 def device_done(key: tuple) -> None:
   """A local device leaves the exchange `device_posted` returned `key` for."""
+  if not key:
+    return
   with _state.lock:
     slot = _state.open.get(key)
     if slot is None:
@@ -181,6 +205,8 @@ def host_posted(number: int, label: str) -> Entry:
   """Host exchange `number` (the watchdog's count) begins."""
   now = time.monotonic_ns()
   entry = Entry(number, 0, "host", 0, "wire", now, wire_ns=now, route="host", label=label)
+  if not _enabled:
+    return entry
   with _state.lock:
     _state.host_count = max(_state.host_count, number)
     _state.ring.append(entry)
@@ -193,6 +219,10 @@ def host_done(entry: Entry) -> None:
 
 def step_dispatched(number: int, name: str | None, at_ns: int, call: int | None = None) -> None:
   """Compiled step `number` (call `call` of function `name`) was dispatched (the watchdog)."""
+  if not _enabled:
+    for listener in list(_state.listeners):
+      listener.step_dispatched(number, name, at_ns, number if call is None else call)
+    return
   with _state.lock:
     traced = _state.traced_steps.get(name or "", ())
     entries = [Entry(ordinal, _next_call(("step", ordinal)), kind, nbytes, "posted", at_ns,
@@ -207,6 +237,10 @@ def step_dispatched(number: int, name: str | None, at_ns: int, call: int | None 
 
 def step_done(number: int, start_ns: int, done_ns: int) -> None:
   """Compiled step `number` ended; it ran on the devices from `start_ns` (from the watchdog)."""
+  if not _enabled:
+    for listener in list(_state.listeners):
+      listener.step_done(number, start_ns, done_ns)
+    return
   with _state.lock:
     for entry in _state.step_entries.pop(number, ()):
       entry.state, entry.done_ns = "done", done_ns
