@@ -44,9 +44,24 @@ def _mean(trees):
   return jax.tree.map(lambda *xs: np.mean(np.stack([np.asarray(x) for x in xs]), axis=0), *trees)
 
 
+def _round_trip(x, bits, block=256):
+  """x (flat float32) sent as `bits`-bit levels: max-abs scale per block, nearest level."""
+  top = 127 if bits == 8 else 7
+  rows = np.pad(x, (0, -x.size % block)).reshape(-1, block)
+  scale = np.abs(rows).max(axis=1, keepdims=True)
+  levels = np.round(np.abs(rows) / np.where(scale > 0, scale, 1) * top) * np.sign(rows)
+  return (levels * (scale / top)).reshape(-1)[:x.size]
+
+
 def reference_diloco(model, params, inner, outer, batches, steps, replicas, *, sync_every,
-                     fragments=1, delay=0, mix=0.0, per_worker=PER_REPLICA):
-  """K workers on one device: inner steps, staggered fragment syncs, delayed outer steps."""
+                     fragments=1, delay=0, mix=0.0, per_worker=PER_REPLICA, bits=None,
+                     error_feedback=True):
+  """K workers on one device: inner steps, staggered fragment syncs, delayed outer steps.
+
+  With `bits`, each worker sends its fragment's pseudo-gradient (plus its
+  residual) as levels (`_round_trip`) and keeps what they missed.
+  Returns the workers, the outer parameters and the workers' residual leaves.
+  """
   leaves, treedef = jax.tree.flatten(params)
   plan = diloco_lib.fragment_plan([leaf.size for leaf in leaves], fragments)
   offsets = [(p + 1) * sync_every // fragments % sync_every for p in range(fragments)]
@@ -54,6 +69,7 @@ def reference_diloco(model, params, inner, outer, batches, steps, replicas, *, s
   inner_states = [inner.init(params)] * replicas
   outer_leaves = list(leaves)
   outer_states = [outer.init([leaves[i] for i in frag]) for frag in plan]
+  residuals = [[np.zeros(leaf.shape, np.float32) for leaf in leaves] for _ in range(replicas)]
   in_flight = {}
   for t in range(steps):
     s = t + 1
@@ -65,8 +81,18 @@ def reference_diloco(model, params, inner, outer, batches, steps, replicas, *, s
     for p, frag in enumerate(plan):
       if s % sync_every == offsets[p]:
         local = [jax.tree.leaves(w) for w in workers]
-        in_flight[p] = [jnp.asarray(np.mean([np.asarray(outer_leaves[i]) - np.asarray(w[i])
-                                             for w in local], axis=0)) for i in frag]
+        sent = [[np.asarray(outer_leaves[i]) - np.asarray(w[i]) for i in frag] for w in local]
+        if bits:
+          for k in range(replicas):
+            x = np.concatenate([(d + residuals[k][i]).ravel() for d, i in zip(sent[k], frag)])
+            decoded = _round_trip(x, bits)
+            cuts = np.cumsum([residuals[k][i].size for i in frag])[:-1]
+            missed = np.split(x - decoded, cuts) if error_feedback else np.split(0 * x, cuts)
+            sent[k] = [part.reshape(d.shape) for part, d in zip(np.split(decoded, cuts), sent[k])]
+            for i, part in zip(frag, missed):
+              residuals[k][i] = part.reshape(residuals[k][i].shape)
+        in_flight[p] = [jnp.asarray(np.mean([sent[k][j] for k in range(replicas)], axis=0))
+                        for j in range(len(frag))]
       if s - delay >= 1 and (s - delay) % sync_every == offsets[p]:
         mine = [outer_leaves[i] for i in frag]
         steps_p, outer_states[p] = outer.update(in_flight.pop(p), outer_states[p], mine)
@@ -76,7 +102,7 @@ def reference_diloco(model, params, inner, outer, batches, steps, replicas, *, s
             local = jax.tree.leaves(workers[k])
             local[i] = mix * local[i] + (1.0 - mix) * new
             workers[k] = jax.tree.unflatten(treedef, local)
-  return workers, jax.tree.unflatten(treedef, outer_leaves)
+  return workers, jax.tree.unflatten(treedef, outer_leaves), residuals
 
 
 def reference_local_sgd(model, params, inner, batches, steps, replicas, *, sync_every,
@@ -118,7 +144,7 @@ def test_diloco_matches_emulated_workers(topo, case):
   tx = jdist.diloco(inner, outer=outer, **CASES[case])
   replicated, state = reference.train_jdist(model, params, tx, batches, STEPS, topo,
                                             PER_REPLICA)
-  workers, outer_params = reference_diloco(model, params, inner, outer, batches, STEPS,
+  workers, outer_params, _ = reference_diloco(model, params, inner, outer, batches, STEPS,
                                            topo.replica_count, **CASES[case])
   _check_replicas(topo, replicated, workers)
   # The outer parameters are the same on every replica and match the reference's.
@@ -137,12 +163,47 @@ def test_diloco_default_outer_and_16bit_payload(topo):
   inner = optax.sgd(0.1)
   tx = jdist.diloco(inner, sync_every=2, payload="bf16")
   replicated, _ = reference.train_jdist(model, params, tx, batches, 6, topo, PER_REPLICA)
-  workers, _ = reference_diloco(model, params, inner, optax.sgd(0.7, momentum=0.9, nesterov=True),
+  workers, _, _ = reference_diloco(model, params, inner, optax.sgd(0.7, momentum=0.9, nesterov=True),
                                 batches, 6, topo.replica_count, sync_every=2)
   # bfloat16 keeps 8 bits of mantissa: the pseudo-gradient is off by up to 2^-8 of itself.
   for device, replica in enumerate(topo.replica_indices):
     reference.assert_trees_close(jax.tree.map(lambda x: x[device], replicated),
                                  workers[replica], rtol=2e-2, atol=2e-3)
+
+
+QUANTIZED_CASES = {
+    "int8": dict(sync_every=3, fragments=2, delay=1, mix=0.5),
+    "int4": dict(sync_every=3),
+}
+
+
+@pytest.mark.parametrize("payload", sorted(QUANTIZED_CASES))
+def test_quantized_payload_with_error_feedback_matches_emulated_workers(topo, payload):
+  model, params, batches = _setup(topo, seed=5)
+  inner, outer = optax.sgd(0.1, momentum=0.9), optax.sgd(0.7, momentum=0.9, nesterov=True)
+  settings, bits = QUANTIZED_CASES[payload], int(payload[3:])
+  tx = jdist.diloco(inner, outer=outer, payload=payload, **settings)
+  replicated, state = reference.train_jdist(model, params, tx, batches, STEPS, topo,
+                                            PER_REPLICA)
+  workers, outer_params, residuals = reference_diloco(
+      model, params, inner, outer, batches, STEPS, topo.replica_count, bits=bits, **settings)
+  _check_replicas(topo, replicated, workers, atol=1e-5)
+  for device, replica in enumerate(topo.replica_indices):
+    reference.assert_trees_close(jax.tree.map(lambda x: x[device], state.outer_params),
+                                 outer_params, atol=1e-5)
+    # Each replica keeps its own residual: what its last encodings missed.
+    mine = jax.tree.leaves(jax.tree.map(lambda x: x[device], state.residual))
+    for got, want in zip(mine, residuals[replica]):
+      np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-6)
+  assert any(np.abs(r).max() > 0 for r in residuals[0])
+  # Dropping the error feedback moves the workers 10x the tolerance above or
+  # more, so the comparison fails if the residual is not carried.
+  no_feedback, _, _ = reference_diloco(model, params, inner, outer, batches, STEPS,
+                                       topo.replica_count, bits=bits, error_feedback=False,
+                                       **settings)
+  gap = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+            for a, b in zip(jax.tree.leaves(workers[0]), jax.tree.leaves(no_feedback[0])))
+  assert gap > 1e-4
 
 
 @pytest.mark.parametrize("warmup", [0, 3])
@@ -181,13 +242,28 @@ def test_bytes_per_inner_step_are_one_hth_of_plain(topo, fragments):
                                             fragments=fragments), 2 * sync_every)
   half = _bytes_per_step(topo, jdist.diloco(optax.sgd(0.1), sync_every=sync_every,
                                             payload="fp16"), sync_every)
-  if topo.process_count == 1:
-    assert plain == 0 and sum(sent) == 0 and sum(half) == 0  # nothing crosses processes
+  levels = {bits: _bytes_per_step(topo, jdist.diloco(optax.sgd(0.1), sync_every=sync_every,
+                                                     fragments=fragments,
+                                                     payload=f"int{bits}"), sync_every)
+            for bits in (8, 4)}
+  if topo.process_count == 1:  # nothing crosses processes
+    assert plain == sum(sent) == sum(half) == sum(levels[8]) == sum(levels[4]) == 0
     return
   # Only sync steps send, each fragment once per H steps: the model once per H steps.
   assert sum(1 for b in sent if b) == 2 * fragments
   assert sum(sent) / len(sent) == pytest.approx(plain / sync_every, rel=1e-3)
   assert sum(half) / len(half) == pytest.approx(plain / sync_every / 2, rel=1e-2)
+  # 8/4-bit: every replica's levels (1 or 1/2 byte per value, padded to blocks of
+  # 256) and a float32 scale per block, all-gathered: each process receives the
+  # other processes' devices' bytes. Plain all-reduces 2 (P - 1) / P * 4 bytes a value.
+  # In H steps each fragment is sent once, quantized on its own.
+  leaves = jax.tree.leaves(_setup(topo)[1])
+  plan = diloco_lib.fragment_plan([leaf.size for leaf in leaves], fragments)
+  blocks = [-(-sum(leaves[i].size for i in part) // 256) for part in plan]
+  gathered = (topo.process_count - 1) * topo.local_device_count
+  for bits, sent_q in levels.items():
+    assert sum(1 for b in sent_q if b) == fragments
+    assert sum(sent_q) == gathered * sum(b * 256 * bits // 8 + 4 * b for b in blocks)
 
 
 def test_state_is_checkpointable_and_resumes_exactly(topo):
@@ -225,8 +301,11 @@ def test_arguments_are_checked_when_built():
     jdist.diloco(sgd, sync_every=4, delay=4)
   with pytest.raises(ValueError, match="mix=1.0"):
     jdist.diloco(sgd, sync_every=4, mix=1.0)
-  with pytest.raises(ValueError, match="payload='int3'"):
+  with pytest.raises(ValueError, match="payload='int3' must be None or one of 'float32', "
+                     "'bf16', 'fp16', 'int8', 'int4'"):
     jdist.diloco(sgd, sync_every=4, payload="int3")
+  with pytest.raises(ValueError, match="payload=8"):
+    jdist.diloco(sgd, sync_every=4, payload=8)
   with pytest.raises(ValueError, match="inner="):
     jdist.diloco("sgd", sync_every=4)
   with pytest.raises(ValueError, match="outer="):
@@ -256,6 +335,11 @@ def rank0(monkeypatch):
     (["--diloco", "0"], r"diloco \(--diloco\)=0 must be an integer >= 1"),
     (["--diloco", "4", "--diloco-fragments", "5"], r"--diloco-fragments\)=5 must be <= --diloco 4"),
     (["--diloco-fragments", "2"], r"only apply with --diloco H"),
+    (["--diloco-payload", "int8"], r"only apply with --diloco H"),
+    (["--diloco", "4", "--diloco-payload", "int3"],
+     r"--diloco-payload: invalid choice: 'int3' \(choose from .*int8.*int4"),
+    (["--diloco", "4", "--diloco-payload", "int4", "--half", "bf16"],
+     r"--half bf16 and --diloco-payload int4 both set"),
     (["--diloco", "4", "--diloco-outer-lr", "0"], r"diloco_outer_lr \(--diloco-outer-lr\)=0.0"),
     (["--diloco", "4", "--powersgd", "2"], r"--diloco .* cannot be combined with --powersgd"),
     (["--diloco", "4", "--local-sgd", "2"], r"cannot be combined with --local-sgd"),
@@ -285,6 +369,7 @@ def _train(topo, tmp_log, *flags):
 @pytest.mark.parametrize("flags, syncs", [
     (("--diloco", "4"), [1, 2]),
     (("--diloco", "4", "--diloco-fragments", "2", "--half", "bf16"), [2, 4]),
+    (("--diloco", "4", "--diloco-payload", "int8"), [1, 2]),
     (("--local-sgd", "2", "--local-sgd-warmup", "2"), [1, 3]),
 ])
 def test_jdist_train_reports_outer_syncs_and_bytes(topo, capsys, flags, syncs):
@@ -306,6 +391,12 @@ def test_jdist_train_reports_outer_syncs_and_bytes(topo, capsys, flags, syncs):
     # In 8 steps plain sends the model 8 times; diloco H=4 twice (in bf16: half the
     # bytes); local SGD twice in warm-up and 3 averagings. The loss sums are a few bytes.
     models = {"--diloco": 2 * (0.5 if "--half" in flags else 1.0), "--local-sgd": 5}[flags[0]]
+    if "int8" in flags:  # all-gathered bytes: 1 a value + a 4-byte scale per 256, of
+      # every other process's devices; plain's all-reduce, 2 (P - 1) / P * 4 a value.
+      size = sum(leaf.size for leaf in jax.tree.leaves(run["state"]["params"]))
+      blocks = -(-size // 256)
+      models = 2 * ((topo.process_count - 1) * topo.local_device_count * 260 * blocks
+                    / (2 * (topo.process_count - 1) / topo.process_count * 4 * size))
     assert sum(bytes_run) == pytest.approx(sum(bytes_plain) * models / 8, rel=0.01)
   # The model handed back is one model: the replicas' mean (checked by train itself).
   assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(run["state"]["params"]))
@@ -327,6 +418,6 @@ def test_diloco_in_a_global_jit_step(topo):
       batch = jdist.shard_global_batch({"x": x, "y": y})
       local, state = step(local, state, batch["x"], batch["y"])
   rows = topo.local_device_count * PER_REPLICA  # one worker's rows: a process's
-  workers, _ = reference_diloco(model, params, inner, outer, batches, 5, topo.process_count,
+  workers, _, _ = reference_diloco(model, params, inner, outer, batches, 5, topo.process_count,
                                 per_worker=rows, **settings)
   reference.assert_trees_close(jax.device_get(local), workers[topo.process_index])

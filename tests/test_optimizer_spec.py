@@ -38,6 +38,7 @@ FLAG_CASES = {
     "--diloco": ([], ["--diloco", "2"]),
     "--diloco-fragments": (["--diloco", "2"], ["--diloco", "2", "--diloco-fragments", "2"]),
     "--diloco-outer-lr": (["--diloco", "2"], ["--diloco", "2", "--diloco-outer-lr", "0.5"]),
+    "--diloco-payload": (["--diloco", "2"], ["--diloco", "2", "--diloco-payload", "int8"]),
     "--local-sgd": ([], ["--local-sgd", "2"]),
     "--local-sgd-warmup": (["--local-sgd", "2"], ["--local-sgd", "2", "--local-sgd-warmup", "2"]),
 }

@@ -105,6 +105,11 @@ def build_train_parser(prog: str = "jdist train") -> argparse.ArgumentParser:
                      "steps, one fragment's bytes per sync")
   group.add_argument("--diloco-outer-lr", type=float, default=defaults.diloco_outer_lr,
                      metavar="LR", help="DiLoCo's outer learning rate")
+  group.add_argument("--diloco-payload", choices=config_lib.DILOCO_PAYLOADS,
+                     default=defaults.diloco_payload,
+                     help="what DiLoCo's pseudo-gradient travels as (default: --half's, else "
+                     "float32); int8/int4: levels with a float32 scale per 256 values, with "
+                     "error feedback")
   group.add_argument("--local-sgd", type=int, metavar="H",
                      help="post-local SGD: local steps, parameters averaged every H steps")
   group.add_argument("--local-sgd-warmup", type=int, default=defaults.local_sgd_warmup,

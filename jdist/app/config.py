@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from jdist.app import datasets
+from jdist.app.optimizer_spec import DILOCO_PAYLOADS
 from jdist.app.optimizer_spec import HALF_CHOICES
 from jdist.app.optimizer_spec import OPTIMIZERS
 from jdist.app.optimizer_spec import OptimizerSpec
@@ -260,7 +261,16 @@ def _check_local_modes(config: TrainConfig) -> None:
       raise ConfigError(f"{flag('diloco_fragments')}={config.diloco_fragments} must be <= "
                         f"--diloco {config.diloco}: each fragment syncs on a step of its own.")
   elif (config.diloco_fragments != OptimizerSpec.diloco_fragments
-        or config.diloco_outer_lr != OptimizerSpec.diloco_outer_lr):
-    raise ConfigError("--diloco-fragments and --diloco-outer-lr only apply with --diloco H.")
+        or config.diloco_outer_lr != OptimizerSpec.diloco_outer_lr
+        or config.diloco_payload is not None):
+    raise ConfigError("--diloco-fragments, --diloco-outer-lr and --diloco-payload only apply "
+                      "with --diloco H.")
+  if config.diloco_payload is not None:
+    if config.diloco_payload not in DILOCO_PAYLOADS:
+      raise ConfigError(f"{flag('diloco_payload')}={config.diloco_payload!r} is unknown; "
+                        f"choose one of {', '.join(DILOCO_PAYLOADS)}.")
+    if config.half is not None:
+      raise ConfigError(f"--half {config.half} and --diloco-payload {config.diloco_payload} "
+                        f"both set DiLoCo's payload: keep --diloco-payload only.")
   if config.local_sgd is None and config.local_sgd_warmup:
     raise ConfigError("--local-sgd-warmup only applies with --local-sgd H.")

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from jdist.transforms import dist_opt as dist_opt_lib
+from jdist.transforms.diloco import PAYLOAD_CHOICES as DILOCO_PAYLOADS
 from jdist.transforms.finite import skip_nonfinite
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -71,6 +72,9 @@ class OptimizerSpec:
     diloco_fragments: Streaming DiLoCo's fragments (1: plain DiLoCo).
     diloco_outer_lr: the outer optimizer's learning rate (SGD, Nesterov
       momentum 0.9). Must match on resume: the outer momentum is scaled by it.
+    diloco_payload: None (`half`'s, else float32) or one of
+      `DILOCO_PAYLOADS`: what the pseudo-gradient travels as ("int8" and
+      "int4" keep an error-feedback residual in the state).
     local_sgd: None or H: post-local SGD, parameters averaged every H local
       steps (`jdist.local_sgd`).
     local_sgd_warmup: fully synchronous steps before local SGD starts.
@@ -92,6 +96,7 @@ class OptimizerSpec:
   diloco: int | None = dataclasses.field(default=None, metadata=_STATE)
   diloco_fragments: int = dataclasses.field(default=1, metadata=_STATE)
   diloco_outer_lr: float = dataclasses.field(default=0.7, metadata=_STATE)
+  diloco_payload: str | None = dataclasses.field(default=None, metadata=_STATE)
   local_sgd: int | None = dataclasses.field(default=None, metadata=_STATE)
   local_sgd_warmup: int = dataclasses.field(default=0, metadata=_STATE)
 
@@ -135,7 +140,8 @@ class OptimizerSpec:
     if self.diloco_outer_lr != OptimizerSpec.diloco_outer_lr or self.diloco:
       outer = optax.sgd(self.diloco_outer_lr, momentum=0.9, nesterov=True)
     return {"momentum_correction": correction, "diloco_fragments": self.diloco_fragments,
-            "diloco_outer": outer, "local_sgd_warmup": self.local_sgd_warmup}
+            "diloco_outer": outer, "diloco_payload": self.diloco_payload,
+            "local_sgd_warmup": self.local_sgd_warmup}
 
   def check(self, spell=lambda name: "--" + name.replace("_", "-")) -> None:
     """`jdist.dist_opt`'s check of these schemes and options, errors naming flags.
@@ -153,7 +159,8 @@ class OptimizerSpec:
     """The communication mode in words, e.g. "half bf16, sparsify topk:0.01"."""
     if self.diloco:
       fragments = (f", {self.diloco_fragments} fragments" if self.diloco_fragments > 1 else "")
-      payload = f", pseudo-gradient in {self.half}" if self.half else ""
+      payload = self.diloco_payload or self.half
+      payload = f", pseudo-gradient in {payload}" if payload else ""
       return (f"diloco every {self.diloco} steps{fragments}, outer lr {self.diloco_outer_lr:g}"
               f"{payload}" + (", skip non-finite" if self.skip_nonfinite else ""))
     if self.local_sgd:

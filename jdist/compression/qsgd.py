@@ -40,6 +40,7 @@ from jax import lax
 
 from jdist import collectives
 from jdist import fusion
+from jdist.compression import pack4
 from jdist.compression import protocol
 
 LEVELS = 127  # the largest int8 magnitude
@@ -50,11 +51,16 @@ class QSGDCtx:
   """How a `QSGDPayload` turns back into a gradient tree."""
   spec: fusion.FlatSpec  # the dense tree, as one flat vector
   bucket_size: int
+  bits: int = 8  # 4: levels in -7..7, two per byte on the wire (`pack4`)
 
 
 @jax.tree_util.register_pytree_node_class
 class QSGDPayload(protocol.WirePayload):
-  """Quantized gradient: int8 `levels` [buckets * bucket_size], float32 `scales` [buckets]."""
+  """Quantized gradient: int8 `levels` [buckets * bucket_size], float32 `scales` [buckets].
+
+  With `ctx.bits == 4` (`jdist.diloco(payload="int4")`) the levels are in
+  -7..7 and travel packed, two per byte.
+  """
 
   def __init__(self, levels: jax.Array, scales: jax.Array, ctx: QSGDCtx):
     self.levels = levels
@@ -71,12 +77,17 @@ class QSGDPayload(protocol.WirePayload):
   def reduce_over_replicas(self, exchange: protocol.Exchange, factor: float) -> Any:
     """All-gathers every replica's [levels | scales] bytes; decodes and sums in float32."""
     size, buckets = self.levels.shape[0], self.scales.shape[0]
-    wire = jnp.concatenate([lax.bitcast_convert_type(self.levels, jnp.uint8),
-                            lax.bitcast_convert_type(self.scales, jnp.uint8).reshape(-1)])
-    everyone = exchange.gather(wire)  # [R, size + 4 * buckets] bytes
-    levels = lax.bitcast_convert_type(everyone[:, :size], jnp.int8)
-    scales = lax.bitcast_convert_type(everyone[:, size:].reshape(-1, buckets, 4), jnp.float32)
-    decoded = dequantize(levels.reshape(-1, size), scales, self.ctx.bucket_size)
+    four = self.ctx.bits == 4
+    codes = (pack4.pack(self.levels) if four
+             else lax.bitcast_convert_type(self.levels, jnp.uint8))
+    wire = jnp.concatenate([codes, lax.bitcast_convert_type(self.scales, jnp.uint8).reshape(-1)])
+    everyone = exchange.gather(wire)  # [R, code bytes + 4 * buckets]
+    width = codes.shape[0]
+    levels = (pack4.unpack(everyone[:, :width], size) if four
+              else lax.bitcast_convert_type(everyone[:, :width], jnp.int8))
+    scales = lax.bitcast_convert_type(everyone[:, width:].reshape(-1, buckets, 4), jnp.float32)
+    decoded = dequantize(levels.reshape(-1, size), scales, self.ctx.bucket_size,
+                         max_level(self.ctx.bits))
     return fusion.unravel(decoded.sum(0)[:self.ctx.spec.size] * factor, self.ctx.spec)
 
   def __repr__(self):
@@ -84,27 +95,40 @@ class QSGDPayload(protocol.WirePayload):
             f"bucket_size={self.ctx.bucket_size})")
 
 
-def quantize(x: jax.Array, key: jax.Array, bucket_size: int) -> tuple[jax.Array, jax.Array]:
+def max_level(bits: int) -> int:
+  """The largest level magnitude of a `bits`-bit code: 127 for 8, 7 for 4."""
+  return {8: LEVELS, 4: pack4.LEVELS}[bits]
+
+
+def quantize(x: jax.Array, key: jax.Array | None, bucket_size: int,
+             levels: int = LEVELS) -> tuple[jax.Array, jax.Array]:
   """(levels int8 [buckets * bucket_size], scales float32 [buckets]) of a flat float32 x.
 
-  x is zero-padded to whole buckets; a bucket of zeros has scale 0.
+  x is zero-padded to whole buckets; a bucket of zeros has scale 0. With a
+  `key`, stochastic rounding (unbiased); with None, to the nearest level
+  (the smallest error, for callers that feed the error back themselves).
+  `levels` is the largest magnitude: 127 (8 bits) or 7 (4 bits).
   """
   buckets = -(-x.shape[0] // bucket_size)
   rows = jnp.pad(x, (0, buckets * bucket_size - x.shape[0])).reshape(buckets, bucket_size)
   scales = jnp.max(jnp.abs(rows), axis=1)
   safe = jnp.where(scales > 0, scales, 1.0)[:, None]
-  level = jnp.abs(rows) / safe * LEVELS
-  low = jnp.floor(level)
-  up = jax.random.uniform(key, rows.shape, jnp.float32) < level - low
-  magnitude = jnp.minimum(low + up.astype(jnp.float32), LEVELS)
-  levels = (jnp.sign(rows) * magnitude).astype(jnp.int8)
-  return levels.reshape(-1), scales
+  level = jnp.abs(rows) / safe * levels
+  if key is None:
+    magnitude = jnp.minimum(jnp.round(level), levels)
+  else:
+    low = jnp.floor(level)
+    up = jax.random.uniform(key, rows.shape, jnp.float32) < level - low
+    magnitude = jnp.minimum(low + up.astype(jnp.float32), levels)
+  codes = (jnp.sign(rows) * magnitude).astype(jnp.int8)
+  return codes.reshape(-1), scales
 
 
-def dequantize(levels: jax.Array, scales: jax.Array, bucket_size: int) -> jax.Array:
+def dequantize(levels: jax.Array, scales: jax.Array, bucket_size: int,
+               max_levels: int = LEVELS) -> jax.Array:
   """The float32 values of int8 `levels` [..., buckets * bucket_size] and `scales` [..., buckets]."""
   shape = levels.shape[:-1] + (scales.shape[-1], bucket_size)
-  values = levels.reshape(shape).astype(jnp.float32) * (scales[..., None] / LEVELS)
+  values = levels.reshape(shape).astype(jnp.float32) * (scales[..., None] / max_levels)
   return values.reshape(levels.shape)
 
 

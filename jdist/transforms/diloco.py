@@ -18,6 +18,17 @@ it meanwhile); the τ steps between are what an exchange running in the
 background overlaps. On applying, the fragment's local parameters become
 `mix * local + (1 - mix) * outer` (the paper's merge; 0 replaces them).
 
+`payload` sets what a pseudo-gradient is sent as: float32, 16-bit floats
+(`jdist.cast`'s codec, summed in float32), or 8-bit / 4-bit levels with one
+float32 scale per block of `PAYLOAD_BLOCK` values (`jdist.qsgd`'s codec,
+rounded to the nearest level; 4-bit levels travel two per byte,
+`jdist.compression.pack4`). Levels cannot be summed on the wire, so every
+replica's [levels | scales] bytes are all-gathered, then decoded and
+averaged in float32. With 8 and 4 bits, error feedback (as in Streaming
+DiLoCo, OpenDiLoCo and INTELLECT-1): what a replica's encoding missed
+(`DiLoCoState.residual`, per leaf) is added to that fragment's next
+pseudo-gradient, so the error does not build up over the outer steps.
+
 Steps are counted by the state, the same on every replica, so every replica
 takes the same branch of the `lax.switch` that holds a fragment's exchange:
 only sync steps send bytes (`DiLoCoState.wire_bytes`, by the collective
@@ -42,11 +53,18 @@ import optax
 from jax import lax
 
 from jdist import collectives
+from jdist import fusion
 from jdist.compression import half as half_lib
 from jdist.compression import protocol
+from jdist.compression import qsgd as qsgd_lib
 from jdist.runtime import topology as topology_lib
 
 PAYLOADS = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
+QUANTIZED = {"int8": 8, "int4": 4}  # payload -> bits per value on the wire
+PAYLOAD_CHOICES = ("float32", "bf16", "fp16", "int8", "int4")
+# Values sharing one float32 scale in the 8- and 4-bit payloads: 4 bytes of
+# scale per 256 values add 1/64 byte per value (3% over int4's half byte).
+PAYLOAD_BLOCK = 256
 
 
 @protocol.register_wire_state
@@ -62,6 +80,9 @@ class DiLoCoState(NamedTuple):
       yet applied (a fragment's leaves hold its latest); else ().
     syncs: outer syncs so far (fragment exchanges).
     wire_bytes: bytes this process sent across processes in the last step.
+    residual: with an 8- or 4-bit payload, per leaf (float32, shaped like
+      the parameters), what this replica's last encoding of its fragment's
+      pseudo-gradient missed: added to the next one (error feedback); else ().
   """
   step: jax.Array
   inner_state: Any
@@ -70,6 +91,7 @@ class DiLoCoState(NamedTuple):
   pending: Any
   syncs: jax.Array
   wire_bytes: jax.Array
+  residual: Any = ()
 
 
 def fragment_plan(sizes: list[int], fragments: int) -> list[list[int]]:
@@ -117,31 +139,64 @@ def check_inner(inner: Any) -> None:
                      f"(e.g. optax.adamw(1e-3)).")
 
 
-def payload_dtype(payload: Any):
-  """None (full precision) or the 16-bit dtype a payload setting names.
+def payload_codec(payload: Any):
+  """What a payload setting sends: None (float32), a 16-bit dtype, or 8 or 4 (bits).
 
   Raises:
-    ValueError: anything else.
+    ValueError: anything else, listing the allowed values.
   """
-  if payload is None:
+  if payload is None or payload == "float32":
     return None
+  if isinstance(payload, str) and payload in QUANTIZED:
+    return QUANTIZED[payload]
   dtype = PAYLOADS.get(payload, payload) if isinstance(payload, str) else payload
   try:
     dtype = np.dtype(dtype)
   except TypeError:
     dtype = None
   if dtype not in protocol.HALF_DTYPES:
-    raise ValueError(f"payload={payload!r} must be None, 'fp16', 'bf16', jnp.float16 or "
-                     f"jnp.bfloat16.")
+    raise ValueError(f"payload={payload!r} must be None or one of "
+                     f"{', '.join(repr(name) for name in PAYLOAD_CHOICES)} "
+                     f"(or jnp.float16, jnp.bfloat16).")
   return dtype
 
 
-def replica_mean(tree: Any, dtype) -> Any:
+def choose_payload(half: Any, payload: Any) -> Any:
+  """`jdist.dist_opt`'s diloco payload: `diloco_payload`, else `half`'s 16-bit dtype.
+
+  Raises:
+    ValueError: both are set.
+  """
+  if payload is not None and half is not None:
+    raise ValueError(f"diloco_payload={payload!r} and half={half!r} both set DiLoCo's "
+                     f"payload: keep one (e.g. only diloco_payload='bf16').")
+  return half if payload is None else payload
+
+
+def replica_mean(tree: Any, codec) -> Any:
   """Mean over every replica, in full precision or through jdist's 16-bit codec."""
-  if dtype is None:
+  if codec is None:
     return collectives.reduce_payload(tree, mean=True)
   scale = 1.0 / topology_lib.current().replica_count
-  return collectives.reduce_payload(half_lib.to_half(tree, dtype, scale), mean=True)
+  return collectives.reduce_payload(half_lib.to_half(tree, codec, scale), mean=True)
+
+
+def quantized_mean(leaves: list[jax.Array], residual: list[jax.Array],
+                   bits: int) -> tuple[list[jax.Array], list[jax.Array]]:
+  """Mean over every replica of `leaves` + `residual`, sent as `bits`-bit levels.
+
+  Returns:
+    (the decoded mean, leaves in their dtypes; the new residual, float32:
+    this replica's value minus what the others decode of it).
+  """
+  spec = fusion.flat_spec(leaves)
+  x = fusion.ravel(leaves, jnp.float32) + fusion.ravel(residual, jnp.float32)
+  levels, scales = qsgd_lib.quantize(x, None, PAYLOAD_BLOCK, qsgd_lib.max_level(bits))
+  sent = qsgd_lib.dequantize(levels, scales, PAYLOAD_BLOCK, qsgd_lib.max_level(bits))
+  payload = qsgd_lib.QSGDPayload(levels, scales, qsgd_lib.QSGDCtx(spec, PAYLOAD_BLOCK, bits))
+  missed = x - sent[:x.shape[0]]
+  return (collectives.reduce_payload(payload, mean=True),
+          fusion.unravel(missed, fusion.flat_spec(residual)))
 
 
 def diloco(inner: optax.GradientTransformation, *, sync_every: int,
@@ -166,8 +221,11 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
       that applies it; 0 <= τ < H.
     mix: on applying, the local share kept: local becomes `mix * local +
       (1 - mix) * outer` (0 <= mix < 1; Streaming DiLoCo uses 0.5 with a delay).
-    payload: None (full precision), "fp16"/"bf16" (or the jnp dtype): the
-      pseudo-gradient crosses replicas in 16 bits (`jdist.cast`'s codec).
+    payload: what the pseudo-gradient crosses replicas as: None or
+      "float32" (full precision); "fp16"/"bf16" (or the jnp dtype), 16 bits
+      (`jdist.cast`'s codec); "int8"/"int4", 8-/4-bit levels with a float32
+      scale per `PAYLOAD_BLOCK` values and error feedback (see the module
+      docstring).
 
   Returns:
     An `optax.GradientTransformation` whose state is a `DiLoCoState`.
@@ -191,7 +249,8 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
                      f"outer step lands before its next exchange.")
   if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0.0 <= mix < 1.0:
     raise ValueError(f"mix={mix!r} must be a number in [0, 1).")
-  dtype = payload_dtype(payload)
+  codec = payload_codec(payload)
+  bits = codec if isinstance(codec, int) else None
   offsets = sync_offsets(sync_every, fragments)
 
   def plan_for(leaves):
@@ -205,7 +264,9 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
         outer_params=jax.tree.map(jnp.array, params),
         outer_states=tuple(outer.init([leaves[i] for i in leaves_p]) for leaves_p in plan),
         pending=jax.tree.map(jnp.zeros_like, params) if delay else (),
-        syncs=jnp.zeros([], jnp.int32), wire_bytes=jnp.zeros([], jnp.float32))
+        syncs=jnp.zeros([], jnp.int32), wire_bytes=jnp.zeros([], jnp.float32),
+        residual=(jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, jnp.float32), params)
+                  if bits else ()))
 
   def update_fn(grads, state, params=None):
     if params is None:
@@ -219,14 +280,24 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
     step = state.step + 1
     sent = [0] * (fragments + 1)  # bytes of each branch, known once traced
 
-    def exchange(p, updates, params, outer_now):
-      """Fragment p's pseudo-gradient, averaged over every replica."""
+    # Error feedback's residual, per leaf; an empty list without it (a
+    # fragment's exchange then leaves it as it is).
+    residual = treedef.flatten_up_to(state.residual) if bits else []
+
+    def exchange(p, updates, params, outer_now, residual):
+      """Fragment p's pseudo-gradient averaged over every replica, and the residual."""
       delta = [outer_now[i] - (params[i] + updates[i]).astype(params[i].dtype)
                for i in plan[p]]
       with collectives.measure() as ledger:
-        averaged = replica_mean(delta, dtype)
+        if bits:
+          averaged, missed = quantized_mean(delta, [residual[i] for i in plan[p]], bits)
+          residual = list(residual)
+          for i, value in zip(plan[p], missed):
+            residual[i] = value
+        else:
+          averaged = replica_mean(delta, codec)
       sent[p + 1] = ledger.bytes
-      return averaged
+      return averaged, residual
 
     def apply(p, averaged, updates, params, outer_now, outer_states):
       """Fragment p's outer step; its updates move params to the merged values."""
@@ -245,16 +316,17 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
 
     pending = ()
     if delay:
-      def stash(p, pending, updates, params, outer_now):
+      def stash(p, pending, residual, updates, params, outer_now):
         pending = list(pending)
-        for i, value in zip(plan[p], exchange(p, updates, params, outer_now)):
+        averaged, residual = exchange(p, updates, params, outer_now, residual)
+        for i, value in zip(plan[p], averaged):
           pending[i] = value
-        return pending
+        return pending, residual
 
       index = due(step, offsets, sync_every)
-      pending = lax.switch(index, [lambda pend, *_: pend] + [
+      pending, residual = lax.switch(index, [lambda pend, res, *_: (pend, res)] + [
           functools.partial(stash, p) for p in range(fragments)],
-          treedef.flatten_up_to(state.pending), updates, param_leaves, outer_leaves)
+          treedef.flatten_up_to(state.pending), residual, updates, param_leaves, outer_leaves)
 
       def apply_pending(p, updates, params, outer_now, outer_states, pending):
         return apply(p, [pending[i] for i in plan[p]], updates, params, outer_now,
@@ -267,20 +339,21 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
           outer_leaves, state.outer_states, pending)
       pending = jax.tree.unflatten(treedef, pending)
     else:
-      def sync(p, updates, params, outer_now, outer_states):
-        return apply(p, exchange(p, updates, params, outer_now), updates, params, outer_now,
-                     outer_states)
+      def sync(p, updates, params, outer_now, outer_states, residual):
+        averaged, residual = exchange(p, updates, params, outer_now, residual)
+        return apply(p, averaged, updates, params, outer_now, outer_states) + (residual,)
 
       index = due(step, offsets, sync_every)
-      branches = [lambda u, pa, o, s: (u, o, s)] + [
+      branches = [lambda u, pa, o, s, res: (u, o, s, res)] + [
           functools.partial(sync, p) for p in range(fragments)]
-      updates, outer_leaves, outer_states = lax.switch(
-          index, branches, updates, param_leaves, outer_leaves, state.outer_states)
+      updates, outer_leaves, outer_states, residual = lax.switch(
+          index, branches, updates, param_leaves, outer_leaves, state.outer_states, residual)
     new_state = DiLoCoState(
         step=step, inner_state=inner_state,
         outer_params=jax.tree.unflatten(treedef, outer_leaves), outer_states=outer_states,
         pending=pending, syncs=state.syncs + (index > 0).astype(jnp.int32),
-        wire_bytes=jnp.asarray(sent, jnp.float32)[index])
+        wire_bytes=jnp.asarray(sent, jnp.float32)[index],
+        residual=jax.tree.unflatten(treedef, residual) if bits else ())
     return jax.tree.unflatten(treedef, updates), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -42,15 +42,16 @@ from jdist.compression.sparse import SPARSIFY_KINDS  # noqa: F401  (the CLI's re
 from jdist.compression.sparse import parse_sparsify  # noqa: F401  (the CLI's reader)
 from jdist.transforms import partial as partial_lib
 from jdist.transforms.allreduce import allreduce
+from jdist.transforms.diloco import choose_payload
 from jdist.transforms.diloco import diloco as diloco_tx
 from jdist.transforms.local_sgd import local_sgd as local_sgd_tx
 
 _DILOCO = protocol.Scheme(
     "diloco", "wrap", protocol.enabled,
-    lambda every, o, inner, chosen: diloco_tx(inner, sync_every=every, outer=o.diloco_outer,
-                                              fragments=o.diloco_fragments,
-                                              payload=chosen.get("half")),
-    options=("diloco_fragments", "diloco_outer"), combines_with=("half",),
+    lambda every, o, inner, chosen: diloco_tx(
+        inner, sync_every=every, outer=o.diloco_outer, fragments=o.diloco_fragments,
+        payload=choose_payload(chosen.get("half"), o.diloco_payload)),
+    options=("diloco_fragments", "diloco_outer", "diloco_payload"), combines_with=("half",),
     does="averages pseudo-gradients every H steps")
 _LOCAL_SGD = protocol.Scheme(
     "local_sgd", "wrap", protocol.enabled,
@@ -144,6 +145,7 @@ def dist_opt(inner: optax.GradientTransformation, *,
              bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES,
              diloco_fragments: int = 1,
              diloco_outer: optax.GradientTransformation | None = None,
+             diloco_payload: Any = None,
              local_sgd_warmup: int = 0) -> optax.GradientTransformation:
   """Wraps `inner` so its gradients are averaged over every replica.
 
@@ -184,6 +186,9 @@ def dist_opt(inner: optax.GradientTransformation, *,
     diloco_fragments: diloco only: Streaming DiLoCo's fragments.
     diloco_outer: diloco only: the outer optimizer (None: SGD, lr 0.7,
       Nesterov momentum 0.9).
+    diloco_payload: diloco only: what the pseudo-gradient travels as (None:
+      `half`'s dtype, else float32; or "float32", "bf16", "fp16", "int8",
+      "int4": `jdist.diloco`'s `payload`).
     local_sgd_warmup: local_sgd only: fully synchronous steps first.
 
   Returns:
