@@ -7,6 +7,8 @@ process one data slot x 2 model devices, the data axis across processes)
 and 2x1 (model=1: the two-axis mesh with a model axis of one device).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,16 +29,16 @@ def _model_size(topo) -> int:
   return 2 if topo.local_device_count % 2 == 0 else 1
 
 
-def _specs(params, model_axis):
-  """Megatron-style: the first kernel split by columns, the second by rows."""
-  del params  # reference.TinyMLP's: Dense_0 (64 -> 32), Dense_1 (32 -> 10)
+def _specs(model_axis):
+  """reference.TinyMLP's (Dense_0 64 -> 32, Dense_1 32 -> 10), Megatron-style: the
+  first kernel split by columns, the second by rows."""
   return {"params": {
       "Dense_0": {"kernel": P(None, model_axis), "bias": P(model_axis)},
       "Dense_1": {"kernel": P(model_axis, None), "bias": P()}}}
 
 
 def _train_sharded(model, params, tx, batches, mesh, data_axis, model_axis):
-  specs = _specs(params, model_axis)
+  specs = _specs(model_axis)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                            is_leaf=lambda s: isinstance(s, P))
   batch_sharding = NamedSharding(mesh, P(data_axis))
@@ -58,6 +60,20 @@ def _train_sharded(model, params, tx, batches, mesh, data_axis, model_axis):
   return params, losses, shardings
 
 
+def _inner():
+  return optax.sgd(0.1, momentum=0.9)
+
+
+@functools.cache
+def _reference(replicas: int):
+  """The model, its batches and initial parameters, and one device's training on them."""
+  model = reference.TinyMLP()
+  batches = [reference.global_batch(replicas, PER_REPLICA, seed=s) for s in range(2)]
+  params = model.init(jax.random.key(0), batches[0][0][:1])
+  return model, batches, params, reference.train_reference(model, params, _inner(), batches,
+                                                           STEPS)
+
+
 @pytest.mark.parametrize("names,options,rtol,atol", [
     (("batch", "model"), {}, 1e-5, 1e-6),           # the miniGPT tutorial's axis names
     (None, {"half": True}, 2e-2, 2e-3),             # (jdist.DATA_AXIS, "model"), 16-bit
@@ -73,12 +89,8 @@ def test_model_axis_step_trains_like_one_device_on_the_whole_batch(topo, names, 
   assert names is not None or mesh.axis_names == (jdist.DATA_AXIS, "model")
   assert mesh.shape == {data_axis: topo.local_device_count // model_size,
                         model_axis: model_size}
-  model = reference.TinyMLP()
-  batches = [reference.global_batch(topo.replica_count, PER_REPLICA, seed=s) for s in range(2)]
-  params = model.init(jax.random.key(0), batches[0][0][:1])
-  inner = lambda: optax.sgd(0.1, momentum=0.9)
-  expected = reference.train_reference(model, params, inner(), batches, STEPS)
-  trained, losses, shardings = _train_sharded(model, params, jdist.dist_opt(inner(), **options),
+  model, batches, params, expected = _reference(topo.replica_count)
+  trained, losses, shardings = _train_sharded(model, params, jdist.dist_opt(_inner(), **options),
                                               batches, mesh, data_axis, model_axis)
   reference.assert_trees_close(trained, expected, rtol=rtol, atol=atol)
   # The parameters stay sharded over the model axis.
