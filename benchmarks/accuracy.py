@@ -58,6 +58,8 @@ LOCAL_MODES = {
     "diloco32": {"diloco": 32},
     "diloco128": {"diloco": 128},
     "sdiloco32": {"diloco": 32, "diloco_fragments": 4},
+    "diloco32_int8": {"diloco": 32, "diloco_payload": "int8"},
+    "diloco128_int8": {"diloco": 128, "diloco_payload": "int8"},
     "local_sgd8": {"local_sgd": 8, "local_sgd_warmup": LOCAL_SGD_WARMUP},
     "local_sgd32": {"local_sgd": 32, "local_sgd_warmup": LOCAL_SGD_WARMUP},
 }

@@ -370,7 +370,33 @@ def _header(results: dict) -> list[str]:
       "step's compilation (column \"first step s\"). A run stops at "
       f"the first evaluation at or above {options['target']:.2f} unless it is in --full "
       f"(then it trains all {options['epochs']} epochs; here: "
-      f"{', '.join(options.get('full', [])) or 'none'}).", ""]
+      f"{', '.join(options.get('full', [])) or 'none'})."] + _local_lines(results) + [""]
+
+
+def _local_lines(results: dict) -> list[str]:
+  """The header's lines on DiLoCo, local SGD, the floor and the caps, where they ran."""
+  options, variants = results["options"], {r["variant"] for r in results["runs"]}
+  lines = []
+  if any(is_local(v) or v in (FLOOR, "ddp_postlocal") for v in variants):
+    lines.append(
+        "- Low-communication modes: `dist_opt(inner, diloco=H)` (`jdist.diloco`, inner = "
+        "the same SGD, outer `optax.sgd(0.7, momentum=0.9, nesterov=True)`; sdiloco32: "
+        "4 fragments, no delay; _int8: `diloco_payload=\"int8\"`), "
+        "`dist_opt(inner, local_sgd=H, local_sgd_warmup=32)`; "
+        "ddp_postlocal: PyTorch's `post_localSGD_hook` (start_localSGD_iter 32) + "
+        "`PostLocalSGDOptimizer` with `PeriodicModelAverager(period=32, warmup_steps=32)`. "
+        "Their replicas differ between syncs: an evaluation tests the replicas' average "
+        "(an exchange outside the clock; on a sync step, the synced model). "
+        f"{FLOOR}: the same SGD steps with `jax.jit` on each rank's own rows and nothing "
+        "exchanged (not even the loss); its accuracy is rank 0's own model. Sent per "
+        "step: the mean over the steps trained.")
+  caps = ", ".join(f"{k} {v:g} s" for k, v in options.get("caps", {}).items())
+  if options.get("max_seconds") or caps:
+    lines.append(f"- Caps (training seconds): {options.get('max_seconds') or 'none'} s "
+                 f"each{'; ' + caps if caps else ''}.")
+  lines += [f"- {k} ran {v} (the DiLoCo mode that reached the target soonest before)."
+            for k, v in options.get("resolved", {}).items()]
+  return lines
 
 
 def markdown(results: dict) -> str:

@@ -404,7 +404,7 @@ def test_diloco_best_runs_the_fastest_diloco_mode_of_the_earlier_links(monkeypat
   assert [len(p["runs"]) for p in progress] == [1, 2, 3, 4, 5]
 
 
-def test_ddp_post_local_sgd_on_one_rank_trains_like_plain_sgd():
+def test_ddp_post_local_sgd_on_one_rank_trains_like_plain_sgd(monkeypatch):
   # One rank: the warm-up all-reduce and the periodic averaging are identities,
   # so post-local SGD must follow torch.optim.SGD step for step; this checks
   # the hook, the averager and the optimizer are wired (run past the warm-up
@@ -423,11 +423,14 @@ def test_ddp_post_local_sgd_on_one_rank_trains_like_plain_sgd():
   data = types.SimpleNamespace(
       train_x=rng.random((64,) + shape, dtype=np.float32), train_y=rng.integers(0, 10, 64),
       test_x=rng.random((20,) + shape, dtype=np.float32), test_y=rng.integers(0, 10, 20))
-  mode = accuracy.MODES[torch_accuracy.POST_LOCAL_MODE]
-  steps = mode["local_sgd_warmup"] + 2 * mode["local_sgd"] + 1
+  # A short warm-up and period, so a few steps cover both phases.
+  monkeypatch.setitem(accuracy.MODES, torch_accuracy.POST_LOCAL_MODE,
+                      {"local_sgd": 2, "local_sgd_warmup": 2})
+  steps = 2 + 2 * 2 + 1
   dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
   try:
     trainer = torch_accuracy.TorchTrainer("ddp_postlocal", flax_model, params, data, [0])
+    assert trainer.optimizer.averager.period == 2
     reference = torch_accuracy.singa_cnn_from_flax(flax_model, params, shape)
     sgd = torch.optim.SGD(reference.parameters(), lr=accuracy.LEARNING_RATE,
                           momentum=accuracy.MOMENTUM)
