@@ -45,11 +45,9 @@ import dataclasses
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import IO, Callable, Sequence
