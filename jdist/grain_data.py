@@ -164,6 +164,10 @@ class GrainLoader:
     prefetch: placed batches a background thread keeps ready; 0 places each
       batch when it is asked for. The saved position is always the one
       after the last batch handed out.
+    read_options: grain's `ReadOptions` (reader threads and buffer per
+      process); default grain's, except for in-memory arrays, which are read
+      without threads (grain's advice: its 16 threads only contend for the
+      GIL there; see docs/data.md for the measured cost).
     devices: with `style="replicated"`, the local devices to place rows on;
       default the first `topology.local_device_count` of `jax.local_devices()`.
 
@@ -177,7 +181,7 @@ class GrainLoader:
                topology: topology_lib.Topology | None = None, seed: int = 0,
                shuffle: bool = True, num_epochs: int | None = None,
                operations: Sequence[Any] = (), worker_count: int = 0,
-               style: str = "global", prefetch: int = 2,
+               style: str = "global", prefetch: int = 2, read_options: Any = None,
                devices: Sequence[jax.Device] | None = None):
     grain = _grain()
     self.topology = _topology(topology)
@@ -223,8 +227,10 @@ class GrainLoader:
         num_epochs=num_epochs, seed=seed)
     # drop_remainder: a short batch would not split over the devices, and a
     # process taking an extra step would leave the others' collectives waiting.
+    if read_options is None and isinstance(source, ArraySource):
+      read_options = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
     self.data_loader = grain.DataLoader(
-        data_source=source, sampler=sampler,
+        data_source=source, sampler=sampler, read_options=read_options,
         operations=list(operations) + [grain.transforms.Batch(
             self.process_batch_size, drop_remainder=True)],
         worker_count=worker_count, shard_options=self.shard_options)

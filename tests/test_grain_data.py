@@ -7,6 +7,7 @@ process checks the whole global batch against a single-device reference.
 """
 
 import dataclasses
+import os
 import shutil
 import sys
 import tempfile
@@ -23,6 +24,7 @@ from jdist import grain_data
 from jdist.checkpoint import CheckpointManager
 from jdist.grain_data import GrainLoader
 from jdist.runtime import host
+from tests import launch
 from tests import reference
 
 NUM_EXAMPLES = 64
@@ -198,3 +200,16 @@ def test_a_missing_grain_says_how_to_install_it(monkeypatch):
   monkeypatch.setitem(sys.modules, "grain", None)
   with pytest.raises(ImportError, match=r"pip install 'jdist\[data\]'"):
     jdist.grain_shard_options()
+
+
+def test_mnist_grain_example_stops_and_resumes_subprocess(tmp_path):
+  """examples/mnist_grain.py as a user runs it: interrupted mid-epoch, then resumed."""
+  example = [os.path.join(launch.REPO, "examples", "mnist_grain.py"), "--dataset", "digits",
+             "--epochs", "1", "--checkpoint-dir", str(tmp_path)]
+  first = launch.python(example + ["--stop-at-step", "8"], devices=4, timeout=240)
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert "stopped at step 8:" in first.stdout
+  second = launch.python(example, devices=4, timeout=240)
+  assert second.returncode == 0, second.stderr[-3000:]
+  assert "resumed at step 8" in second.stdout
+  assert "epoch 1/1:" in second.stdout and "stopped at step 22:" in second.stdout
