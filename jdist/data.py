@@ -123,6 +123,27 @@ class PrefetchIterator:
       self._stop.set()
 
 
+def local_sharding(topology: Topology, devices: Sequence[jax.Device] | None) -> NamedSharding:
+  """One row of the leading axis per local device: the layout `jax.pmap` takes.
+
+  Args:
+    topology: this process's place in the job.
+    devices: the local devices; default the first
+      `topology.local_device_count` of `jax.local_devices()`.
+
+  Raises:
+    jdist.errors.ShapeError: not as many devices as the topology has.
+  """
+  wanted = topology.local_device_count
+  devices = list(devices or jax.local_devices()[:wanted])
+  if len(devices) != wanted:
+    raise errors.ShapeError(
+        f"the topology has {wanted} local devices but {len(devices)} are "
+        f"available here; build the Topology with local_device_count="
+        f"{len(devices)} or pass devices=.")
+  return context.per_device_sharding(devices)
+
+
 class ShardedLoader:
   """Batches for this process's replicas, placed on its local devices.
 
@@ -271,14 +292,7 @@ class ShardedLoader:
 
   def _place(self, batch: Batch) -> Batch:
     if self._sharding is None:
-      wanted = self.topology.local_device_count
-      devices = self._devices or jax.local_devices()[:wanted]
-      if len(devices) != wanted:
-        raise errors.ShapeError(
-            f"the topology has {wanted} local devices but {len(devices)} are "
-            f"available here; build the Topology with local_device_count="
-            f"{len(devices)} or pass devices=.")
-      self._sharding = context.per_device_sharding(devices)
+      self._sharding = local_sharding(self.topology, self._devices)
     return jax.device_put(batch, self._sharding)
 
   def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Batch]:

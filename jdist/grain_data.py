@@ -37,9 +37,8 @@ import jax
 import numpy as np
 
 from jdist import batches
+from jdist import data
 from jdist import errors
-from jdist.collectives import context
-from jdist.data import PrefetchIterator
 from jdist.epoch_order import check_int
 from jdist.runtime import topology as topology_lib
 
@@ -225,10 +224,10 @@ class GrainLoader:
     sampler = grain.samplers.IndexSampler(
         num_records=len(source), shard_options=self.shard_options, shuffle=shuffle,
         num_epochs=num_epochs, seed=seed)
-    # drop_remainder: a short batch would not split over the devices, and a
-    # process taking an extra step would leave the others' collectives waiting.
     if read_options is None and isinstance(source, ArraySource):
       read_options = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+    # drop_remainder: a short batch would not split over the devices, and a
+    # process taking an extra step would leave the others' collectives waiting.
     self.data_loader = grain.DataLoader(
         data_source=source, sampler=sampler, read_options=read_options,
         operations=list(operations) + [grain.transforms.Batch(
@@ -242,14 +241,7 @@ class GrainLoader:
     if self.style == "global":
       return batches.place_process_rows(rows, self.topology)
     if self._sharding is None:
-      wanted = self.topology.local_device_count
-      devices = self._devices or jax.local_devices()[:wanted]
-      if len(devices) != wanted:
-        raise errors.ShapeError(
-            f"the topology has {wanted} local devices but {len(devices)} are available "
-            f"here; build the Topology with local_device_count={len(devices)} or pass "
-            f"devices=.")
-      self._sharding = context.per_device_sharding(devices)
+      self._sharding = data.local_sharding(self.topology, self._devices)
     return jax.device_put(batches.shard_batch(rows, self.topology.local_device_count),
                           self._sharding)
 
@@ -274,7 +266,7 @@ class GrainIterator:
     self._loader = loader
     self._grain = iter(loader.data_loader)
     self._state = self._grain.get_state()
-    self._prefetch: PrefetchIterator | None = None
+    self._prefetch: data.PrefetchIterator | None = None
 
   def __iter__(self) -> GrainIterator:
     return self
@@ -286,7 +278,7 @@ class GrainIterator:
       self._state = self._grain.get_state()
       return loader.place(rows)
     if self._prefetch is None:
-      self._prefetch = PrefetchIterator(
+      self._prefetch = data.PrefetchIterator(
           _with_states(self._grain), lambda item: (loader.place(item[0]), item[1]),
           loader.prefetch)
     batch, self._state = next(self._prefetch)
