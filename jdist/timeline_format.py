@@ -37,8 +37,9 @@ def step_splits(steps: list[tuple], exchanges: list[tuple],
   """Per step: its time split into compute, exposed exchange and waiting (ns).
 
   A step's exchanges are those first posted while it ran. After the last of
-  them was posted by every local device, the backward pass is over: the time
-  from then until the last one is done is exposed exchange time, of which
+  its gradient exchanges (`gradient_exchanges`) was posted by every local
+  device, the backward pass is over: the time from then until the last
+  exchange is done is exposed exchange time, of which
   the slowest rank's lateness (`waits`, per (ordinal, call)) is waiting.
   The rest of the step is compute (overlapped exchanges included).
   A step with `counters` carries them as "residual_norm", "dense_bytes"
@@ -54,7 +55,7 @@ def step_splits(steps: list[tuple], exchanges: list[tuple],
     exposed = waiting = 0.0
     nbytes = sum(x[5] for x in mine)
     if mine:
-      last_post = max(x[7] for x in mine)
+      last_post = max(x[7] for x in gradient_exchanges(mine))
       last = max(mine, key=lambda x: x[9])
       exposed = max(0.0, min(done, last[9]) - max(start, last_post))
       waiting = min(exposed, (waits or {}).get((last[1], last[2]), 0.0))
@@ -65,6 +66,17 @@ def step_splits(steps: list[tuple], exchanges: list[tuple],
                 "residual_norm": counted[2], "dense_bytes": counted[3],
                 "sent_bytes": counted[4]})
   return out
+
+
+def gradient_exchanges(exchanges: list[tuple]) -> list[tuple]:
+  """Those a jdist transformation traced (the gradient's buckets), else all of them.
+
+  A step's own `jdist.psum`/`pmean` (labelled "psum/pmean: ...", such as the
+  metric sums) may be posted whenever XLA schedules it, even after the
+  gradients' exchanges are done: it does not say when the backward pass ended.
+  """
+  found = [x for x in exchanges if not str(x[4]).startswith("psum/pmean")]
+  return found or exchanges
 
 
 def compression_ratio(rows: list[dict[str, Any]]) -> float | None:

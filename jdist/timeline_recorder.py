@@ -147,8 +147,9 @@ class Timeline:
     while self._pending and (wait or self._counters.ready(self._pending[0][1])):
       number, handle = self._pending.popleft()
       counters = self._counters.read(handle)
-      with self._lock:
-        self._append(("c", number, *counters))
+      if counters is not None:
+        with self._lock:
+          self._append(("c", number, *counters))
       wait = False
 
   def step_done(self, number: int, start_ns: int, done_ns: int) -> None:

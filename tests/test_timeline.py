@@ -61,6 +61,16 @@ def test_a_step_splits_into_compute_exposed_exchange_and_waiting():
   assert split["bytes"] == 2000 and split["exchanges"] == 2
 
 
+def test_a_late_psum_of_the_step_does_not_end_the_backward_pass():
+  metric = ("x", 2, 0, "sum", "psum/pmean: dense sum", 4, 8 * MS, 8 * MS, 8 * MS, 9 * MS,
+            "native")
+  part = _part(exchanges=_part()["exchanges"] + [metric])
+  (split,) = timeline_format.step_splits(part["steps"], part["exchanges"])
+  # The gradient's last bucket was posted at 7 ms; the metric sum, posted at 8 ms, is
+  # done at 9 ms: 2 ms exposed, not 1.
+  assert (split["exposed"], split["compute"]) == (2 * MS, 8 * MS)
+
+
 def test_waits_for_the_slowest_rank_use_each_ranks_wall_clock():
   late = _part(shift=0, exchanges=[_x(1, 0, 6 * MS, 8 * MS, 8 * MS, 9 * MS)])
   early = _part(shift=-1 * MS, exchanges=[_x(1, 0, 6 * MS, 7 * MS, 7 * MS, 9 * MS)])
