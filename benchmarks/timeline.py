@@ -53,6 +53,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any, Callable, Iterator
@@ -230,8 +231,8 @@ class _HostClock:
 
 def _quartiles(values: list[float]) -> dict[str, float]:
   q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
-  return {"median": round(statistics.median(values), 4), "q1": round(q[0], 4),
-          "q3": round(q[2], 4), "min": round(min(values), 4), "max": round(max(values), 4)}
+  return {key: round(v, 4) for key, v in (("median", statistics.median(values)), ("q1", q[0]),
+                                          ("q3", q[2]), ("min", min(values)), ("max", max(values)))}
 
 
 def ab_main(argv=None) -> int:
@@ -356,43 +357,44 @@ def step_plot(trace: str, out: str, rank: int = 0) -> int:
 def shaped_main(argv=None) -> int:
   """`jdist train --timeline` over a shaped link; the trace, its summary and plot in --out."""
   import subprocess  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
   from benchmarks import jobs as jobs_lib  # pylint: disable=import-outside-toplevel
   from benchmarks import netns  # pylint: disable=import-outside-toplevel
   parser = argparse.ArgumentParser(prog="python -m benchmarks.timeline shaped")
   parser.add_argument("--link", default="100mbit", help="a name of benchmarks.netns.LINKS")
   parser.add_argument("--steps", default="21:29", help="--timeline-steps")
   parser.add_argument("--out", default="docs/benchmarks/timeline")
+  parser.add_argument("--sparsify", help="e.g. topk:0.01 (default: plain all-reduce)")
   args = parser.parse_args(argv)
   link = netns.link_named(args.link)
+  name = link.name + (f"_{args.sparsify.replace(':', '')}" if args.sparsify else "")
   missing = netns.missing_requirements()
   if missing:
     raise SystemExit("cannot shape a link here: " + "; ".join(missing))
   os.makedirs(args.out, exist_ok=True)
-  trace = os.path.join(args.out, f"trace_{link.name}.json")
+  trace = os.path.join(args.out, f"trace_{name}.json")
   last = int(args.steps.partition(":")[2] or 30)
   train = [sys.executable, "-m", "jdist.app.cli", "train", "--cpu-devices", "2",
            "--model", "cnn", "--dataset", "fashion_mnist", "--no-download",
            "--train-limit", "4096", "--max-steps", str(last + 2), "--eval-every", "0",
-           "--no-progress", "--timeline", trace, "--timeline-steps", args.steps]
+           "--no-progress", "--timeline", trace, "--timeline-steps", args.steps,
+           *(["--sparsify", args.sparsify] if args.sparsify else [])]
   mpirun = [jobs_lib.mpirun_binary(), "--oversubscribe", "-np", "2", *netns.MPI_TCP_ARGS]
   if os.geteuid() == 0:
     mpirun.insert(1, "--allow-run-as-root")
-  with netns.shaped_namespace(link) as name:
-    subprocess.run(netns.exec_prefix(name) + mpirun + train, check=True, timeout=900)
+  with netns.shaped_namespace(link) as namespace:
+    subprocess.run(netns.exec_prefix(namespace) + mpirun + train, check=True, timeout=900)
   summary = subprocess.run(
       [sys.executable, "-m", "jdist.app.cli", "timeline", "summarize", trace, "--plot",
-       os.path.join(args.out, f"split_{link.name}.png")],
+       os.path.join(args.out, f"split_{name}.png")],
       check=True, capture_output=True, text=True).stdout
-  with open(os.path.join(args.out, f"summary_{link.name}.txt"), "w", encoding="utf-8") as out:
+  with open(os.path.join(args.out, f"summary_{name}.txt"), "w", encoding="utf-8") as out:
     out.write(summary)
-  number = step_plot(trace, os.path.join(args.out, f"step_{link.name}.png"))
+  number = step_plot(trace, os.path.join(args.out, f"step_{name}.png"))
   print(summary + f"\nstep plot: step {number} of rank 0")
   return 0
 
 
 if __name__ == "__main__":
-  import sys  # pylint: disable=g-import-not-at-top
   COMMANDS = {"ab": ab_main, "shaped": shaped_main}
   if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
     raise SystemExit(f"usage: python -m benchmarks.timeline {{{','.join(COMMANDS)}}} ...")
