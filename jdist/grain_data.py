@@ -55,6 +55,17 @@ def _grain():
   return grain
 
 
+def _absl_flags_parsed() -> None:
+  """Marks absl's flags parsed (with their defaults) if the script has not parsed them.
+
+  grain's worker processes read absl flags, and absl refuses to read flags
+  that were never parsed; a script need not use `absl.app` to use workers.
+  """
+  from absl import flags  # pylint: disable=g-import-not-at-top  (grain's dependency)
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+
 def _topology(topology: topology_lib.Topology | None) -> topology_lib.Topology:
   if topology is None:
     return topology_lib.current()
@@ -224,6 +235,8 @@ class GrainLoader:
     sampler = grain.samplers.IndexSampler(
         num_records=len(source), shard_options=self.shard_options, shuffle=shuffle,
         num_epochs=num_epochs, seed=seed)
+    if worker_count:
+      _absl_flags_parsed()
     if read_options is None and isinstance(source, ArraySource):
       read_options = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
     # drop_remainder: a short batch would not split over the devices, and a
