@@ -88,6 +88,7 @@ class Timeline:
     self._names: dict[int, str] = {}
     self._last_recorded: int | None = None  # the newest dispatched step, if recorded
     self._pending: collections.deque = collections.deque()  # (step, counters handle)
+    self._pending_lock = threading.Lock()  # the main thread, and an abort's writer
     self.rank = topology_lib.current().process_index
     self._counters = timeline_counters.Dispatcher(
         max(1, topology_lib.current().process_count))
@@ -142,15 +143,24 @@ class Timeline:
     if handle is not None:
       self._pending.append((number, handle))
 
-  def _take_counters(self, wait: bool) -> None:
-    """Moves the counters that are ready into the ring (first the oldest, ready or not, if `wait`)."""
-    while self._pending and (wait or self._counters.ready(self._pending[0][1])):
-      number, handle = self._pending.popleft()
-      counters = self._counters.read(handle)
-      if counters is not None:
-        with self._lock:
-          self._append(("c", number, *counters))
-      wait = False
+  def _take_counters(self, wait: bool, lock_timeout: float = -1) -> None:
+    """Moves the counters that are ready into the ring (first the oldest, ready or not, if `wait`).
+
+    An abort's writer gives up after `lock_timeout` s: the main thread may be
+    the one waiting, for a device that will not finish.
+    """
+    if not self._pending_lock.acquire(timeout=lock_timeout):
+      return
+    try:
+      while self._pending and (wait or self._counters.ready(self._pending[0][1])):
+        number, handle = self._pending.popleft()
+        counters = self._counters.read(handle)
+        if counters is not None:
+          with self._lock:
+            self._append(("c", number, *counters))
+        wait = False
+    finally:
+      self._pending_lock.release()
 
   def step_done(self, number: int, start_ns: int, done_ns: int) -> None:
     """From the watchdog's step monitor: the step ran from `start_ns` to `done_ns`."""
@@ -249,7 +259,7 @@ class Timeline:
       return
     self._closed = True
     self.stop()
-    self._take_counters(wait=False)  # a stalled device may never finish the others
+    self._take_counters(wait=False, lock_timeout=1.0)  # a stalled device may never finish
     timeline_format.write_atomically(
         self.part_path(), timeline_format.chrome_trace({self.rank: self.part()}, complete=False))
 
