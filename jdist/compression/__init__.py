@@ -5,6 +5,9 @@
   `SparsePayload`.
 * `powersgd`: `powersgd` (low-rank factors, summed), which replaces
   `jdist.allreduce` in the chain.
+* `qsgd`: `qsgd` (8-bit levels + a float32 scale per bucket, all-gathered)
+  and `QSGDPayload`, also `jdist.diloco`'s 8- and 4-bit payloads.
+* `pack4`: 4-bit levels packed two per byte (`diloco(payload="int4")`).
 
 The public names are exported by `jdist` itself (`jdist.cast`,
 `jdist.topk`, `jdist.powersgd`, ...); this package imports nothing, so

@@ -26,6 +26,11 @@ The uniform draws of replica r at step t use the key
 `fold_in(fold_in(key(seed), t), r)`, r the global replica index
 (`jdist.replica_index()`): replicas draw independently, and a run is
 reproducible.
+
+`jdist.diloco(payload="int8"/"int4")` reuses the codec and the payload:
+`quantize` with no key rounds to the nearest level (DiLoCo keeps its own
+error-feedback residual), with 127 or 7 levels, and `QSGDCtx.bits == 4`
+sends the levels packed two per byte (`jdist.compression.pack4`).
 """
 
 from __future__ import annotations
@@ -92,7 +97,7 @@ class QSGDPayload(protocol.WirePayload):
 
   def __repr__(self):
     return (f"QSGDPayload(n={self.ctx.spec.size}, buckets={self.scales.shape[0]}, "
-            f"bucket_size={self.ctx.bucket_size})")
+            f"bucket_size={self.ctx.bucket_size}, bits={self.ctx.bits})")
 
 
 def max_level(bits: int) -> int:
