@@ -10,12 +10,12 @@ Variants, interleaved at each size in one job:
   * `jdist_mean`: the `jdist.allreduce()` transformation (sum, then divide);
   * `jdist_fp16`: `jdist.cast(float16)` + `jdist.allreduce()`: 16 bits on
     the wire, float32 in and out;
-  * `jdist_callback`: `jdist.psum` with the callback route forced
-    (`JDIST_ROUTE=callback`), the fallback where the native library is not
+  * `jdist_callback`: `jdist.psum` on the callback route
+    (`jdist.collectives.on_route`), the fallback where the native library is not
     built (with several devices per process, `jdist_psum` takes the native
     route: the two side by side);
-  * `jdist_native`: `jdist.psum` with the native route forced
-    (`JDIST_ROUTE=native`) on one device per process, beside mpi4jax;
+  * `jdist_native`: `jdist.psum` on the native route
+    (`jdist.collectives.on_route`) on one device per process, beside mpi4jax;
   * `jdist_noop`: the same kind of step with no exchange, `x + 1`: what
     any jitted call that returns a fresh buffer of that size costs (launch,
     a new output's page faults, one pass), the floor of the one-per-call
@@ -36,7 +36,6 @@ median time; bandwidths are computed by the driver (`analysis`).
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Any, Callable
 
@@ -67,16 +66,9 @@ def chained(reduce: Callable, times: int = CHAIN) -> Callable:
   return run
 
 
-@contextlib.contextmanager
-def forced_route(route: str | None):
-  """Traces jdist collectives on `route` (as `JDIST_ROUTE=route` does for a job)."""
-  if route is None:
-    yield
-    return
-  with collectives.transport.forced_route(route):
-    if collectives.route() != route:
-      raise RuntimeError(f"forced_route({route!r}) did not select the {route!r} route.")
-    yield
+def on_route(route: str) -> Callable:
+  """`jdist.psum` on `route` (as `jdist.init(route=route)` gives a whole job)."""
+  return lambda x: collectives.on_route(route).psum(x)
 
 
 def jdist_mean(dtype=None) -> Callable:
@@ -100,14 +92,14 @@ def _jdist_variants(topo: jdist.Topology) -> dict[str, tuple[Callable, str | Non
   # the job with NPROC=16 (the native route does not need it) to include it.
   callback_ok = topo.local_device_count == 1 or int(os.environ.get("NPROC", "0")) >= 8
   if topo.backend == "mpi" and topo.process_count > 1 and callback_ok:
-    variants["jdist_callback"] = (jdist.psum, "callback")
-    variants["jdist_callback_x8"] = (chained(jdist.psum), "callback")
+    variants["jdist_callback"] = (on_route("callback"), "callback")
+    variants["jdist_callback_x8"] = (chained(on_route("callback")), "callback")
     if topo.route != "native" and native.running():
-      variants["jdist_native"] = (jdist.psum, "native")
-      variants["jdist_native_x8"] = (chained(jdist.psum), "native")
+      variants["jdist_native"] = (on_route("native"), "native")
+      variants["jdist_native_x8"] = (chained(on_route("native")), "native")
     if topo.route == "native" and topo.local_device_count == 1:
-      variants["jdist_mpi4jax"] = (jdist.psum, "mpi4jax")
-      variants["jdist_mpi4jax_x8"] = (chained(jdist.psum), "mpi4jax")
+      variants["jdist_mpi4jax"] = (on_route("mpi4jax"), "mpi4jax")
+      variants["jdist_mpi4jax_x8"] = (chained(on_route("mpi4jax")), "mpi4jax")
   return variants
 
 
@@ -153,9 +145,8 @@ def measure_size(ctx, nbytes: int) -> list[dict]:
   buffer = jdist.replicate(jnp.ones((count,), jnp.float32))
   for name, (fn, route) in _jdist_variants(topo).items():
     step = jdist.data_parallel(fn)
-    with forced_route(route):
-      jax.block_until_ready(step(buffer))  # compiles with the forced route
-      routes[name] = collectives.route()
+    jax.block_until_ready(step(buffer))  # compiles on its route
+    routes[name] = route or collectives.route()
     variants[name] = lambda step=step: step(buffer)
   series = timing.interleaved(variants, repeats=timing.repeats_for(nbytes, quick=ctx.quick),
                               warmup=ctx.warmup(2), sync=ctx.sync)

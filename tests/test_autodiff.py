@@ -12,7 +12,7 @@ topology allows in turn (native, mpi4jax with one device per process,
 callback).
 """
 
-import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 import jdist
+from jdist import collectives
 from jdist.collectives import native
 from jdist.collectives import transport
 from tests import reference
@@ -56,37 +57,39 @@ def _routes(topo):
   return names + (["mpi4jax"] if topo.local_device_count == 1 else [])
 
 
-def _on_route(name):
-  return contextlib.nullcontext() if name is None else transport.forced_route(name)
+def _reductions(name):
+  """jdist's reductions on route `name` (the job's for None), passed explicitly."""
+  return jdist if name is None else collectives.on_route(name)
 
 
-def _quantities(w, x, y, a):
+def _quantities(w, x, y, a, r=jdist):
   """Everything these tests differentiate, computed in either kind of step.
 
   `x, y` are this participant's rows (a replica's, or a process's in a jit
-  step); `a` weighs the rows of `jdist.all_gather`.
+  step); `a` weighs the rows of `jdist.all_gather`; `r` offers the
+  reductions (`jdist`, or `jdist.collectives.on_route(name)`).
   """
-  loss_fn = lambda w: jdist.pmean(_mean_loss(w, x, y))
+  loss_fn = lambda w: r.pmean(_mean_loss(w, x, y))
   loss, grad = jax.value_and_grad(loss_fn)(w)
   _, tangent = jax.jvp(loss_fn, (w,), (jnp.asarray(TANGENT),))
   ensemble_grads = jax.vmap(jax.grad(loss_fn))(jnp.asarray(_ensemble()))
   grad_of_vmap = jax.grad(lambda w: jnp.sum(jax.vmap(loss_fn)(w)))(jnp.asarray(_ensemble()))
 
   def scanned(w):
-    body = lambda total, s: (total + jdist.pmean(_mean_loss(w * s, x, y)), None)
+    body = lambda total, s: (total + r.pmean(_mean_loss(w * s, x, y)), None)
     return jax.lax.scan(body, 0.0, jnp.asarray(SCALES))[0]
 
   grad_of_scan = jax.grad(scanned)(w)
 
   def sgd(w, _):  # training steps inside lax.scan, each averaging its gradient
-    return w - 0.5 * jdist.pmean(jax.grad(loss_fn)(w)), None
+    return w - 0.5 * r.pmean(jax.grad(loss_fn)(w)), None
 
   trained = jax.lax.scan(sgd, w, None, length=3)[0]
-  gather_grad = jax.grad(lambda v: jnp.sum(a * jdist.all_gather(v)))(jnp.tanh(w))
-  gathered = jax.vmap(jdist.all_gather)(jnp.stack([a[0], 2 * a[0]]))  # [2, participants, F]
-  return dict(loss=loss, grad=grad, mean_grad=jdist.pmean(grad), tangent=tangent,
-              ensemble=jdist.pmean(ensemble_grads), grad_of_vmap=jdist.pmean(grad_of_vmap),
-              grad_of_scan=jdist.pmean(grad_of_scan), trained=trained, gather_grad=gather_grad,
+  gather_grad = jax.grad(lambda v: jnp.sum(a * r.all_gather(v)))(jnp.tanh(w))
+  gathered = jax.vmap(r.all_gather)(jnp.stack([a[0], 2 * a[0]]))  # [2, participants, F]
+  return dict(loss=loss, grad=grad, mean_grad=r.pmean(grad), tangent=tangent,
+              ensemble=r.pmean(ensemble_grads), grad_of_vmap=r.pmean(grad_of_vmap),
+              grad_of_scan=r.pmean(grad_of_scan), trained=trained, gather_grad=gather_grad,
               gathered=gathered)
 
 
@@ -125,11 +128,11 @@ def test_grad_jvp_vmap_scan_through_reductions_in_a_data_parallel_step(topo):
   x, y = _data(topo)
   weights = _gather_weights(topo.replica_count)
   for route in _routes(topo):
-    step = jdist.data_parallel(_quantities, in_axes=(None, 0, 0, 0))
+    step = jdist.data_parallel(functools.partial(_quantities, r=_reductions(route)),
+                               in_axes=(None, 0, 0, 0))
     mine = reference.local_slices(np.arange(len(x)), topo, PER_REPLICA)
-    with _on_route(route):
-      got = step(W0, reference.local_slices(x, topo, PER_REPLICA),
-                 reference.local_slices(y, topo, PER_REPLICA), weights[list(topo.replica_indices)])
+    got = step(W0, reference.local_slices(x, topo, PER_REPLICA),
+               reference.local_slices(y, topo, PER_REPLICA), weights[list(topo.replica_indices)])
     for device, replica in enumerate(topo.replica_indices):
       _check(jax.tree.map(lambda v, d=device: v[d], got),
              _expected(x, y, mine[device], weights, replica))
@@ -141,10 +144,11 @@ def test_grad_jvp_vmap_scan_through_reductions_in_a_jit_step(topo):
   rows = np.arange(len(x)).reshape(topo.process_count, -1)[topo.process_index]
   for route in _routes(topo):
     if route == "native" and topo.local_device_count > 1:
-      continue  # jit steps take the callback route there (routes.select)
-    with jax.set_mesh(jdist.mesh()), _on_route(route):
-      got = jax.jit(_quantities)(W0, jdist.shard_global_batch(x), jdist.shard_global_batch(y),
-                                 weights[topo.process_index])
+      continue  # stalls in 2x2 (routes.jit_route): jit steps take the callback route there
+    with jax.set_mesh(jdist.mesh()):
+      got = jax.jit(functools.partial(_quantities, r=_reductions(route)))(
+          W0, jdist.shard_global_batch(x), jdist.shard_global_batch(y),
+          weights[topo.process_index])
     _check(got, _expected(x, y, rows, weights, topo.process_index))
 
 
@@ -211,14 +215,14 @@ def test_sync_batchnorm_trains_as_one_device_in_a_data_parallel_step(topo):
   x, y = _data(topo)
   expected = _norm_expected(x, y)
   graphdef, params, rest = _split(jdist.SyncBatchNorm(HIDDEN))
-  for route in _routes(topo):
-    step = jdist.data_parallel(lambda *a: _norm_quantities(graphdef, *a),
-                               in_axes=(None, None, 0, 0))
-    with _on_route(route):
-      got = step(params, rest, reference.local_slices(x, topo, PER_REPLICA),
-                 reference.local_slices(y, topo, PER_REPLICA))
-    for device in range(topo.local_device_count):
-      _check_states(jax.tree.map(lambda v, d=device: v[d], got), expected)
+  # On the job's route: SyncBatchNorm's own reductions take it (no ambient
+  # state redirects them), and one step keeps to one route.
+  step = jdist.data_parallel(lambda *a: _norm_quantities(graphdef, *a),
+                             in_axes=(None, None, 0, 0))
+  got = step(params, rest, reference.local_slices(x, topo, PER_REPLICA),
+             reference.local_slices(y, topo, PER_REPLICA))
+  for device in range(topo.local_device_count):
+    _check_states(jax.tree.map(lambda v, d=device: v[d], got), expected)
 
 
 def test_sync_batchnorm_trains_as_one_device_in_a_jit_step(topo):

@@ -1,5 +1,7 @@
 """The collective layer: reductions over every replica, fusion, host exchanges."""
 
+import re
+
 import jax
 import jax.extend.core
 import jax.numpy as jnp
@@ -7,6 +9,7 @@ import numpy as np
 import pytest
 
 import jdist
+from jdist import collectives
 from jdist import errors
 from jdist import fusion
 from jdist.collectives import native
@@ -102,12 +105,31 @@ def test_host_allreduce_sums_over_processes(topo):
 
 
 def test_the_started_route_is_an_object_named_like_the_topology(topo):
-  route = transport.active()
+  route = transport.route_for(None)
   assert isinstance(route, routes.Route)
   assert route.name == transport.route() == topo.route
-  with transport.global_step_exchange():  # the native route's jit steps take the fallback
-    fallback = "mpi4jax" if topo.local_device_count == 1 else "callback"
-    assert transport.route() == (fallback if topo.route == "native" else topo.route)
+  assert transport.route_for(route.name) is route
+  assert isinstance(transport.route_for(topo.jit_route), routes.Route)
+  if topo.process_count > 1 and native.running():
+    assert topo.route == "native"
+  # jit steps keep the callback route where native was chosen for several
+  # devices per process (routes.jit_route); elsewhere the same route.
+  several = topo.route == "native" and topo.local_device_count > 1
+  assert topo.jit_route == ("callback" if several else topo.route)
+  assert ("jit steps callback" in str(topo)) == several
+
+
+def test_init_route_argument_is_checked():
+  # Later calls must agree with the first; a bad name is named with the allowed ones.
+  topo = jdist.init()
+  assert jdist.init(route=topo.route) is topo
+  other = "callback" if topo.route != "callback" else "native"
+  with pytest.raises(ValueError, match=re.escape(f"init(route='{other}') after jdist was initialized")):
+    jdist.init(route=other)
+  with pytest.raises(ValueError, match="give a route name, one of local, mpi4jax, native"):
+    jdist.init(route=3)
+  with pytest.raises(ValueError, match="route='ring' is not a jdist route"):
+    collectives.on_route("ring")
 
 
 def test_route_selection():
@@ -115,24 +137,29 @@ def test_route_selection():
     return jdist.Topology(0, processes, devices, backend=backend)
 
   assert isinstance(routes.select(fake(1, 4, "none")), routes.LocalRoute)
-  assert routes.select(fake(2, 2, "jax"), "callback").name == "local"
+  assert routes.select(fake(2, 2, "jax"), "local").name == "local"
+  with pytest.raises(ValueError, match="route='callback': this job runs backend 'jax'"):
+    routes.select(fake(2, 2, "jax"), "callback")
   assert routes.select(fake(2, 1)).name == ("native" if native.running() else "mpi4jax")
-  assert routes.select(fake(2, 1)).global_step_route.name == "mpi4jax"
   assert routes.select(fake(2, 1), "mpi4jax").name == "mpi4jax"
   assert routes.select(fake(2, 1), "callback").name == "callback"
   assert routes.select(fake(2, 2), "callback").name == "callback"
-  with pytest.raises(ValueError, match="JDIST_ROUTE=mpi4jax needs one device per process"):
+  with pytest.raises(ValueError, match="route='mpi4jax' needs one device per process"):
     routes.select(fake(2, 2), "mpi4jax")
-  with pytest.raises(ValueError, match="JDIST_ROUTE='ring': choose 'native', 'mpi4jax' or"):
-    routes.select(fake(2, 2), "ring")
+  with pytest.raises(ValueError, match="JDIST_ROUTE='ring' is not a jdist route: choose one "
+                                       "of local, mpi4jax, native, callback"):
+    routes.select(fake(2, 2), "ring", source="JDIST_ROUTE")
+  with pytest.raises(ValueError, match="route='native': this job runs one process"):
+    routes.select(fake(1, 4, "none"), "native")
+  with pytest.raises(ValueError, match="route='local': XLA's collectives do not cross"):
+    routes.select(fake(2, 2), "local")
   if not native.running():
     assert routes.select(fake(2, 2)).name == "callback"
-    with pytest.raises(ValueError, match="JDIST_ROUTE=native, but the native exchange"):
+    with pytest.raises(ValueError, match="route='native', but the native exchange"):
       routes.select(fake(2, 2), "native")
   else:
-    chosen = routes.select(fake(2, 2))
-    assert chosen.name == "native" and chosen.global_step_route.name == "callback"
-    assert routes.select(fake(2, 2), "native").global_step_route.name == "native"
+    assert routes.select(fake(2, 2)).name == "native"
+    assert routes.select(fake(2, 2), "native").name == "native"
 
 
 def test_structure_mismatch_message_names_first_leaf():
@@ -196,7 +223,8 @@ def test_host_exchanges_of_a_step_are_chained_in_trace_order():
   def exchange(x):  # shaped like transport.gather_all on the callback route
     spec = jax.ShapeDtypeStruct((3,), jnp.float32)
     ready = routes.after_previous_exchange(x)
-    return routes.exchange_done(routes.host_callback(lambda v, d: v, spec, ready))
+    return routes.exchange_done(
+        routes.host_callback(lambda v, d: v, transport.DATA_AXIS, spec, ready))
 
   def step(a, b, c):
     return exchange(a), exchange(b), exchange(c)
@@ -238,15 +266,10 @@ def test_means_of_floats_near_the_largest_float32_are_those_of_their_route(topo)
 
 def _traced_mean(route):
   """A step taking `jdist.allreduce()`'s mean, traced (not run) on `route`."""
-  tx = jdist.allreduce()
-  step = jax.pmap(lambda tree: tx.update(tree, tx.init(tree))[0], axis_name=transport.DATA_AXIS)
+  # jdist.allreduce()'s reduction, on a route given explicitly.
+  step = jax.pmap(collectives.on_route(route).reduce_payload, axis_name=transport.DATA_AXIS)
   tree = {"w": jnp.ones((jax.local_device_count(), 8), jnp.float32)}
-  forced = transport._forced.set(route)  # pylint: disable=protected-access
-  try:
-    traced = jax.make_jaxpr(step)(tree)
-  finally:
-    transport._forced.reset(forced)  # pylint: disable=protected-access
-  return traced
+  return jax.make_jaxpr(step)(tree)
 
 
 @pytest.mark.parametrize("route_class, exchange", [(routes.LocalRoute, "psum"),

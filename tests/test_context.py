@@ -14,9 +14,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jdist
+from jdist import collectives
 from jdist import errors
 from jdist.collectives import routes
-from jdist.collectives import transport
 from tests import jaxpr_graph
 from tests import reference
 
@@ -92,23 +92,25 @@ def test_global_step_full_topk_is_plain_averaging(topo):
 def test_reductions_of_a_global_step_run_in_trace_order_on_the_callback_route(topo):
   # Each reduction of a global step is a shard_map of its own. The gradients'
   # top-K gather and the loss's mean are independent, and where each
-  # device's exchange blocks an XLA thread in MPI (the callback route, which
-  # 2 x 2 global steps take), two processes running them in different orders
+  # device's exchange blocks an XLA thread in MPI (the callback route, where
+  # jdist.init(route="callback") chooses it), two processes running them in different orders
   # wait for each other forever. The second must read the first's output.
-  # Traced only, on a callback route built for the trace, so every topology
-  # checks it.
+  # Traced only, on a callback route built for the trace and passed
+  # explicitly, so every topology checks it: the gradients' gather (as a
+  # top-K payload's) and the loss's mean.
   model, batches = reference.TinyMLP(), _batches(topo)
   params = model.init(jax.random.key(0), batches[0][0][:1])
-  tx = jdist.dist_opt(optax.sgd(0.1), sparsify="topk:1.0")
+  on_callback = collectives.on_route(routes.CallbackRoute(topo, world=None))
+
+  @jax.jit
+  def step(params, x, y):
+    loss, grads = jax.value_and_grad(lambda p: reference.loss_fn(model, p, x, y))(params)
+    return on_callback.all_gather(grads), on_callback.pmean(loss)
+
   mesh = jdist.mesh()
-  forced = transport._forced.set(routes.CallbackRoute(topo, world=None))  # pylint: disable=protected-access
-  try:
-    with jax.set_mesh(mesh):
-      x, y = jax.device_put(jdist.process_slice(batches[0]),
-                            NamedSharding(mesh, P(jdist.DATA_AXIS)))
-      traced = jax.make_jaxpr(_global_step(model, tx))(params, tx.init(params), x, y)
-  finally:
-    transport._forced.reset(forced)  # pylint: disable=protected-access
+  with jax.set_mesh(mesh):
+    x, y = jax.device_put(jdist.process_slice(batches[0]), NamedSharding(mesh, P(jdist.DATA_AXIS)))
+    traced = jax.make_jaxpr(step)(params, x, y)
   step = jaxpr_graph.find_body(traced, "shard_map")
   reductions = jaxpr_graph.equations(step, "shard_map")
   assert len(reductions) == 2  # the gradients' exchange, then the loss's mean

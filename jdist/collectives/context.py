@@ -15,13 +15,19 @@ two contexts, told apart at trace time:
   with the "jax" backend, whose mesh spans every process). `per_process`
   runs the per-replica reduction inside a `shard_map` over the mesh in
   which only the first device of each mesh contributes, so each process's
-  value counts once; `participant_count()` is then the number of processes.
+  value counts once.
+
+`reduce_where` tells the two apart once, where a reduction is called, and
+hands the reduction a `Span`: the route it takes, the axis of the local
+devices and how many distinct values it combines (every replica, or every
+process in a global step). Everything below passes the span on explicitly;
+no context variable decides a route or a count.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -33,15 +39,29 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jdist import errors
 from jdist.runtime import topology as topology_lib
 from jdist.collectives import mesh_axes
+from jdist.collectives import routes
 from jdist.collectives import start
 from jdist.collectives import steps
 from jdist.collectives import transport
 from jdist.collectives.transport import DATA_AXIS
 
-# Set while a global step's reduction runs per replica: how many distinct
-# values (one per process) the reduction combines.
-_PARTICIPANTS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
-    "jdist_participants", default=None)
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+  """Where one reduction runs, decided where it is called and passed down.
+
+  Attributes:
+    route: the route its exchanges take across processes.
+    participants: how many distinct values it combines: every replica in a
+      per-replica step, every process (one mesh copy each) in a global step.
+    global_step: whether it runs for a jit step over global arrays (inside
+      `per_process`).
+    axis: the mapped axis of the local devices the reduction runs over.
+  """
+  route: routes.Route
+  participants: int
+  global_step: bool = False
+  axis: str = DATA_AXIS
 
 
 def axis_mesh(devices) -> Mesh:
@@ -122,48 +142,62 @@ def in_global_step(what: str) -> bool:
       f"step, use jdist.broadcast_params, jdist.sync_params or jdist.host_allreduce.")
 
 
-def participant_count() -> int:
-  """How many distinct values a reduction traced here combines.
+def reduce_where(what: str, reduce_fn: Callable[[Span, Any], Any], tree: Any, *,
+                 first_only: bool = True, route: str | routes.Route | None = None) -> Any:
+  """Runs `reduce_fn(span, tree)` as a reduction over every replica of either kind of step.
 
-  Every replica in a per-replica step; every process (one mesh copy each)
-  in a global step's reduction.
+  In a `jdist.data_parallel` step, directly, over every replica; in a global
+  (jit) step, once per process (`per_process`).
+
+  Args:
+    what: names the reduction in errors.
+    reduce_fn: (`Span`, values) -> result, the same on every replica.
+    tree: the step's values.
+    first_only: see `per_process`.
+    route: the route, or its name; None: the one `jdist.init()` chose for
+      this kind of step (`Topology.route`, `Topology.jit_route`).
+
+  Raises:
+    jdist.errors.CollectiveContextError: traced in neither kind of step.
+    ValueError: `route` is not one this job can take.
   """
-  override = _PARTICIPANTS.get()
-  return override if override is not None else topology_lib.current().replica_count
+  on = route if isinstance(route, routes.Route) or route is None else transport.route_for(route)
+  if in_global_step(what):
+    return per_process(reduce_fn, tree, first_only=first_only, on=on)
+  return reduce_fn(Span(on or start.active_route(), topology_lib.current().replica_count), tree)
 
 
-def per_process(reduce_fn: Callable[[Any], Any], tree: Any, *, first_only: bool = True) -> Any:
+def per_process(reduce_fn: Callable[[Span, Any], Any], tree: Any, *, first_only: bool = True,
+                on: routes.Route | None = None) -> Any:
   """Runs a per-replica reduction on values that every device of the mesh holds whole.
 
   Args:
-    reduce_fn: the per-replica reduction (e.g. `psum`), run inside a
-      `shard_map` over the global step's mesh.
+    reduce_fn: the per-replica reduction, (`Span`, values) -> result, run
+      inside a `shard_map` over the global step's mesh.
     tree: the step's values (replicated over the mesh, or sharded: the
       `shard_map` gathers them first).
     first_only: other devices than the mesh's first contribute zeros, so a
       sum counts each process's value once (False for gathers, which pick
       one row per process afterwards).
+    on: the route (default: the one `jdist.init()` chose for jit steps).
 
   Returns:
     `reduce_fn`'s result, the same on every device.
   """
   abstract = _global_mesh()
   over = mesh_axes.exchange_mesh(abstract)  # a model axis: all devices on one axis
-  participants = topology_lib.current().replica_count // (
-      abstract.shape[DATA_AXIS] if over is None else over.size)
+  span = Span(on if on is not None else start.active_jit_route(),
+              topology_lib.current().replica_count // (
+                  abstract.shape[DATA_AXIS] if over is None else over.size),
+              global_step=True)
 
   def body(values, previous):
     if previous is not None:  # this reduction's exchanges wait for the step's earlier ones
       steps.chain_output(previous)
     if first_only:
-      first = lax.axis_index(DATA_AXIS) == 0
+      first = lax.axis_index(span.axis) == 0
       values = jax.tree.map(lambda x: jnp.where(first, x, jnp.zeros_like(x)), values)
-    token = _PARTICIPANTS.set(participants)
-    try:
-      with transport.global_step_exchange():
-        return reduce_fn(values), steps.chain_tail()
-    finally:
-      _PARTICIPANTS.reset(token)
+    return reduce_fn(span, values), steps.chain_tail()
 
   # Each reduction is a shard_map of its own, so a trace of its own: the
   # callback route's chain (`steps`) orders exchanges within one trace only.
@@ -181,9 +215,9 @@ def per_process(reduce_fn: Callable[[Any], Any], tree: Any, *, first_only: bool 
   return out
 
 
-def gather_rows_per_process(gathered: Any) -> Any:
+def gather_rows_per_process(gathered: Any, span: Span) -> Any:
   """From a gather over every replica inside `per_process`, one row per process."""
-  stride = topology_lib.current().replica_count // participant_count()
+  stride = topology_lib.current().replica_count // span.participants
   return jax.tree.map(lambda x: x[::stride], gathered)
 
 
@@ -200,7 +234,7 @@ def replica_index() -> jax.Array | int:
     device = lax.axis_index(DATA_AXIS)
   except NameError:
     return topo.process_index
-  if _global_mesh() is None and _PARTICIPANTS.get() is None:
+  if _global_mesh() is None:
     return topo.process_index * topo.local_device_count + device
   return topo.process_index
 

@@ -11,6 +11,11 @@ itself through a `ReplicaExchange` (see `jdist.compression.protocol`): this
 layer knows no compression format. `exchange` runs any such reduction, in
 either kind of step.
 
+Each public function finds where it is traced once (`context.reduce_where`)
+and passes the resulting `context.Span` (route, axis, participants) down
+explicitly. `on_route(name)` offers the same functions on another route than
+the one `jdist.init()` chose, for measurements that compare routes in one job.
+
 Before a pytree first crosses processes, its structure, shapes and dtypes are
 compared across processes (at trace time, one small host exchange), so a
 mismatch is an error on every rank that names the first differing leaf,
@@ -19,7 +24,6 @@ instead of a hang or silently mixed buffers.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -41,31 +45,118 @@ def require_data_parallel(what: str) -> None:
   context.in_global_step(what)
 
 
-def _packs_buckets(fuse_local: bool = False) -> bool:
+def _packs_buckets(span: context.Span, fuse_local: bool = False) -> bool:
   """Whether sums pack the tree into buckets: across processes, or when asked."""
-  return fuse_local or transport.route() != "local"
+  return fuse_local or span.route.name != "local"
 
 
-def _fused(tree: Any, what: str, reduce_buffer, bucket_bytes: int,
+def _fused(span: context.Span, tree: Any, what: str, reduce_buffer, bucket_bytes: int,
            fuse_local: bool = False, first_bucket_bytes: int = fusion.FIRST_BUCKET_BYTES) -> Any:
-  """Applies `reduce_buffer` to the tree's leaves, fused into buckets.
+  """Applies `reduce_buffer(buffer, route, axis)` to the tree's leaves, fused into buckets.
 
   Within one process XLA already combines per-leaf all-reduces, so plain sums
   skip the concatenation there (`fuse_local=False`).
   """
-  if not _packs_buckets(fuse_local):
-    return jax.tree.map(lambda leaf: reduce_buffer(leaf.reshape(-1)).reshape(leaf.shape), tree)
+  reduce_one = lambda buffer: reduce_buffer(buffer, span.route, span.axis)
+  if not _packs_buckets(span, fuse_local):
+    return jax.tree.map(lambda leaf: reduce_one(leaf.reshape(-1)).reshape(leaf.shape), tree)
   host.check_structure(tree, what)
   leaves, treedef = jax.tree.flatten(tree)
   shapes = [leaf.shape for leaf in leaves]
   buckets = fusion.plan_buckets(leaves, bucket_bytes, first_bucket_bytes=first_bucket_bytes)
-  reduced = [reduce_buffer(fusion.pack(leaves, bucket)) for bucket in buckets]
+  reduced = [reduce_one(fusion.pack(leaves, bucket)) for bucket in buckets]
   # Read together, so a bucket's update cannot wait between two exchanges.
-  reduced = transport.join(reduced)
+  reduced = transport.join(reduced, span.route)
   out = {}
   for bucket, buffer in zip(buckets, reduced):
     out.update(fusion.unpack(buffer, bucket, shapes))
   return jax.tree.unflatten(treedef, [out[i] for i in range(len(leaves))])
+
+
+def _psum(span: context.Span, tree: Any, bucket_bytes: int) -> Any:
+  if not jax.tree.leaves(tree):
+    return tree
+  return _fused(span, tree, "jdist.psum", transport.sum_all, bucket_bytes)
+
+
+def _pmean(span: context.Span, tree: Any, bucket_bytes: int) -> Any:
+  as_float = jax.tree.map(
+      lambda x: x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float32), tree)
+  return _averaged(span, lambda t: _psum(span, t, bucket_bytes), as_float, span.participants)
+
+
+def _all_gather(span: context.Span, tree: Any) -> Any:
+  gathered = jax.tree.map(
+      lambda leaf: transport.gather_all(leaf.reshape(-1), span.route, span.axis).reshape(
+          (-1,) + leaf.shape), tree)
+  return context.gather_rows_per_process(gathered, span) if span.global_step else gathered
+
+
+class Reductions:
+  """`psum`, `pmean`, `all_gather`, `exchange` and `reduce_payload` on one route.
+
+  `jdist.psum` and the others are this class's methods on the route
+  `jdist.init()` chose (`route=None`); `on_route(name)` gives them on
+  another, for measurements and tests that compare routes in one job.
+  Every process must trace the same routes.
+  """
+
+  def __init__(self, route: str | routes.Route | None = None):
+    if isinstance(route, str) and route not in routes.ROUTES:
+      raise ValueError(f"route={route!r} is not a jdist route: choose one of "
+                       f"{', '.join(routes.ROUTES)}, or None for the job's.")
+    self.route = route
+
+  def psum(self, tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> Any:
+    """See `jdist.psum`."""
+    return context.reduce_where("jdist.psum", lambda span, t: _psum(span, t, bucket_bytes),
+                                tree, route=self.route)
+
+  def pmean(self, tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> Any:
+    """See `jdist.pmean`."""
+    return context.reduce_where("jdist.pmean", lambda span, t: _pmean(span, t, bucket_bytes),
+                                tree, route=self.route)
+
+  def all_gather(self, tree: Any) -> Any:
+    """See `jdist.all_gather`."""
+    return context.reduce_where("jdist.all_gather", _all_gather, tree, first_only=False,
+                                route=self.route)
+
+  def exchange(self, reduce_fn, tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES,
+               what: str = "jdist.allreduce") -> Any:
+    """See `jdist.collectives.exchange`."""
+    return context.reduce_where(
+        what, lambda span, values: reduce_fn(ReplicaExchange(span, bucket_bytes, what), values),
+        tree, route=self.route)
+
+  def reduce_payload(self, updates: Any, *, mean: bool = True,
+                     bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> Any:
+    """See `jdist.collectives.reduce_payload`."""
+    def reduce(replicas: ReplicaExchange, values: Any) -> Any:
+      factor = 1.0 / replicas.replicas if mean else 1.0
+      if callable(getattr(type(values), "reduce_over_replicas", None)):
+        return values.reduce_over_replicas(replicas, factor)
+      if not mean:
+        return replicas.sum(values)
+      return _averaged(replicas.span, replicas.sum, values, replicas.replicas)
+
+    return self.exchange(reduce, updates, bucket_bytes=bucket_bytes)
+
+
+_JOBS_ROUTE = Reductions()
+
+
+def on_route(route: str | routes.Route) -> Reductions:
+  """The reductions of this module on route `route` instead of the job's.
+
+  `route` is a route's name, or a `jdist.collectives.routes.Route` object
+  (tests trace steps on routes built for them).
+
+  Raises:
+    ValueError: `route` is not a jdist route (one this job cannot take
+      raises where the reduction is traced).
+  """
+  return Reductions(route)
 
 
 def psum(tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> Any:
@@ -78,11 +169,7 @@ def psum(tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> Any:
   gradients over replicas (`jdist.allreduce`) gives one device's gradient on
   the whole batch, in every topology (see `jdist.collectives.autodiff`).
   """
-  if context.in_global_step("jdist.psum"):
-    return context.per_process(functools.partial(psum, bucket_bytes=bucket_bytes), tree)
-  if not jax.tree.leaves(tree):
-    return tree
-  return _fused(tree, "jdist.psum", transport.sum_all, bucket_bytes)
+  return _JOBS_ROUTE.psum(tree, bucket_bytes=bucket_bytes)
 
 
 def pmean(tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> Any:
@@ -91,12 +178,7 @@ def pmean(tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> Any:
   Differentiable like `psum` (the transpose of a mean over replicas is the
   mean over replicas of the cotangents).
   """
-  if context.in_global_step("jdist.pmean"):
-    return context.per_process(functools.partial(pmean, bucket_bytes=bucket_bytes), tree)
-  replicas = context.participant_count()
-  as_float = jax.tree.map(
-      lambda x: x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float32), tree)
-  return _averaged(functools.partial(psum, bucket_bytes=bucket_bytes), as_float, replicas)
+  return _JOBS_ROUTE.pmean(tree, bucket_bytes=bucket_bytes)
 
 
 def all_gather(tree: Any) -> Any:
@@ -107,46 +189,49 @@ def all_gather(tree: Any) -> Any:
   `lax.all_gather`: a replica's cotangent is the sum over replicas of the
   cotangents of its row.
   """
-  if context.in_global_step("jdist.all_gather"):
-    return context.per_process(lambda t: context.gather_rows_per_process(all_gather(t)), tree,
-                               first_only=False)
-  return jax.tree.map(
-      lambda leaf: transport.gather_all(leaf.reshape(-1)).reshape((-1,) + leaf.shape), tree)
+  return _JOBS_ROUTE.all_gather(tree)
 
 
 class ReplicaExchange:
   """The reductions over every replica a compressed payload may use.
 
   Implements `jdist.compression.protocol.Exchange` on `transport`'s
-  primitives, with tensor fusion across processes.
+  primitives, with tensor fusion across processes, on the route, axis and
+  participants of `span`.
   """
 
-  def __init__(self, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES,
+  def __init__(self, span: context.Span, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES,
                what: str = "jdist.allreduce"):
+    self.span = span
     self.bucket_bytes = bucket_bytes
     self.what = what
 
   @property
   def replicas(self) -> int:
-    return context.participant_count()
+    return self.span.participants
 
   def sum(self, tree: Any) -> Any:
     if not jax.tree.leaves(tree):
       return tree
-    return _fused(tree, self.what, transport.sum_all, self.bucket_bytes)
+    return _fused(self.span, tree, self.what, transport.sum_all, self.bucket_bytes)
 
   def sum_16bit(self, tree: Any) -> Any:
     if not jax.tree.leaves(tree):
       return tree
+
+    def reduce_buffer(buffer, on, axis):
+      if buffer.dtype in routes.HALF_DTYPES:
+        return transport.sum_all_16bit(buffer, on, axis)
+      return transport.sum_all(buffer, on, axis)
+
     # Half the caps: a bucket holds the gradients it would hold in float32,
     # so the first one still leaves while the backward pass goes on.
-    return _fused(tree, f"{self.what} (16-bit)",
-                  lambda b: transport.sum_all_16bit(b) if b.dtype in routes.HALF_DTYPES
-                  else transport.sum_all(b), max(1, self.bucket_bytes // 2), fuse_local=True,
+    return _fused(self.span, tree, f"{self.what} (16-bit)", reduce_buffer,
+                  max(1, self.bucket_bytes // 2), fuse_local=True,
                   first_bucket_bytes=fusion.FIRST_BUCKET_BYTES // 2)
 
   def gather(self, buffer: jax.Array) -> jax.Array:
-    return transport.gather_all(buffer)
+    return transport.gather_all(buffer, self.span.route, self.span.axis)
 
 
 def exchange(reduce_fn, tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES,
@@ -166,13 +251,10 @@ def exchange(reduce_fn, tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_
   Returns:
     `reduce_fn`'s result.
   """
-  run = lambda values: reduce_fn(ReplicaExchange(bucket_bytes, what), values)
-  if context.in_global_step(what):
-    return context.per_process(run, tree)
-  return run(tree)
+  return _JOBS_ROUTE.exchange(reduce_fn, tree, bucket_bytes=bucket_bytes, what=what)
 
 
-def _averaged(summing, tree: Any, replicas: int) -> Any:
+def _averaged(span: context.Span, summing, tree: Any, replicas: int) -> Any:
   """`summing(tree)` divided by `replicas`.
 
   Where the sum packs buckets (across processes), 32- and 64-bit floats are
@@ -186,7 +268,7 @@ def _averaged(summing, tree: Any, replicas: int) -> Any:
   divided after, where small values cannot underflow.
   """
   factor = 1.0 / replicas
-  packs = _packs_buckets()
+  packs = _packs_buckets(span)
 
   def scaled_first(x):
     return packs and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize >= 4
@@ -210,13 +292,4 @@ def reduce_payload(updates: Any, *, mean: bool = True,
   Returns:
     The reduced gradient tree, leaves in their original dtypes.
   """
-
-  def reduce(replicas: ReplicaExchange, values: Any) -> Any:
-    factor = 1.0 / replicas.replicas if mean else 1.0
-    if callable(getattr(type(values), "reduce_over_replicas", None)):
-      return values.reduce_over_replicas(replicas, factor)
-    if not mean:
-      return replicas.sum(values)
-    return _averaged(replicas.sum, values, replicas.replicas)
-
-  return exchange(reduce, updates, bucket_bytes=bucket_bytes)
+  return _JOBS_ROUTE.reduce_payload(updates, mean=mean, bucket_bytes=bucket_bytes)

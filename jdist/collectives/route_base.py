@@ -47,10 +47,10 @@ def add_rows(rows: jax.Array) -> jax.Array:
   return functools.reduce(jnp.add, [rows[i].astype(jnp.float32) for i in range(rows.shape[0])])
 
 
-def local_sum16(buffer: jax.Array, axis_size: int) -> jax.Array:
-  """Reduce-scatter of 16-bit values over DATA_AXIS, accumulated in float32."""
+def local_sum16(buffer: jax.Array, axis_size: int, axis: str = DATA_AXIS) -> jax.Array:
+  """Reduce-scatter of 16-bit values over `axis`, accumulated in float32."""
   chunks = buffer.reshape(axis_size, -1)
-  return add_rows(lax.all_to_all(chunks, DATA_AXIS, 0, 0))
+  return add_rows(lax.all_to_all(chunks, axis, 0, 0))
 
 
 class Route:
@@ -62,13 +62,13 @@ class Route:
   (`jdist.collectives.autodiff.exchange`), which makes every exchange
   differentiable and batchable; `LocalRoute` uses XLA's collectives directly.
 
+  Every exchange names the mapped axis its local devices are on (`axis`,
+  `jdist.DATA_AXIS` in jdist's steps): the route reads nothing ambient.
+
   Attributes:
     name: the route's name, one of `ROUTES`.
     processes: processes in the job.
     devices: local devices per process.
-    global_step_route: the route a global (jit) step's reductions take
-      (see `jdist.collectives.transport.global_step_exchange`): this one,
-      except for the native route chosen by default.
   """
 
   name = ""
@@ -78,7 +78,6 @@ class Route:
     self.processes = topology.process_count
     self.devices = topology.local_device_count
     self.process_index = topology.process_index
-    self.global_step_route: Route = self
 
   @property
   def replicas(self) -> int:
@@ -89,34 +88,37 @@ class Route:
     """The JAX effects of this route's exchanges (none but mpi4jax's)."""
     return frozenset()
 
-  def lower(self, kind: str, buffer: jax.Array, ordinal: int) -> jax.Array:
-    """The exchange of a 1-D buffer, as `exchange_p` lowers it on this route."""
+  def lower(self, kind: str, buffer: jax.Array, ordinal: int, axis: str) -> jax.Array:
+    """The exchange of a 1-D buffer over `axis`, as `exchange_p` lowers it on this route."""
     return {autodiff.SUM: self._sum, autodiff.SUM16: self._sum16,
-            autodiff.GATHER: self._gather}[kind](buffer, ordinal)
+            autodiff.GATHER: self._gather}[kind](buffer, ordinal, axis)
 
   def __repr__(self) -> str:
     return f"{type(self).__name__}({self.processes} x {self.devices})"
 
-  def sum_all(self, buffer: jax.Array) -> jax.Array:
-    """Sum of a 1-D buffer over every replica, in the buffer's dtype."""
-    if buffer.dtype in HALF_DTYPES:
-      return self.sum_all_16bit(buffer)  # MPI has no 16-bit float sum
-    self.record(autodiff.SUM, buffer.nbytes)
-    return self._exchange(autodiff.SUM, buffer)
+  def sum_all(self, buffer: jax.Array, axis: str = DATA_AXIS) -> jax.Array:
+    """Sum of a 1-D buffer over every replica, in the buffer's dtype.
 
-  def sum_all_16bit(self, buffer: jax.Array) -> jax.Array:
+    `axis` is the mapped axis of this process's devices (all three primitives).
+    """
+    if buffer.dtype in HALF_DTYPES:
+      return self.sum_all_16bit(buffer, axis)  # MPI has no 16-bit float sum
+    self.record(autodiff.SUM, buffer.nbytes)
+    return self._exchange(autodiff.SUM, buffer, axis)
+
+  def sum_all_16bit(self, buffer: jax.Array, axis: str = DATA_AXIS) -> jax.Array:
     """Sum over every replica of a float16/bfloat16 buffer.
 
     Every hop carries 16 bits per value; sums are accumulated in float32 and
     rounded once per hop. The caller pre-divides to keep sums in range.
     """
     self.record(autodiff.SUM16, buffer.nbytes)
-    return self._exchange(autodiff.SUM16, buffer)
+    return self._exchange(autodiff.SUM16, buffer, axis)
 
-  def gather_all(self, buffer: jax.Array) -> jax.Array:
+  def gather_all(self, buffer: jax.Array, axis: str = DATA_AXIS) -> jax.Array:
     """Every replica's 1-D buffer, stacked in global replica order: [R, n]."""
     self.record(autodiff.GATHER, buffer.nbytes)
-    return self._exchange(autodiff.GATHER, buffer)
+    return self._exchange(autodiff.GATHER, buffer, axis)
 
   def record(self, kind: str, nbytes: int, calls: bool = True) -> None:
     """Adds an exchange of `nbytes` per replica to the ledger (`jdist.collectives.wire`).
@@ -135,14 +137,14 @@ class Route:
     """The step's reduced buffers, read together (see `NativeRoute.join`)."""
     return list(buffers)
 
-  def _exchange(self, kind: str, buffer: jax.Array) -> jax.Array:
-    return autodiff.exchange(self, kind, buffer)
+  def _exchange(self, kind: str, buffer: jax.Array, axis: str) -> jax.Array:
+    return autodiff.exchange(self, kind, buffer, axis)
 
-  def _sum(self, buffer: jax.Array, ordinal: int) -> jax.Array:
+  def _sum(self, buffer: jax.Array, ordinal: int, axis: str) -> jax.Array:
     raise NotImplementedError
 
-  def _sum16(self, buffer: jax.Array, ordinal: int) -> jax.Array:
+  def _sum16(self, buffer: jax.Array, ordinal: int, axis: str) -> jax.Array:
     raise NotImplementedError
 
-  def _gather(self, buffer: jax.Array, ordinal: int) -> jax.Array:
+  def _gather(self, buffer: jax.Array, ordinal: int, axis: str) -> jax.Array:
     raise NotImplementedError

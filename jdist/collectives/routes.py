@@ -25,10 +25,11 @@ class and the 16-bit helpers are in `route_base`.
     exchanges its 1/D shard on its own communicator through a host callback
     running mpi4py, then the devices all-gather the shards.
 
-`start(topology)` picks the route once, when `jdist.init()` runs: native
-wherever its engine runs (CPU devices; several devices per process on GPUs),
-else mpi4jax (one device per process) or callback; `JDIST_ROUTE=native|
-mpi4jax|callback` forces one (checked then). 16-bit buffers
+`start(topology, name)` picks the route once, when `jdist.init(route=name)`
+runs (`JDIST_ROUTE` is the argument's default): native wherever its engine
+runs (CPU devices; several devices per process on GPUs), else mpi4jax (one
+device per process) or callback. The same route serves `jdist.data_parallel`
+steps and jit steps over global arrays. 16-bit buffers
 cross processes as uint16 bit patterns (MPI has no float16 sum): a
 reduce-scatter, float32 accumulation, an all-gather.
 """
@@ -53,8 +54,9 @@ from jdist.collectives import wire
 from jdist.collectives.wire import DATA_AXIS
 from jdist.runtime import flight_recorder
 from jdist.runtime import world as world_lib
+from jdist.runtime import xla_cpu
 
-ROUTE_ENV = "JDIST_ROUTE"  # force "native", "mpi4jax" or "callback" (benchmarks)
+ROUTE_ENV = "JDIST_ROUTE"  # the default of jdist.init(route=...)
 ROUTES = ("local", "mpi4jax", "native", "callback")
 
 
@@ -63,28 +65,28 @@ class LocalRoute(Route):
 
   name = "local"
 
-  def sum_all(self, buffer: jax.Array) -> jax.Array:
+  def sum_all(self, buffer: jax.Array, axis: str = DATA_AXIS) -> jax.Array:
     if self.processes > 1:  # backend "jax": XLA's collectives cross processes
       wire.record(2 * (self.processes - 1) / self.processes * buffer.nbytes, 1)
-    return lax.psum(buffer, DATA_AXIS)
+    return lax.psum(buffer, axis)
 
-  def _exchange(self, kind: str, buffer: jax.Array) -> jax.Array:
+  def _exchange(self, kind: str, buffer: jax.Array, axis: str) -> jax.Array:
     # XLA's collectives: differentiable and batchable as they are.
-    return self.lower(kind, buffer, -1)
+    return self.lower(kind, buffer, -1, axis)
 
-  def _sum(self, buffer: jax.Array, ordinal: int) -> jax.Array:
-    return lax.psum(buffer, DATA_AXIS)
+  def _sum(self, buffer: jax.Array, ordinal: int, axis: str) -> jax.Array:
+    return lax.psum(buffer, axis)
 
-  def _sum16(self, buffer: jax.Array, ordinal: int) -> jax.Array:
-    axis_size = lax.axis_size(DATA_AXIS)
+  def _sum16(self, buffer: jax.Array, ordinal: int, axis: str) -> jax.Array:
+    axis_size = lax.axis_size(axis)
     if axis_size == 1:
       return buffer
     padded = pad_to(buffer, axis_size)
-    shard = local_sum16(padded, axis_size).astype(buffer.dtype)
-    return lax.all_gather(shard, DATA_AXIS, tiled=True)[:buffer.shape[0]]
+    shard = local_sum16(padded, axis_size, axis).astype(buffer.dtype)
+    return lax.all_gather(shard, axis, tiled=True)[:buffer.shape[0]]
 
-  def _gather(self, buffer: jax.Array, ordinal: int) -> jax.Array:
-    return lax.all_gather(buffer, DATA_AXIS)
+  def _gather(self, buffer: jax.Array, ordinal: int, axis: str) -> jax.Array:
+    return lax.all_gather(buffer, axis)
 
 
 class Mpi4jaxRoute(Route):
@@ -103,13 +105,13 @@ class Mpi4jaxRoute(Route):
   def effects(self):
     """mpi4jax's ordered effect, read from a traced call (it has no public name)."""
     probe = jax.ShapeDtypeStruct((1,), jnp.float32)
-    return frozenset(jax.make_jaxpr(lambda x: self._sum(x, -1))(probe).effects)
+    return frozenset(jax.make_jaxpr(lambda x: self._sum(x, -1, DATA_AXIS))(probe).effects)
 
-  def _sum(self, buffer: jax.Array, ordinal: int) -> jax.Array:
+  def _sum(self, buffer: jax.Array, ordinal: int, axis: str) -> jax.Array:
     mpi4jax = world_lib.import_mpi4jax()
     return mpi4jax.allreduce(buffer, op=self.world.MPI.SUM, comm=self._comm())
 
-  def _sum16(self, buffer: jax.Array, ordinal: int) -> jax.Array:
+  def _sum16(self, buffer: jax.Array, ordinal: int, axis: str) -> jax.Array:
     mpi4jax = world_lib.import_mpi4jax()
     dtype, processes = buffer.dtype, self.processes
     chunks = bits(pad_to(buffer, processes).reshape(processes, -1))
@@ -118,7 +120,7 @@ class Mpi4jaxRoute(Route):
     gathered = mpi4jax.allgather(bits(mine), comm=self._comm())
     return from_bits(gathered, dtype).reshape(-1)[:buffer.shape[0]]
 
-  def _gather(self, buffer: jax.Array, ordinal: int) -> jax.Array:
+  def _gather(self, buffer: jax.Array, ordinal: int, axis: str) -> jax.Array:
     return world_lib.import_mpi4jax().allgather(buffer, comm=self._comm())
 
 
@@ -133,35 +135,36 @@ class NativeRoute(Route):
     return native.join(buffers)
 
   def _call(self, kind: int, buffer: jax.Array, result: jax.ShapeDtypeStruct,
-            ordinal: int) -> jax.Array:
-    return native.call(kind, buffer, result, ordinal, DATA_AXIS)
+            ordinal: int, axis: str) -> jax.Array:
+    return native.call(kind, buffer, result, ordinal, axis)
 
-  def _sum(self, buffer: jax.Array, ordinal: int) -> jax.Array:
+  def _sum(self, buffer: jax.Array, ordinal: int, axis: str) -> jax.Array:
     """Any numeric dtype: those the engine sums directly, others through them."""
     dtype = buffer.dtype
     if buffer.size == 0:
       return buffer
     if np.dtype(dtype) in native.SUM_DTYPES:
-      return self._call(native.SUM, buffer, jax.ShapeDtypeStruct(buffer.shape, dtype), ordinal)
+      return self._call(native.SUM, buffer, jax.ShapeDtypeStruct(buffer.shape, dtype), ordinal,
+                        axis)
     if jnp.issubdtype(dtype, jnp.complexfloating):  # a sum of (real, imag) pairs
       parts = jnp.stack([buffer.real, buffer.imag], axis=-1).reshape(-1)
-      summed = self._sum(parts, ordinal).reshape(-1, 2)
+      summed = self._sum(parts, ordinal, axis).reshape(-1, 2)
       return lax.complex(summed[:, 0], summed[:, 1]).astype(dtype)
     if jnp.issubdtype(dtype, jnp.floating):  # float8 and friends: in float32
-      return self._sum(buffer.astype(jnp.float32), ordinal).astype(dtype)
+      return self._sum(buffer.astype(jnp.float32), ordinal, axis).astype(dtype)
     wide = jnp.int64 if jnp.dtype(dtype).itemsize == 8 else jnp.int32
-    return self._sum(buffer.astype(wide), ordinal).astype(dtype)  # bools, small ints
+    return self._sum(buffer.astype(wide), ordinal, axis).astype(dtype)  # bools, small ints
 
-  def _sum16(self, buffer: jax.Array, ordinal: int) -> jax.Array:
+  def _sum16(self, buffer: jax.Array, ordinal: int, axis: str) -> jax.Array:
     if buffer.shape[0] == 0:
       return buffer
     return self._call(native.SUM16, buffer, jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
-                      ordinal)
+                      ordinal, axis)
 
-  def _gather(self, buffer: jax.Array, ordinal: int) -> jax.Array:
+  def _gather(self, buffer: jax.Array, ordinal: int, axis: str) -> jax.Array:
     return self._call(native.GATHER, buffer,
                       jax.ShapeDtypeStruct((self.replicas,) + buffer.shape, buffer.dtype),
-                      ordinal)
+                      ordinal, axis)
 
 
 # On the callback route each device's host callback blocks an XLA thread in
@@ -177,9 +180,9 @@ after_previous_exchange = steps.chain_input
 exchange_done = steps.chain_output
 
 
-def host_callback(host_fn, result: jax.ShapeDtypeStruct, *args):
-  """`host_fn(*args, device)` on the host, per device, inside the step."""
-  device = lax.axis_index(DATA_AXIS)
+def host_callback(host_fn, axis: str, result: jax.ShapeDtypeStruct, *args):
+  """`host_fn(*args, device)` on the host, per device of `axis`, inside the step."""
+  device = lax.axis_index(axis)
 
   def on_host(*arrays):
     # pure_callback passes jax.Arrays; any JAX op on them (even a reshape)
@@ -239,39 +242,39 @@ class CallbackRoute(Route):
     comm.Allgather(mine, out)
     return out.reshape(coded.shape)
 
-  def _sum(self, buffer: jax.Array, ordinal: int) -> jax.Array:
+  def _sum(self, buffer: jax.Array, ordinal: int, axis: str) -> jax.Array:
     devices, size = self.devices, buffer.shape[0]
     shard = pad_to(buffer, devices)
     if devices > 1:
-      shard = lax.psum_scatter(shard, DATA_AXIS, tiled=True)
+      shard = lax.psum_scatter(shard, axis, tiled=True)
     shard = host_callback(self._recorded(self._host_allreduce, autodiff.SUM, ordinal, buffer),
-                          jax.ShapeDtypeStruct(shard.shape, shard.dtype), shard)
+                          axis, jax.ShapeDtypeStruct(shard.shape, shard.dtype), shard)
     if devices > 1:
-      shard = lax.all_gather(shard, DATA_AXIS, tiled=True)
+      shard = lax.all_gather(shard, axis, tiled=True)
     return shard[:size]
 
-  def _sum16(self, buffer: jax.Array, ordinal: int) -> jax.Array:
+  def _sum16(self, buffer: jax.Array, ordinal: int, axis: str) -> jax.Array:
     dtype, devices, size = buffer.dtype, self.devices, buffer.shape[0]
     padded = pad_to(buffer, devices * self.processes)
-    shard = local_sum16(padded, devices).astype(dtype) if devices > 1 else padded
+    shard = local_sum16(padded, devices, axis).astype(dtype) if devices > 1 else padded
     is_bf16 = np.int32(dtype == jnp.bfloat16)
     shard_bits = host_callback(self._recorded(self._host_sum16, autodiff.SUM16, ordinal, buffer),
-                               jax.ShapeDtypeStruct(shard.shape, jnp.uint16),
+                               axis, jax.ShapeDtypeStruct(shard.shape, jnp.uint16),
                                bits(shard), is_bf16)
     shard = from_bits(shard_bits, dtype)
     if devices > 1:
-      shard = lax.all_gather(shard, DATA_AXIS, tiled=True)
+      shard = lax.all_gather(shard, axis, tiled=True)
     return shard[:size]
 
-  def _gather(self, buffer: jax.Array, ordinal: int) -> jax.Array:
+  def _gather(self, buffer: jax.Array, ordinal: int, axis: str) -> jax.Array:
     processes, devices = self.processes, self.devices
     per_process = host_callback(
-        self._recorded(self._host_allgather, autodiff.GATHER, ordinal, buffer),
+        self._recorded(self._host_allgather, autodiff.GATHER, ordinal, buffer), axis,
         jax.ShapeDtypeStruct((processes,) + buffer.shape, buffer.dtype),
         buffer)
     if devices == 1:
       return per_process
-    stacked = lax.all_gather(per_process, DATA_AXIS)  # [D, P, n]
+    stacked = lax.all_gather(per_process, axis)  # [D, P, n]
     return jnp.swapaxes(stacked, 0, 1).reshape((processes * devices,) + buffer.shape)
 
 
@@ -286,51 +289,122 @@ def _start_native(topology, world) -> None:
         stacklevel=4)
 
 
-def select(topology, forced: str | None = None) -> Route:
-  """The route for `topology`; `forced` ("native"/"mpi4jax"/"callback") overrides it.
+def select(topology, name: str | None = None, *, source: str = "route") -> Route:
+  """The route `name` for `topology`, or the automatic choice where `name` is None.
 
-  With the native engine running, it is the route of every multi-process MPI
-  step on CPU devices: its exchanges do not block XLA, so they run beside the
-  rest of the backward pass (mpi4jax's calls block the device's thread).
+  Automatic: in one process (or with backend "jax"), XLA's collectives
+  ("local"); under MPI, the native engine wherever it runs (its exchanges do
+  not block XLA, so they run beside the rest of the backward pass), except
+  one GPU per process, which keeps mpi4jax (the CUDA handler has not run on
+  one); where it does not run, mpi4jax with one device per process, else
+  the callback route.
+
+  Args:
+    topology: the initialized `Topology`.
+    name: one of `ROUTES`, or None.
+    source: how errors name the choice (`jdist.init(route=...)`'s argument
+      or the `JDIST_ROUTE` environment variable).
 
   Raises:
-    ValueError: `forced` names an unknown route, "native" where the native
-      engine is not running, or "mpi4jax" with several devices per process.
+    ValueError: `name` is not a route, or one this job cannot take: "local"
+      across MPI processes, a cross-process route in one process, "native"
+      where the engine is not running, "mpi4jax" with several devices per
+      process.
   """
+  label = f"{source}={name!r}"
+  if name is not None and name not in ROUTES:
+    raise ValueError(f"{label} is not a jdist route: choose one of {', '.join(ROUTES)}, "
+                     f"or None for the automatic choice.")
   if topology.process_count == 1 or topology.backend == "jax":
+    if name not in (None, "local"):
+      where = ("one process" if topology.process_count == 1
+               else "backend 'jax', whose XLA collectives span every process")
+      raise ValueError(f"{label}: this job runs {where}, where reductions take XLA's own "
+                       f"collectives; choose route 'local' or None.")
     return LocalRoute(topology)
+  if name == "local":
+    raise ValueError(f"{label}: XLA's collectives do not cross the {topology.process_count} "
+                     f"MPI processes of this job; choose 'native', 'mpi4jax' or 'callback', "
+                     f"or None for the automatic choice.")
   world = world_lib.get()
   one_device = topology.local_device_count == 1
-  if forced == "callback":
+  if name == "callback":
     return CallbackRoute(topology, world)
-  if forced == "mpi4jax":
+  if name == "mpi4jax":
     if not one_device:
-      raise ValueError(f"{ROUTE_ENV}=mpi4jax needs one device per process (mpi4jax's "
-                       f"ordered effects refuse several); choose 'native' or 'callback'.")
+      raise ValueError(f"{label} needs one device per process (mpi4jax's ordered effects "
+                       f"refuse {topology.local_device_count}); choose 'native' or "
+                       f"'callback'.")
     return Mpi4jaxRoute(topology, world)
-  if forced == "native":
+  if name == "native":
     if not native.running():
-      raise ValueError(f"{ROUTE_ENV}=native, but the native exchange is not available: "
-                       f"{native.unavailable_reason() or 'jdist.init() did not start it'}")
+      raise ValueError(f"{label}, but the native exchange is not available: "
+                       f"{native.unavailable_reason() or 'jdist.init() did not start it'}. "
+                       f"Build it with `python -m jdist.collectives.native.build`, or "
+                       f"choose 'callback' or None.")
     return NativeRoute(topology)
-  if forced not in (None, ""):
-    raise ValueError(f"{ROUTE_ENV}={forced!r}: choose 'native', 'mpi4jax' or 'callback'.")
-  fallback = Mpi4jaxRoute(topology, world) if one_device else CallbackRoute(topology, world)
-  # GPUs keep mpi4jax with one device each: the CUDA handler has not run on one.
   if not native.running() or (one_device and native.platform_of_devices() != "cpu"):
-    return fallback
-  route = NativeRoute(topology)
-  # Measured: the jit quickstart in 2x2 hung or aborted in 3 of 3 runs on the
-  # native route and passed on the callback route (see `global_step_exchange`).
-  route.global_step_route = fallback
+    return Mpi4jaxRoute(topology, world) if one_device else CallbackRoute(topology, world)
+  return NativeRoute(topology)
+
+
+def jit_route(topology, route: Route, name: str | None) -> Route:
+  """The route of reductions in jit steps over global arrays, given the job's `route`.
+
+  The same route, except where the native route was chosen automatically
+  for several devices per process: jit steps there keep the callback route.
+  Measured on 2026-11-25 (2x2, 2 cores, load 30-50): the test
+  `test_grad_jvp_vmap_scan_through_reductions_in_a_jit_step` on the native
+  route stalled 2 runs in 2 (rank 1's engine waited for rank 0 in native
+  exchange 1048604, call 0), while the jit quickstart passed 7 runs in 7;
+  see docs/topologies.md. `jdist.init(route="native")` takes the native
+  route in jit steps too.
+  """
+  if name is None and route.name == "native" and topology.local_device_count > 1:
+    return CallbackRoute(topology, world_lib.get())
   return route
 
 
-def start(topology) -> Route:
+def requested(route: str | None) -> tuple[str | None, str]:
+  """The route asked for: `route`, else `JDIST_ROUTE`; and how errors name it."""
+  if route is not None:
+    return route, "jdist.init(route)"
+  forced = os.environ.get(ROUTE_ENV, "").strip()
+  return (forced or None), ROUTE_ENV
+
+
+def _warn_small_thread_pool(topology) -> None:
+  """Warns where a user's small `NPROC` leaves XLA too few CPU threads.
+
+  In a jit step over global arrays XLA runs its own collectives between the
+  local devices (the gradient's all-reduce over the sharded batch), and each
+  blocks a thread of XLA's CPU pool until every local device arrives; the
+  native exchanges beside them hold no thread, but a device whose next
+  collective finds no free thread never posts its part. Measured: the jit
+  quickstart in 2x2 with NPROC=2 stalled in 1 of 3 runs (rank 1's only
+  working pool thread in XLA's Gloo all-reduce, waiting for its other device,
+  whose exchange rank 0 waited for), none in 7 runs with jdist's default
+  (`jdist.runtime.xla_cpu.reserve_host_threads`). The callback route blocks
+  a thread per device as well.
+  """
+  threads = os.environ.get("NPROC", "")
+  if (topology.local_device_count > 1 and threads.isdigit()
+      and int(threads) < xla_cpu.MIN_HOST_THREADS and native.platform_of_devices() == "cpu"):
+    warnings.warn(
+        f"jdist: NPROC={threads} gives XLA's CPU pool too few threads for "
+        f"{topology.local_device_count} devices per process exchanging across processes: "
+        f"steps may deadlock. Unset NPROC (jdist.init() then sets "
+        f"{xla_cpu.MIN_HOST_THREADS}) or set it to at least {xla_cpu.MIN_HOST_THREADS}.",
+        RuntimeWarning, stacklevel=4)
+
+
+def start(topology, name: str | None = None, *, source: str = "route") -> Route:
   """Starts the route for an initialized `topology` (from `jdist.init`, once).
 
-  Reads `JDIST_ROUTE` here, once; starts the native engine under MPI.
+  Starts the native engine under MPI (collective: every process alike), then
+  checks the route asked for (`select`).
   """
   if topology.backend == "mpi" and topology.process_count > 1:
     _start_native(topology, world_lib.get())
-  return select(topology, os.environ.get(ROUTE_ENV))
+    _warn_small_thread_pool(topology)
+  return select(topology, name, source=source)

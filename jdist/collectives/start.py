@@ -3,7 +3,10 @@
 `init()` is `jdist.init()`: the runtime discovers and starts the processes'
 world (`jdist.runtime.topology.init_world`), and the route buffers take
 across processes inside steps (`jdist.collectives.routes`) is chosen once,
-here, and named in the returned `Topology`. `ensure_initialized()` is for
+here, from `init(route=...)` (else `JDIST_ROUTE`, else automatically), and
+named in the returned `Topology` (`route`; `jit_route` for jit steps over
+global arrays, see `routes.jit_route`). Reductions read them through
+`active_route()` and `active_jit_route()`; nothing else changes them. `ensure_initialized()` is for
 entry points that may run before the user's `jdist.init()` (the first call of
 a `jdist.data_parallel` step); getters such as `jdist.get_topology()` start
 nothing.
@@ -18,17 +21,24 @@ from jdist.runtime import jax_distributed as jax_distributed_lib
 from jdist.runtime import topology as topology_lib
 
 _route: routes.Route | None = None  # the started route, set once by init()
+_jit_route: routes.Route | None = None  # its counterpart in jit steps (`routes.jit_route`)
+_named: dict[str, routes.Route] = {}  # routes(name) objects, one per name (see `route_named`)
 
 
-def _start_route(topology: topology_lib.Topology) -> topology_lib.Topology:
-  global _route
-  _route = routes.start(topology)
-  return dataclasses.replace(topology, route=_route.name)
+def _route_starter(route: str | None):
+  name, source = routes.requested(route)
+
+  def start_route(topology: topology_lib.Topology) -> topology_lib.Topology:
+    global _route, _jit_route
+    _route = routes.start(topology, name, source=source)
+    _jit_route = routes.jit_route(topology, _route, name)
+    return dataclasses.replace(topology, route=_route.name, jit_route=_jit_route.name)
+  return start_route
 
 
 def init(*, timeout: float | None = None, backend: str | None = None,
-         bind_gpu: bool | None = None,
-         jax_distributed: bool | None = None) -> topology_lib.Topology:
+         bind_gpu: bool | None = None, jax_distributed: bool | None = None,
+         route: str | None = None) -> topology_lib.Topology:
   """Sets up the data-parallel world and returns this process's `Topology`.
 
   Idempotent: later calls return the first call's object (arguments of later
@@ -51,6 +61,13 @@ def init(*, timeout: float | None = None, backend: str | None = None,
       `jax.experimental.multihost_utils` rely on them); jdist's exchanges do
       not change. Default: the `JDIST_JAX_DISTRIBUTED` environment variable
       ("0" turns it off), else True. Backend "jax" always starts it.
+    route: how reductions cross processes inside steps, in
+      `jdist.data_parallel` steps and jit steps over global arrays alike:
+      "native" (jdist's C++ engine; the default wherever it is built),
+      "mpi4jax" (one device per process), "callback" (host callbacks
+      running mpi4py) or "local" (one process, or backend "jax"). Default:
+      the `JDIST_ROUTE` environment variable, else the automatic choice
+      (see `jdist.collectives.routes.select`).
 
   Returns:
     The `Topology` of this process; its `route` names how steps exchange
@@ -62,11 +79,22 @@ def init(*, timeout: float | None = None, backend: str | None = None,
     jdist.errors.InitOrderError: called after JAX started its backends where
       that cannot work (see docs/troubleshooting.md).
     jdist.errors.CoordinatorError: JAX's coordinator was not reached.
-    ValueError: an unknown backend, a bad timeout, or a bad `JDIST_ROUTE`.
+    ValueError: an unknown backend or a bad timeout; an unknown route, or
+      one this job cannot take (the message names the allowed routes and
+      why: "native" where its library is not built, "mpi4jax" with several
+      devices per process, a cross-process route in one process); a route
+      that disagrees with the first call's.
   """
+  if route is not None and not isinstance(route, str):
+    raise ValueError(f"jdist.init(route={route!r}): give a route name, one of "
+                     f"{', '.join(routes.ROUTES)}, or None.")
+  if route is not None and topology_lib.is_initialized():
+    if route != topology_lib.current().route:
+      raise ValueError(f"jdist.init(route={route!r}) after jdist was initialized with "
+                       f"route={topology_lib.current().route!r}; call init once, first.")
   return topology_lib.init_world(timeout=timeout, backend=backend, bind_gpu=bind_gpu,
                                  jax_distributed=jax_distributed_lib.wanted(jax_distributed),
-                                 finish=_start_route)
+                                 finish=_route_starter(route))
 
 
 def ensure_initialized() -> topology_lib.Topology:
@@ -87,3 +115,28 @@ def active_route() -> routes.Route:
     raise RuntimeError(f"{topology} was initialized without its route: start jdist with "
                        f"jdist.init(), not jdist.runtime.topology.init_world().")
   return routes.LocalRoute(topology)
+
+
+def active_jit_route() -> routes.Route:
+  """The route of reductions in jit steps over global arrays (`Topology.jit_route`)."""
+  return _jit_route if _jit_route is not None else active_route()
+
+
+def route_named(name: str | None) -> routes.Route:
+  """The route `name` of this job (the started one for None), one object per name.
+
+  For measurements and tests that compare routes in one job
+  (`jdist.collectives.on_route`); every process must ask for the same.
+
+  Raises:
+    ValueError: as `jdist.init(route=name)` would, for a route this job
+      cannot take.
+  """
+  started = active_route()
+  if name is None or name == started.name:
+    return started
+  if name == active_jit_route().name:
+    return active_jit_route()
+  if name not in _named:
+    _named[name] = routes.select(topology_lib.current(), name)
+  return _named[name]

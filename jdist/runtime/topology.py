@@ -61,7 +61,13 @@ class Topology:
       `jdist.collectives.route`): "local" (one process, or backend "jax"),
       "mpi4jax" (one device per process), "native" (jdist's compiled
       exchange, several devices per process) or "callback" (its fallback
-      through host callbacks, where the native library is not built).
+      through host callbacks, where the native library is not built): the
+      route of `jdist.data_parallel` steps, chosen once by
+      `jdist.init(route=...)`.
+    jit_route: the route of reductions in jit steps over global arrays
+      (`jax.set_mesh(jdist.mesh())`): the same as `route`, except "callback"
+      where "native" was chosen automatically for several devices per process
+      (`jdist.collectives.routes.jit_route`).
   """
 
   process_index: int
@@ -75,6 +81,7 @@ class Topology:
   backend: str = "none"
   timeout: float = DEFAULT_TIMEOUT_S
   route: str = "local"
+  jit_route: str = "local"
 
   @property
   def replica_count(self) -> int:
@@ -108,7 +115,8 @@ class Topology:
     nodes = f" on {self.node_count} nodes" if self.node_count > 1 else ""
     return (f"process {self.process_index}/{self.process_count}{nodes} x "
             f"{self.local_device_count} local devices = {self.replica_count} "
-            f"replicas (backend {self.backend}, route {self.route})")
+            f"replicas (backend {self.backend}, route {self.route}"
+            + (f", jit steps {self.jit_route}" if self.jit_route != self.route else "") + ")")
 
 
 _lock = threading.Lock()

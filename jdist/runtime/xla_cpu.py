@@ -32,10 +32,10 @@ def reserve_host_threads() -> None:
   """Gives XLA's CPU client enough threads for blocking cross-process calls.
 
   The callback route needs it (the native route's custom calls return at
-  once and block no thread), and even where the native library is built,
-  reductions in jit steps over global arrays take the callback route (see
-  `transport.global_step_exchange`), so every job with several devices per
-  process gets the threads. XLA sizes the CPU client's thread pool from the
+  once and block no thread), and so do jit steps over global arrays on the
+  native route, whose XLA all-reduces between the local devices block pool
+  threads beside the exchanges (`routes._warn_small_thread_pool`), so every
+  job with several devices per process gets the threads. XLA sizes the CPU client's thread pool from the
   NPROC environment variable, else the core count. With several local
   devices, each device's host callback blocks a pool thread inside MPI until
   its peer on the other process arrives; on a 2-core machine the pool (2
