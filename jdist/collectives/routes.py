@@ -355,9 +355,10 @@ def jit_route(topology, route: Route, name: str | None) -> Route:
   for several devices per process: jit steps there keep the callback route.
   Measured on 2026-11-25 (2x2, 2 cores, load 30-50): the test
   `test_grad_jvp_vmap_scan_through_reductions_in_a_jit_step` on the native
-  route stalled 2 runs in 2 (rank 1's engine waited for rank 0 in native
-  exchange 1048604, call 0), while the jit quickstart passed 7 runs in 7;
-  see docs/topologies.md. `jdist.init(route="native")` takes the native
+  route stalled 3 runs in 3 (the ranks waiting for each other in different
+  exchanges: XLA's blocking collectives between the local devices beside
+  the native posts), while the jit quickstart passed 7 runs in 7; see
+  docs/topologies.md, "Jit steps and the native route". `jdist.init(route="native")` takes the native
   route in jit steps too.
   """
   if name is None and route.name == "native" and topology.local_device_count > 1:
