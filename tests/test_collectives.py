@@ -113,7 +113,7 @@ def test_the_started_route_is_an_object_named_like_the_topology(topo):
   if topo.process_count > 1 and native.running():
     assert topo.route == "native"
   # jit steps keep the callback route where native was chosen for several
-  # devices per process (routes.jit_route); elsewhere the same route.
+  # devices per process (start._jit_route_for); elsewhere the same route.
   several = topo.route == "native" and topo.local_device_count > 1
   assert topo.jit_route == ("callback" if several else topo.route)
   assert ("jit steps callback" in str(topo)) == several

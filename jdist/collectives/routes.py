@@ -348,32 +348,6 @@ def select(topology, name: str | None = None, *, source: str = "route") -> Route
   return NativeRoute(topology)
 
 
-def jit_route(topology, route: Route, name: str | None) -> Route:
-  """The route of reductions in jit steps over global arrays, given the job's `route`.
-
-  The same route, except where the native route was chosen automatically
-  for several devices per process: jit steps there keep the callback route.
-  Measured on 2026-11-25 (2x2, 2 cores, load 30-50): the test
-  `test_grad_jvp_vmap_scan_through_reductions_in_a_jit_step` on the native
-  route stalled 3 runs in 3 (the ranks waiting for each other in different
-  exchanges: XLA's blocking collectives between the local devices beside
-  the native posts), while the jit quickstart passed 7 runs in 7; see
-  docs/topologies.md, "Jit steps and the native route". `jdist.init(route="native")` takes the native
-  route in jit steps too.
-  """
-  if name is None and route.name == "native" and topology.local_device_count > 1:
-    return CallbackRoute(topology, world_lib.get())
-  return route
-
-
-def requested(route: str | None) -> tuple[str | None, str]:
-  """The route asked for: `route`, else `JDIST_ROUTE`; and how errors name it."""
-  if route is not None:
-    return route, "jdist.init(route)"
-  forced = os.environ.get(ROUTE_ENV, "").strip()
-  return (forced or None), ROUTE_ENV
-
-
 def _warn_small_thread_pool(topology) -> None:
   """Warns where a user's small `NPROC` leaves XLA too few CPU threads.
 

@@ -67,7 +67,7 @@ class Topology:
     jit_route: the route of reductions in jit steps over global arrays
       (`jax.set_mesh(jdist.mesh())`): the same as `route`, except "callback"
       where "native" was chosen automatically for several devices per process
-      (`jdist.collectives.routes.jit_route`).
+      (`jdist.collectives.start._jit_route_for`).
   """
 
   process_index: int
