@@ -19,6 +19,7 @@ import pytest
 from jdist.app import elastic
 from jdist.app import launch
 from jdist.app import launch_elastic
+from jdist.app import supervise
 from jdist.runtime import abort
 
 Host = elastic.Host
@@ -132,8 +133,8 @@ def _elastic_run(tmp_path, monkeypatch, mode, **overrides):
   overrides.setdefault("hostfile", hostfile)
   runner = launch_elastic.Elastic([], _args(**overrides), stdout=out, stderr=err)
   # mpirun_argv puts `--hostfile H -np N` right after the "mpirun": run the script there.
-  original = launch.mpirun_argv
-  monkeypatch.setattr(launch, "mpirun_argv", lambda command, **kw: (
+  original = supervise.mpirun_argv
+  monkeypatch.setattr(supervise, "mpirun_argv", lambda command, **kw: (
       [sys.executable, str(script)] + original(command, **kw)[1:]))
   status = runner.run()
   runs = json.load(open(state)) if os.path.exists(state) else []

@@ -13,6 +13,7 @@ import sys
 import time
 
 from jdist.app import launch
+from jdist.app import supervise
 from jdist.runtime import abort
 
 LOST_DAEMON = """\
@@ -79,7 +80,7 @@ def test_an_mpirun_that_hangs_after_an_abort_is_stopped_after_the_grace():
   code = f"import sys, time; sys.stderr.write({report!r}); sys.stderr.flush(); time.sleep(600)"
   began = time.monotonic()
   status, _, _, err = _supervise(code, abort_grace=1.0)
-  assert time.monotonic() - began < 1.0 + 2 * launch.KILL_GRACE_S + 5
+  assert time.monotonic() - began < 1.0 + 2 * supervise.KILL_GRACE_S + 5
   assert status == launch.EXIT_FAILURE
   assert "mpirun still runs 1 s after the job aborted" in err
   assert "jdist launch: the job failed: lost host nodeB (ranks 2, 3)." in err
@@ -97,9 +98,9 @@ def test_mpirun_argv_and_environment():
                             processes=4, mpirun_args=["--map-by", "slot"])
   assert argv[:5] == ["/x/mpirun", "--hostfile", "hosts", "-np", "4"]
   assert argv[-6:] == ["--map-by", "slot", "-x", abort.LAUNCH_ENV, "jdist", "train"]
-  env = launch._environment()  # pylint: disable=protected-access
+  env = supervise.environment()
   assert env[abort.LAUNCH_ENV] == "1"
-  for name, value in launch.KEEPALIVE_DEFAULTS.items():
+  for name, value in supervise.KEEPALIVE_DEFAULTS.items():
     assert env[name] == os.environ.get(name, value)
 
 

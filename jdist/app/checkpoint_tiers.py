@@ -35,6 +35,7 @@ import os
 import shutil
 import socket
 import tempfile
+from typing import Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -185,3 +186,34 @@ def resume_order(persistent: list[int], local: list[int]) -> list[tuple[int, str
   """
   candidates = [(step, PERSISTENT) for step in persistent] + [(step, LOCAL) for step in local]
   return sorted(candidates, key=lambda c: (c[0], c[1] == PERSISTENT), reverse=True)
+
+
+def resume_newest(candidates: list[tuple[int, str]], managers: dict, resume: Callable,
+                  say: Callable[[str], None]) -> int | None:
+  """Resumes from the first readable candidate; returns its step (None: none was).
+
+  A candidate that cannot be read (`errors.CheckpointCorruptError`) is set
+  aside (`<step>.corrupt`), said, and the next one tried.
+
+  Args:
+    candidates: `resume_order`'s (step, tier) pairs, newest first.
+    managers: the manager of each tier (`PERSISTENT`, `LOCAL`).
+    resume: `resume(step, manager)` restores the run from that checkpoint.
+    say: prints a warning line for the user.
+  """
+  def named(tier: str, step: int) -> str:
+    return f"{'local ' if tier == LOCAL else ''}checkpoint step {step}"
+
+  for index, (step, tier) in enumerate(candidates):
+    manager = managers[tier]
+    try:
+      resume(step, manager)
+    except errors.CheckpointCorruptError as err:
+      moved = manager.set_aside(step)
+      following = candidates[index + 1:]
+      say(f"warning: {named(tier, step)} cannot be read ({err}); moved it to {moved}"
+          + (f"; trying {named(following[0][1], following[0][0])}" if following else ""))
+      continue
+    return step
+  return None
+

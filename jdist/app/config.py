@@ -236,12 +236,12 @@ def validate(config: TrainConfig) -> TrainConfig:
     raise ConfigError("--resume needs --checkpoint-dir DIR: the directory to resume from.")
   if config.checkpoint_every and not config.checkpoint_dir:
     raise ConfigError("--checkpoint-every needs --checkpoint-dir DIR: where to write them.")
-  return config
   if (config.local_checkpoint_every or config.local_checkpoint_dir) and not config.checkpoint_dir:
     raise ConfigError("--local-checkpoint-every needs --checkpoint-dir DIR: the persistent "
                       "tier the local one backs up.")
   if config.local_checkpoint_dir and not config.local_checkpoint_every:
     raise ConfigError("--local-checkpoint-dir needs --local-checkpoint-every STEPS.")
+  return config
 
 
 def _check_timeline(config: TrainConfig) -> None:

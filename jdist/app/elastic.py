@@ -33,6 +33,8 @@ from typing import Callable, Sequence
 
 RESTART_ENV = "JDIST_RESTART"  # the restart's number (0: the first run), in every rank
 DEFAULT_COOLDOWN_S = 600.0
+DEFAULT_DISCOVERY_INTERVAL_S = 30.0  # seconds between runs of --host-discovery
+DEFAULT_PROBE_TIMEOUT_S = 5.0  # seconds a returning host has to answer the launch agent
 
 
 class ElasticError(RuntimeError):

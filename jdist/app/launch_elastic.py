@@ -3,7 +3,7 @@
 `jdist.app.launch.main` runs `Elastic` under `--max-restarts N` or
 `--host-discovery SCRIPT`; the decisions themselves (which hosts, how many
 processes, whether to grow) are `jdist.app.elastic`'s pure functions. Each
-run is one `launch.supervise` of mpirun over a hostfile written for it:
+run is one `supervise.supervise` of mpirun over a hostfile written for it:
 
   * a run that fails is started again (up to N times) without the hosts it
     lost, each left out for `--cooldown` seconds;
@@ -31,7 +31,7 @@ import time
 from typing import IO, Sequence
 
 from jdist.app import elastic
-from jdist.app import launch
+from jdist.app import supervise
 
 
 def probe_agent(mpirun_args: Sequence[str]) -> list[str]:
@@ -63,8 +63,8 @@ class Elastic:
     self.stdout, self.stderr = stdout or sys.stdout, stderr or sys.stderr
     self.blacklist = blacklist or elastic.Blacklist(args.cooldown)
     self.discovery = getattr(args, "host_discovery", None)
-    self.interval = getattr(args, "discovery_interval", launch.DEFAULT_DISCOVERY_INTERVAL_S)
-    self.probe_timeout = getattr(args, "probe_timeout", launch.DEFAULT_PROBE_TIMEOUT_S)
+    self.interval = getattr(args, "discovery_interval", elastic.DEFAULT_DISCOVERY_INTERVAL_S)
+    self.probe_timeout = getattr(args, "probe_timeout", elastic.DEFAULT_PROBE_TIMEOUT_S)
     self.agent = probe_agent(shlex.split(args.mpirun_args))
     if self.discovery:
       self.hosts = elastic.discover(self.discovery)
@@ -115,7 +115,7 @@ class Elastic:
     """`supervise`'s watch: the reason to stop the run to grow, once it may."""
     checked, pending = [time.monotonic()], []
 
-    def watch(state: launch.JobState) -> str | None:
+    def watch(state: supervise.JobState) -> str | None:
       now = time.monotonic()
       if not pending and now - checked[0] >= self.interval:
         checked[0] = now
@@ -139,7 +139,7 @@ class Elastic:
              for h in grown if h.name not in current]
     return "; ".join(words)
 
-  def _learn_names(self, state: launch.JobState, hosts, processes) -> None:
+  def _learn_names(self, state: supervise.JobState, hosts, processes) -> None:
     if not hosts or not state.hosts:
       return
     try:
@@ -153,18 +153,18 @@ class Elastic:
   # The loop ------------------------------------------------------------------
 
   def _runs(self, workdir: str) -> int:
-    hosts, processes, code = self.hosts, self.first, launch.EXIT_FAILURE
+    hosts, processes, code = self.hosts, self.first, supervise.EXIT_FAILURE
     restart, failures = 0, 0
     while True:
       hostfile = (elastic.write_hostfile(hosts, os.path.join(workdir, f"hosts.{restart}"))
                   if hosts else None)
       extra = shlex.split(self.args.mpirun_args) + ["-x", elastic.RESTART_ENV]
-      argv = launch.mpirun_argv(self.command, mpirun=self.args.mpirun, hostfile=hostfile,
+      argv = supervise.mpirun_argv(self.command, mpirun=self.args.mpirun, hostfile=hostfile,
                                 processes=processes, mpirun_args=extra)
       self.grow = None
-      code, state = launch.supervise(
+      code, state = supervise.supervise(
           argv, abort_grace=self.args.abort_grace,
-          env=launch._environment({elastic.RESTART_ENV: str(restart)}),  # pylint: disable=protected-access
+          env=supervise.environment({elastic.RESTART_ENV: str(restart)}),  # pylint: disable=protected-access
           stdout=self.stdout, stderr=self.stderr,
           watch=self._watcher(hosts, processes) if hosts else None)
       self._learn_names(state, hosts, processes)
@@ -199,7 +199,7 @@ class Elastic:
       self.say(f"restart {restart}: {reason}; continuing on {processes} of {self.first} "
                f"processes{where}" if processes else f"restart {restart}: {reason}")
 
-  def account(self, state: launch.JobState, code: int, hosts, processes) -> str | None:
+  def account(self, state: supervise.JobState, code: int, hosts, processes) -> str | None:
     """Why the run failed, with its lost hosts blacklisted; None: it cannot go on."""
     lost = state.lost()
     if not lost:

@@ -29,15 +29,14 @@ import numpy as np
 import jdist
 from jdist import consistency
 from jdist import errors
-from jdist.app import checkpoint_tiers as tiers
 from jdist.app import train_guard
+from jdist.app.epoch_tally import SUM_KEYS, EpochTally, fresh_position
 from jdist.runtime import host
 from jdist.app.resume_policy import resume_conflicts
 from jdist.transforms.diloco import outer_syncs
 
 _IN_FLIGHT = 2  # train steps dispatched ahead of the host before it waits
 MAX_ROLLBACKS = 3  # --on-nonfinite rollback gives up (stops) after this many
-_SUM_KEYS = ("loss_sum", "correct_sum", "weight_sum", "count")
 
 
 class TrainError(errors.JdistError):
@@ -64,13 +63,6 @@ def reached(max_steps: int | None, step: int) -> bool:
   return max_steps is not None and step >= max_steps
 
 
-def fresh_position() -> dict:
-  """Where a run stands, as stored in checkpoint metadata (see `Run.save`)."""
-  return {"epoch": 0, "batch_in_epoch": 0, "step": 0, "history": [], "epoch_sums": None,
-          "epoch_wire": 0.0, "epoch_train_time": 0.0, "epoch_nonfinite": 0,
-          "epoch_skipped_before": None}
-
-
 class Run:
   """One training run's state and its steps; every method is collective."""
 
@@ -93,6 +85,8 @@ class Run:
 
   def open_checkpoints(self) -> int | None:
     """Sets up checkpointing (both tiers); resumes if asked. Returns the step resumed from."""
+    # Here, not at import: the local tier's manager loads orbax, which `--help` must not.
+    from jdist.app import checkpoint_tiers as tiers  # pylint: disable=g-import-not-at-top
     config = self.config
 
     def open_manager():
@@ -122,19 +116,10 @@ class Run:
       if self.local:
         self.local.drop_after(None)  # an earlier run's: steps start again from 0
       return None
-    candidates = tiers.resume_order(steps, local_steps)
-    for index, (step, tier) in enumerate(candidates):
-      manager = self.local if tier == tiers.LOCAL else self.manager
-      try:
-        self._resume_from(step, manager)
-      except errors.CheckpointCorruptError as err:
-        moved = manager.set_aside(step)
-        following = candidates[index + 1:]
-        self.out.say(f"warning: {'local ' if tier == tiers.LOCAL else ''}checkpoint step {step} "
-                     f"cannot be read ({err}); moved it to {moved}" + (
-                         f"; trying {'local ' if following[0][1] == tiers.LOCAL else ''}step "
-                         f"{following[0][0]}" if following else ""))
-        continue
+    step = tiers.resume_newest(tiers.resume_order(steps, local_steps),
+                               {tiers.PERSISTENT: self.manager, tiers.LOCAL: self.local},
+                               self._resume_from, self.out.say)
+    if step is not None:
       if self.local:
         self.local.drop_after(step)  # newer local steps (not on every node) are discarded
       return step
@@ -279,7 +264,7 @@ class Run:
     config, state, position = self.config, self.state, self.position
     resuming = epoch == position["epoch"] and position["batch_in_epoch"] > 0
     batch_index = position["batch_in_epoch"] if resuming else 0
-    tally = _Tally(position if resuming else fresh_position())
+    tally = EpochTally(position if resuming else fresh_position())
     if tally.skipped_before is None:
       tally.skipped_before = self.skipped_total()
     first_batch, epoch_start, in_flight, saved_at = batch_index, time.perf_counter(), \
@@ -367,12 +352,12 @@ class Run:
       self.save(epoch, self.steps_per_epoch, {})
     return record
 
-  def _take(self, tally: "_Tally", sums, bar) -> bool:
+  def _take(self, tally: EpochTally, sums, bar) -> bool:
     """Adds one step's sums to the epoch (False, and left out, if its loss is not finite)."""
     host_sums = {k: float(np.asarray(v)[0]) for k, v in jax.device_get(sums).items()}
     finite = math.isfinite(host_sums["loss_sum"])
     if finite:
-      for key in _SUM_KEYS:
+      for key in SUM_KEYS:
         tally.sums[key] = tally.sums.get(key, 0.0) + host_sums[key]
     else:
       tally.nonfinite += 1
@@ -382,40 +367,3 @@ class Run:
         bar.set_postfix(loss=f"{host_sums['loss_sum'] / host_sums['weight_sum']:.4f}",
                         refresh=False)
     return finite
-
-
-class _Tally:
-  """An epoch's training metrics so far (host sums), resumable from a checkpoint."""
-
-  def __init__(self, position: dict):
-    self.sums = dict(position["epoch_sums"] or {})
-    self.carried_wire = position["epoch_wire"]
-    self.carried_time = position["epoch_train_time"]
-    self.nonfinite = position.get("epoch_nonfinite", 0)
-    self.skipped_before = position.get("epoch_skipped_before")
-    self.wires: list = []
-    self.rolled_back = False
-
-  def restart(self, skipped: int | None) -> None:
-    """After a rollback: the epoch's metrics count only the steps from here on."""
-    self.sums, self.carried_wire, self.carried_time, self.wires = {}, 0.0, 0.0, []
-    self.nonfinite, self.skipped_before, self.rolled_back = 0, skipped, True
-
-  def position(self, elapsed: float) -> dict:
-    wire = self.carried_wire + sum(float(np.asarray(w)[0]) for w in jax.device_get(self.wires))
-    return {"epoch_sums": dict(self.sums), "epoch_wire": wire,
-            "epoch_train_time": self.carried_time + elapsed,
-            "epoch_nonfinite": self.nonfinite, "epoch_skipped_before": self.skipped_before}
-
-  def record(self, epoch: int, step: int, done: dict) -> dict:
-    totals = {key: done["epoch_sums"].get(key, 0.0) for key in _SUM_KEYS}
-    weight = totals["weight_sum"]
-    record = {"event": "epoch", "epoch": epoch + 1, "step": step,
-              "train_loss": totals["loss_sum"] / weight if weight else None,
-              "train_accuracy": totals["correct_sum"] / weight if weight else None,
-              "train_examples": totals["count"], "train_time_s": done["epoch_train_time"]}
-    if self.nonfinite:
-      record["nonfinite_loss_steps"] = self.nonfinite  # left out of train_loss
-    if self.rolled_back:
-      record["rolled_back"] = True  # train_* count only the steps after the rollback
-    return record
