@@ -85,3 +85,23 @@ def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol,
                                err_msg=jax.tree_util.keystr(path))
+
+
+def assert_reductions_combine_one_value_per_process(mesh, spec, size, topo):
+  """In a jit step over `mesh`, psum/pmean/all_gather of a value laid out as
+  `spec` (every process holds its rank + 1) combine one value per process."""
+  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
+
+  @jax.jit
+  def reduce(x):
+    return jdist.psum(x), jdist.pmean(x), jdist.all_gather(x)
+
+  with jax.set_mesh(mesh):
+    value = jax.device_put(jnp.full((size,), float(topo.process_index + 1)),
+                           NamedSharding(mesh, spec))
+    total, mean, gathered = reduce(value)
+  processes = np.arange(1, topo.process_count + 1, dtype=np.float32)
+  np.testing.assert_allclose(total, np.full(size, processes.sum()))
+  np.testing.assert_allclose(mean, np.full(size, processes.mean()))
+  np.testing.assert_allclose(gathered, np.repeat(processes[:, None], size, axis=1))
+

@@ -123,19 +123,7 @@ def test_reductions_of_a_global_step_run_in_trace_order_on_the_callback_route(to
 
 def test_reductions_in_a_global_step_combine_one_value_per_process(topo):
   mesh = jdist.mesh()
-
-  @jax.jit
-  def reduce(x):
-    return jdist.psum(x), jdist.pmean(x), jdist.all_gather(x)
-
-  with jax.set_mesh(mesh):
-    value = jax.device_put(jnp.full((2,), float(topo.process_index + 1)),
-                           NamedSharding(mesh, P()))
-    total, mean, gathered = reduce(value)
-  processes = np.arange(1, topo.process_count + 1, dtype=np.float32)
-  np.testing.assert_allclose(total, np.full(2, processes.sum()))
-  np.testing.assert_allclose(mean, np.full(2, processes.mean()))
-  np.testing.assert_allclose(gathered, np.repeat(processes[:, None], 2, axis=1))
+  reference.assert_reductions_combine_one_value_per_process(mesh, P(), 2, topo)
 
 
 def test_jit_without_a_mesh_names_both_ways_in(topo):

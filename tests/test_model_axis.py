@@ -102,19 +102,7 @@ def test_model_axis_step_trains_like_one_device_on_the_whole_batch(topo, names, 
 
 def test_reductions_over_a_model_mesh_combine_one_value_per_process(topo):
   mesh = jdist.mesh(model=_model_size(topo), names=("batch", "model"))
-
-  @jax.jit
-  def reduce(x):
-    return jdist.psum(x), jdist.pmean(x), jdist.all_gather(x)
-
-  with jax.set_mesh(mesh):
-    value = jax.device_put(jnp.full((4,), float(topo.process_index + 1)),
-                           NamedSharding(mesh, P("model")))
-    total, mean, gathered = reduce(value)
-  processes = np.arange(1, topo.process_count + 1, dtype=np.float32)
-  np.testing.assert_allclose(total, np.full(4, processes.sum()))
-  np.testing.assert_allclose(mean, np.full(4, processes.mean()))
-  np.testing.assert_allclose(gathered, np.repeat(processes[:, None], 4, axis=1))
+  reference.assert_reductions_combine_one_value_per_process(mesh, P("model"), 4, topo)
 
 
 def test_model_one_without_names_is_the_one_axis_mesh(topo):
