@@ -280,7 +280,7 @@ def slow_targets(runs: list[dict]) -> list[dict]:
                       f"plain {plain:.4f} (on {plain_link})")
       break
   else:
-    accuracy["note"] = "plain was not evaluated at any of its steps (run plain@shm in --full)"
+    accuracy["note"] = "plain has no evaluation at any of its steps (add plain@shm)"
   return found + [accuracy]
 
 
