@@ -5,6 +5,8 @@ can deadlock; on the other routes they check the same results. Buffers of
 256K floats: the callback route deadlocked from about 64K floats.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,7 @@ import jdist
 from jdist import collectives
 from jdist import consistency
 from jdist.collectives import steps
+from jdist.runtime import host
 from jdist.transforms.finite import skip_nonfinite
 from tests import reference
 
@@ -156,3 +159,37 @@ def test_reduced_buckets_are_read_through_one_join(topo):
     assert hlo.count("jdist_exchange") == 4 and hlo.count("jdist_join") == 1
   else:
     assert "jdist_join" not in hlo
+
+
+
+def _program(compiled) -> str:
+  """A compiled step's HLO without source locations."""
+  return re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text())
+
+
+def _rank_dependent(x, key):
+  """Reductions beside values that depend on the replica: a gather's transpose, a replica key."""
+  gather_grad = jax.grad(lambda v: jnp.sum(jnp.arange(3.0) * jdist.all_gather(v)))(jnp.tanh(x[:3]))
+  noise = jax.random.normal(jdist.replica_key(key), (3,))
+  return jdist.pmean(gather_grad + noise), jdist.psum(jnp.sum(x))
+
+
+def test_every_process_compiles_the_same_program(topo):
+  # A replica's index folded into the program as a literal let XLA simplify
+  # rank 0's program differently (0 * k + i -> i), and its schedule ran two
+  # independent exchanges in the other order: each rank then waited in the
+  # exchange the other had not reached (the autodiff tests' jit step, 2 x 2,
+  # native route). The index is a run-time value: one program everywhere.
+  key = jax.random.key(0)
+  x = np.arange(8.0 * topo.replica_count, dtype=np.float32)
+  with jax.set_mesh(jdist.mesh()):
+    jit_step = jax.jit(_rank_dependent).lower(jdist.shard_global_batch(x), key).compile()
+  per_device = x.reshape(topo.replica_count, -1)[:topo.local_device_count]
+  step = jdist.data_parallel(_rank_dependent, in_axes=(0, None))
+  data_parallel_step = step.compiled.lower(per_device, key).compile()
+  programs = (_program(jit_step), _program(data_parallel_step))
+  everyone = host.allgather_object(programs)
+  assert len(everyone) == topo.process_count
+  for style, program in zip(("jit", "data_parallel"), programs):
+    assert all(other[style == "data_parallel"] == program for other in everyone), (
+        f"the processes compiled different {style} programs")

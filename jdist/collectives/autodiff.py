@@ -115,7 +115,7 @@ def _transpose(ct, x, *, route, kind, ordinal, axis):
   # Each replica's row i went to every replica; its cotangent is the sum
   # over replicas of row i: a full sum, of which this replica keeps its row.
   summed = _again(route, SUM, ct, axis)
-  mine = route.process_index * route.devices + lax.axis_index(axis)
+  mine = route.process_index_value() * route.devices + lax.axis_index(axis)
   return (lax.dynamic_index_in_dim(summed, mine, 0, keepdims=False),)
 
 

@@ -155,7 +155,7 @@ def reduce_where(what: str, reduce_fn: Callable[[Span, Any], Any], tree: Any, *,
     tree: the step's values.
     first_only: see `per_process`.
     route: the route, or its name; None: the one `jdist.init()` chose for
-      this kind of step (`Topology.route`, `Topology.jit_route`).
+      this kind of step (`Topology.route`).
 
   Raises:
     jdist.errors.CollectiveContextError: traced in neither kind of step.
@@ -179,14 +179,14 @@ def per_process(reduce_fn: Callable[[Span, Any], Any], tree: Any, *, first_only:
     first_only: other devices than the mesh's first contribute zeros, so a
       sum counts each process's value once (False for gathers, which pick
       one row per process afterwards).
-    on: the route (default: the one `jdist.init()` chose for jit steps).
+    on: the route (default: the one `jdist.init()` chose).
 
   Returns:
     `reduce_fn`'s result, the same on every device.
   """
   abstract = _global_mesh()
   over = mesh_axes.exchange_mesh(abstract)  # a model axis: all devices on one axis
-  span = Span(on if on is not None else start.active_jit_route(),
+  span = Span(on if on is not None else start.active_route(),
               topology_lib.current().replica_count // (
                   abstract.shape[DATA_AXIS] if over is None else over.size),
               global_step=True)
@@ -233,10 +233,14 @@ def replica_index() -> jax.Array | int:
   try:
     device = lax.axis_index(DATA_AXIS)
   except NameError:
-    return topo.process_index
-  if _global_mesh() is None:
-    return topo.process_index * topo.local_device_count + device
-  return topo.process_index
+    device = None
+  if device is None and (_global_mesh() is None or not steps.tracing()):
+    return topo.process_index  # on the host
+  # In a step: a value XLA cannot fold, so every process compiles one program.
+  process = transport.route_for(None).process_index_value()
+  if device is not None and _global_mesh() is None:
+    return process * topo.local_device_count + device
+  return process
 
 
 def replica_key(key: jax.Array) -> jax.Array:

@@ -18,6 +18,7 @@ from jax import lax
 import numpy as np
 
 from jdist.collectives import autodiff
+from jdist.collectives import steps
 from jdist.collectives import wire
 from jdist.collectives.wire import DATA_AXIS
 
@@ -83,6 +84,10 @@ class Route:
   def replicas(self) -> int:
     """Replicas an exchange spans: every local device of every process."""
     return self.processes * self.devices
+
+  def process_index_value(self) -> jax.Array:
+    """This process's index inside a step, as a value XLA cannot fold (`steps.rank_value`)."""
+    return steps.rank_value(self.process_index)
 
   def effects(self):
     """The JAX effects of this route's exchanges (none but mpi4jax's)."""

@@ -134,6 +134,11 @@ class NativeRoute(Route):
     run beside the rest of the backward pass (`native.join`)."""
     return native.join(buffers)
 
+  def process_index_value(self) -> jax.Array:
+    """Read at run time on CPU (no literal in the program at all), else behind a barrier."""
+    value = native.process_index_value()
+    return super().process_index_value() if value is None else value
+
   def _call(self, kind: int, buffer: jax.Array, result: jax.ShapeDtypeStruct,
             ordinal: int, axis: str) -> jax.Array:
     return native.call(kind, buffer, result, ordinal, axis)

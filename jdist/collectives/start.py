@@ -4,9 +4,8 @@
 world (`jdist.runtime.topology.init_world`), and the route buffers take
 across processes inside steps (`jdist.collectives.routes`) is chosen once,
 here, from `init(route=...)` (else `JDIST_ROUTE`, else automatically), and
-named in the returned `Topology` (`route`; `jit_route` for jit steps over
-global arrays, see `_jit_route_for`). Reductions read them through
-`active_route()` and `active_jit_route()`; nothing else changes them. `ensure_initialized()` is for
+named in the returned `Topology` (`route`, for both kinds of step).
+Reductions read it through `active_route()`; nothing else changes it. `ensure_initialized()` is for
 entry points that may run before the user's `jdist.init()` (the first call of
 a `jdist.data_parallel` step); getters such as `jdist.get_topology()` start
 nothing.
@@ -23,7 +22,6 @@ from jdist.runtime import topology as topology_lib
 from jdist.runtime import world as world_lib
 
 _route: routes.Route | None = None  # the started route, set once by init()
-_jit_route: routes.Route | None = None  # its counterpart in jit steps (`_jit_route_for`)
 _named: dict[str, routes.Route] = {}  # routes(name) objects, one per name (see `route_named`)
 
 
@@ -35,32 +33,13 @@ def _requested(route: str | None) -> tuple[str | None, str]:
   return (forced or None), routes.ROUTE_ENV
 
 
-def _jit_route_for(topology, route: routes.Route, name: str | None) -> routes.Route:
-  """The route of reductions in jit steps over global arrays, given the job's `route`.
-
-  The same route, except where the native route was chosen automatically
-  for several devices per process: jit steps there keep the callback route.
-  Measured on 2026-11-25 (2x2, 2 cores, load 30-50): the test
-  `test_grad_jvp_vmap_scan_through_reductions_in_a_jit_step` on the native
-  route stalled 3 runs in 3 (the ranks waiting for each other in different
-  exchanges: XLA's blocking collectives between the local devices beside
-  the native posts), while the jit quickstart passed 7 runs in 7; see
-  docs/topologies.md, "Jit steps and the native route".
-  `jdist.init(route="native")` takes the native route in jit steps too.
-  """
-  if name is None and route.name == "native" and topology.local_device_count > 1:
-    return routes.CallbackRoute(topology, world_lib.get())
-  return route
-
-
 def _route_starter(route: str | None):
   name, source = _requested(route)
 
   def start_route(topology: topology_lib.Topology) -> topology_lib.Topology:
-    global _route, _jit_route
+    global _route
     _route = routes.start(topology, name, source=source)
-    _jit_route = _jit_route_for(topology, _route, name)
-    return dataclasses.replace(topology, route=_route.name, jit_route=_jit_route.name)
+    return dataclasses.replace(topology, route=_route.name)
   return start_route
 
 
@@ -145,11 +124,6 @@ def active_route() -> routes.Route:
   return routes.LocalRoute(topology)
 
 
-def active_jit_route() -> routes.Route:
-  """The route of reductions in jit steps over global arrays (`Topology.jit_route`)."""
-  return _jit_route if _jit_route is not None else active_route()
-
-
 def route_named(name: str | None) -> routes.Route:
   """The route `name` of this job (the started one for None), one object per name.
 
@@ -163,8 +137,6 @@ def route_named(name: str | None) -> routes.Route:
   started = active_route()
   if name is None or name == started.name:
     return started
-  if name == active_jit_route().name:
-    return active_jit_route()
   if name not in _named:
     _named[name] = routes.select(topology_lib.current(), name)
   return _named[name]

@@ -13,6 +13,15 @@ previous exchange's output within the same trace, keyed by JAX's public
 `jax.extend.core.get_opaque_trace_state()`. Exchanges inside `lax.cond`
 branches are chained within their branch only: that route does not order a
 branch against the exchanges around its `cond`.
+
+The native route has no chain: XLA runs a step's exchanges in the order its
+scheduler gives them, which is the same on every process only when every
+process compiles the same program. A rank-dependent Python integer in the
+trace (a replica's index) breaks that: XLA folds `0 * k + i` to `i` on rank 0
+only, the programs differ in shape, and their schedules may order two
+independent exchanges differently, each rank then waiting in the exchange
+the other has not reached (measured: the autodiff tests' jit step in 2 x 2).
+`rank_value` keeps such integers out of XLA's algebra.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import jax.numpy as jnp
 _UNSCOPED_FIRST = 1 << 20
 _unscoped = itertools.count(_UNSCOPED_FIRST)
 _CHAIN_LIMIT = 64  # unscoped traces remembered by the callback route's chain
+_HOST_TRACE = jax.extend.core.get_opaque_trace_state()  # no trace: eager, on the host
 
 
 @dataclasses.dataclass
@@ -79,6 +89,21 @@ def scope_name() -> str | None:
 def _chain() -> list[tuple[Any, jax.Array]]:
   scope = _scope.get()
   return scope.chain if scope is not None else _unscoped_chain
+
+
+def tracing() -> bool:
+  """Whether a JAX trace (a step being compiled) is active, not eager host code."""
+  return not jax.extend.core.get_opaque_trace_state() == _HOST_TRACE
+
+
+def rank_value(value: int) -> jax.Array:
+  """A rank-dependent integer as an int32 XLA cannot fold into the program.
+
+  Behind an optimization barrier every process compiles the same program,
+  differing only in this literal (see module doc), so XLA schedules the
+  exchanges around it alike everywhere.
+  """
+  return jax.lax.optimization_barrier(jnp.asarray(value, jnp.int32))
 
 
 def _runtime_zero(token: jax.Array) -> jax.Array:

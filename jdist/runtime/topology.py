@@ -64,10 +64,6 @@ class Topology:
       through host callbacks, where the native library is not built): the
       route of `jdist.data_parallel` steps, chosen once by
       `jdist.init(route=...)`.
-    jit_route: the route of reductions in jit steps over global arrays
-      (`jax.set_mesh(jdist.mesh())`): the same as `route`, except "callback"
-      where "native" was chosen automatically for several devices per process
-      (`jdist.collectives.start._jit_route_for`).
   """
 
   process_index: int
@@ -81,7 +77,11 @@ class Topology:
   backend: str = "none"
   timeout: float = DEFAULT_TIMEOUT_S
   route: str = "local"
-  jit_route: str = "local"
+
+  @property
+  def jit_route(self) -> str:
+    """The route of reductions in jit steps over global arrays: `route`, as in every step."""
+    return self.route
 
   @property
   def replica_count(self) -> int:
@@ -115,8 +115,7 @@ class Topology:
     nodes = f" on {self.node_count} nodes" if self.node_count > 1 else ""
     return (f"process {self.process_index}/{self.process_count}{nodes} x "
             f"{self.local_device_count} local devices = {self.replica_count} "
-            f"replicas (backend {self.backend}, route {self.route}"
-            + (f", jit steps {self.jit_route}" if self.jit_route != self.route else "") + ")")
+            f"replicas (backend {self.backend}, route {self.route})")
 
 
 _lock = threading.Lock()

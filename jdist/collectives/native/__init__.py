@@ -46,6 +46,7 @@ CPU_LIBRARY = os.path.join(BUILD_DIR, "libjdist_exchange.so")
 CUDA_LIBRARY = os.path.join(BUILD_DIR, "libjdist_exchange_cuda.so")
 TARGET = "jdist_exchange"
 JOIN_TARGET = "jdist_join"
+PROCESS_INDEX_TARGET = "jdist_process_index"
 SUM, SUM16, GATHER = 0, 1, 2  # engine.h's JdistKind
 HIERARCHY_ENV = "JDIST_NATIVE_HIERARCHY"  # auto (default), on or off
 NODE_MAP_ENV = "JDIST_NATIVE_NODE_MAP"  # each rank's node, "0,0,1,1": emulates nodes (tests)
@@ -89,6 +90,7 @@ def _load() -> ctypes.CDLL:
     library.jdist_trace_enable.restype = ctypes.c_int
     library.jdist_flight_snapshot.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     library.jdist_flight_snapshot.restype = ctypes.c_int64
+    library.jdist_set_process_index.argtypes = [ctypes.c_int]
     _library = library
   return _library
 
@@ -101,6 +103,8 @@ def _register(platform: str) -> None:
     handler = _load().JdistExchangeCpu
     jax.ffi.register_ffi_target(JOIN_TARGET, jax.ffi.pycapsule(_load().JdistJoinCpu),
                                 platform="cpu")
+    jax.ffi.register_ffi_target(PROCESS_INDEX_TARGET,
+                                jax.ffi.pycapsule(_load().JdistProcessIndexCpu), platform="cpu")
   else:
     if not os.path.exists(CUDA_LIBRARY):
       raise OSError(f"{CUDA_LIBRARY} is not built (no CUDA toolkit at build time)")
@@ -197,6 +201,7 @@ def start(world, local_devices: int, timeout: float) -> str | None:
                            node_array) != 0:
       _unavailable = library.jdist_last_error().decode()
       return _unavailable
+    library.jdist_set_process_index(world.comm.Get_rank())
     _started = True
     flight_recorder.add_source(flight_rows)
     # After the steps in flight at exit end (they post to the engine), before
@@ -347,6 +352,16 @@ def flight_rows() -> list[flight_recorder.Entry]:
       ordinal=int(r[1]), call=int(r[2]), kind=_KIND_NAMES[int(r[3])], nbytes=int(r[4]),
       state=flight_recorder.STATES[int(r[5])], posted_ns=int(r[6]), wire_ns=int(r[7]),
       done_ns=int(r[8]), route="native") for r in flight_snapshot()]
+
+
+def process_index_value() -> jax.Array | None:
+  """This process's index as an int32 read at run time, on CPU devices; else None.
+
+  Every process then compiles the same program (see `jdist.collectives.steps`).
+  """
+  if not _started or "cpu" not in _registered:
+    return None
+  return jax.ffi.ffi_call(PROCESS_INDEX_TARGET, jax.ShapeDtypeStruct((), np.int32))()
 
 
 def call(kind: int, buffer: jax.Array, result: jax.ShapeDtypeStruct, ordinal: int,

@@ -54,10 +54,23 @@ ffi::Future ExchangeOnHost(ffi::Buffer<ffi::S32> device, ffi::AnyBuffer x,
 // reads them through one join, so XLA cannot schedule (and reuse memory for)
 // an update between two exchanges, which would make the rest of the backward
 // pass wait for the first exchange.
+// This process's index, set once by jdist_set_process_index at start.
+int32_t process_index = 0;
+
+// The process index as a run-time value: a literal in the program would make
+// each process compile a different one (XLA folds 0 * k + i to i on rank 0
+// only), whose schedules may order two exchanges differently.
+ffi::Error ProcessIndexOnHost(ffi::Result<ffi::Buffer<ffi::S32>> out) {
+  out->typed_data()[0] = process_index;
+  return ffi::Error::Success();
+}
+
 ffi::Error JoinOnHost(ffi::RemainingArgs, ffi::RemainingRets) { return ffi::Error::Success(); }
 
 }  // namespace
 }  // namespace jdist
+
+extern "C" void jdist_set_process_index(int index) { jdist::process_index = index; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JdistExchangeCpu, jdist::ExchangeOnHost,
                               ffi::Ffi::Bind()
@@ -69,3 +82,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JdistExchangeCpu, jdist::ExchangeOnHost,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JdistJoinCpu, jdist::JoinOnHost,
                               ffi::Ffi::Bind().RemainingArgs().RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JdistProcessIndexCpu, jdist::ProcessIndexOnHost,
+                              ffi::Ffi::Bind().Ret<ffi::Buffer<ffi::S32>>());
