@@ -1,102 +1,99 @@
-"""Runs the benchmark suite: `python -m benchmarks [--quick] [--out DIR] [--only ...]`.
+"""The one entry point of the benchmarks: `python -m benchmarks SECTION [--on WHERE] [options]`.
 
-Starts each job (see `benchmarks.jobs`) one after the other, never two at
-once, so they do not compete for the cores; then writes `results.json`, the
-figures and `results.md` into the output directory (default
-docs/benchmarks; the smoke run `--quick` defaults to a temporary directory
-so it never overwrites real results).
+    python -m benchmarks list                      # the sections and where each runs
+    python -m benchmarks suite [--quick] [--only allreduce,network]
+    python -m benchmarks [--quick]                 # the same: the suite
+    python -m benchmarks network --on shaped|rig [--quick] [--links ...]
+    python -m benchmarks SECTION --help            # a section's options
+
+Sections are declared in `benchmarks.registry`; this module builds the one
+parser: the common options (`--on`, and `--out`, `--quick` for the sections
+that write reports / have a smoke run) and each section's own
+(`add_arguments`), then calls the section's `check` and `main`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
-import time
 
-from benchmarks import analysis
-from benchmarks import jobs as jobs_lib
-from benchmarks import network
-from benchmarks import plots
-from benchmarks import report
+from benchmarks import registry
 
-SECTIONS = ("allreduce", "half", "overhead", "compression", "selection", "scaling", "backends",
-            "network")
-# Seconds each job may run before it is killed (a hang must not block the suite).
-TIMEOUTS = {"1x1": 180, "1x2": 300, "1x4": 300, "2x1": 900, "2x2": 300, "2x1-jax": 300}
-QUICK_TIMEOUT = 150
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--quick", action="store_true",
-                      help="smoke run: tiny sizes and models, about a minute")
-  parser.add_argument("--out", help="output directory (default docs/benchmarks; "
-                      "with --quick a temporary directory)")
-  parser.add_argument("--only", default=",".join(SECTIONS),
-                      help=f"comma-separated sections to run, from {', '.join(SECTIONS)}")
-  args = parser.parse_args(argv)
-  unknown = set(args.only.split(",")) - set(SECTIONS)
-  if unknown:
-    parser.error(f"--only: unknown section(s) {sorted(unknown)}; choose from {SECTIONS}.")
-  if args.out is None:
-    args.out = (os.path.join(tempfile.gettempdir(), "jdist-benchmarks-quick") if args.quick
-                else os.path.join(jobs_lib.REPO, "docs", "benchmarks"))
+def _section_parser(section: registry.Section, place: str | None) -> argparse.ArgumentParser:
+  run = section.run(place)
+  module = registry.module(run)
+  parser = argparse.ArgumentParser(
+      prog=f"python -m benchmarks {section.name}", description=module.__doc__.replace("%", "%%"),
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--on", choices=tuple(section.runs), default=place or next(iter(section.runs)),
+                      help=f"where it runs (default {next(iter(section.runs))}): "
+                      "see `python -m benchmarks list`")
+  if run.out is not None:
+    parser.add_argument("--out", help=f"output directory (default {run.out}"
+                        + ("; --quick: a temporary directory" if run.quick else "") + ")")
+  if run.quick:
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, minutes")
+  if hasattr(module, "add_arguments"):
+    module.add_arguments(parser)
+  return parser
+
+
+def _place(section: registry.Section, argv: list[str]) -> str | None:
+  """The `--on` value in `argv` (its run decides the options), None when absent or invalid."""
+  for index, arg in enumerate(argv):
+    value = argv[index + 1] if arg == "--on" and index + 1 < len(argv) else (
+        arg.partition("=")[2] if arg.startswith("--on=") else None)
+    if value is not None:
+      return value if value in section.runs else None
+  return None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+  """Parses `SECTION [options]` into a namespace with `section`, `on` and the options."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+    argv.insert(0, "suite")  # the bare form runs the suite
+  if argv[0] in ("-h", "--help"):
+    print(__doc__ + "\nSections:\n" + registry.table())
+    raise SystemExit(0)
+  try:
+    section = registry.section(argv[0])
+  except registry.UsageError as err:
+    print(f"python -m benchmarks: error: {err}", file=sys.stderr)
+    raise SystemExit(2) from err
+  parser = _section_parser(section, _place(section, argv[1:]))
+  args = parser.parse_args(argv[1:])
+  args.section = section.name
+  args.command = " ".join(["python -m benchmarks"] + argv)
+  run = section.run(args.on)
+  if run.out is not None and args.out is None:
+    if getattr(args, "render", None):  # rewrite a report beside its JSON
+      args.out = os.path.dirname(os.path.abspath(args.render))
+    elif getattr(args, "quick", False):
+      args.out = os.path.join(tempfile.gettempdir(), f"jdist-{section.name}-{args.on}-quick")
+    else:
+      args.out = os.path.join(REPO, run.out)
+  module = registry.module(run)
+  try:
+    if hasattr(module, "check"):
+      module.check(args)
+  except registry.UsageError as err:
+    parser.error(str(err))
   return args
 
 
-def run_suite(args: argparse.Namespace) -> dict:
-  """Runs the jobs and returns the complete results (also the summary)."""
-  start = time.perf_counter()
-  environment = report.environment()
-  selected = set(args.only.split(","))
-  job_results = []
-  for job in jobs_lib.jobs(selected, quick=args.quick):
-    timeout = QUICK_TIMEOUT if args.quick else TIMEOUTS.get(job.name, 300)
-    job_results.append(jobs_lib.run(job, quick=args.quick, timeout=timeout))
-  environment["load_average_end"] = list(os.getloadavg())
-  network_results = None
-  if "network" in selected:  # its own jobs, links and report: see benchmarks.network
-    network_results = network.run_network(quick=args.quick)
-  command = "python -m benchmarks" + (" --quick" if args.quick else "") + (
-      f" --only {args.only}" if selected != set(SECTIONS) else "")
-  return {"command": command, "quick": args.quick, "wall_s": time.perf_counter() - start,
-          "environment": environment, "jobs": job_results,
-          "summary": analysis.summarize(job_results), "network": network_results}
-
-
-def write_outputs(results: dict, out_dir: str) -> None:
-  os.makedirs(out_dir, exist_ok=True)
-  results["figures"] = plots.draw_all(results["summary"], out_dir)
-  network_results = results.pop("network", None)
-  if network_results is not None:  # network.json, network.md, network.png
-    network.write_outputs(network_results, out_dir)
-    results["network"] = {"report": "network.md", "skipped": network_results["skipped"],
-                          "targets": network_results["summary"]["targets"]}
-  with open(os.path.join(out_dir, "results.json"), "w", encoding="utf-8") as f:
-    json.dump(results, f, indent=1)
-  with open(os.path.join(out_dir, "results.md"), "w", encoding="utf-8") as f:
-    f.write(report.markdown(results))
-
-
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if argv[:1] == ["list"]:
+    print(registry.table())
+    return 0
   args = parse_args(argv)
-  results = run_suite(args)
-  write_outputs(results, args.out)
-  summary = results["summary"]
-  for target in summary["targets"]:
-    status = {True: "met", False: "MISSED", None: "not measured"}[target["met"]]
-    print(f"{target['target']} [{target['where']}]: {report.num(target['measured'], 4)} "
-          f"(bound {target['bound']}) {status}")
-  for failure in summary["failures"]:
-    print(f"FAILURE in job {failure['job']} section {failure['section']}: "
-          f"{str(failure['error']).splitlines()[0][:200]}", file=sys.stderr)
-  print(f"Wrote {args.out}/results.json, results.md and {len(results['figures'])} figures "
-        f"in {results['wall_s']:.0f} s.")
-  return 0
+  return registry.module(registry.section(args.section).run(args.on)).main(args) or 0
 
 
 if __name__ == "__main__":

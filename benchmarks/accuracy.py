@@ -1,6 +1,6 @@
 """Section 6: test accuracy against compression (a longer, separate run).
 
-    python -m benchmarks.accuracy [--epochs 4] [--dataset auto] [--modes ...]
+    python -m benchmarks accuracy [--epochs 4] [--dataset auto] [--modes ...]
 
 Trains SINGA's CNN (`jdist.app.models`) with `jdist.dist_opt(optax.sgd(0.005,
 momentum=0.9))` in each mode (plain, fp16, top-K 1% with error feedback,
@@ -15,7 +15,7 @@ The default (4 epochs of Fashion-MNIST per mode) took 26.5 minutes on the
 2-core machine; it writes accuracy.json and accuracy.md into --out
 (default docs/benchmarks) and is meant to run in the background:
 
-    nohup .venv/bin/python -m benchmarks.accuracy > /tmp/accuracy.log 2>&1 &
+    nohup .venv/bin/python -m benchmarks accuracy > /tmp/accuracy.log 2>&1 &
 
 `--epochs 1 --limit 6000` is a quick check that the whole path works.
 """
@@ -23,9 +23,7 @@ The default (4 epochs of Fashion-MNIST per mode) took 26.5 minutes on the
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import time
 
 import jax
@@ -33,6 +31,8 @@ import optax
 
 import jdist
 from benchmarks import jobs
+from benchmarks import outputs
+from benchmarks import registry
 from benchmarks import report
 from benchmarks import workload
 from jdist.app import datasets
@@ -198,22 +198,25 @@ def markdown(results: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.accuracy", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--epochs", type=int, default=4)
   parser.add_argument("--dataset", default="auto", choices=("auto", "fashion_mnist", "digits"))
   parser.add_argument("--modes", default=",".join(m for m in MODES if m not in LOCAL_MODES),
                       help="from " + ", ".join(MODES).replace("%", "%%"))
   parser.add_argument("--batch", type=int, default=32, help="examples per replica per step")
   parser.add_argument("--limit", type=int, help="use only the first N training examples")
-  parser.add_argument("--out", default=os.path.join(jobs.REPO, "docs", "benchmarks"))
   parser.add_argument("--timeout", type=float, default=3600, help="seconds before the job "
                       "is killed")
-  args = parser.parse_args(argv)
+
+
+def check(args: argparse.Namespace) -> None:
+  if set(args.modes.split(",")) - set(MODES) or args.epochs < 1 or args.batch < 1:
+    raise registry.UsageError(f"--modes must be from {list(MODES)}; --epochs and --batch must "
+                              "be >= 1.")
+
+
+def main(args: argparse.Namespace) -> int:
   modes = tuple(args.modes.split(","))
-  if set(modes) - set(MODES) or args.epochs < 1 or args.batch < 1:
-    parser.error(f"--modes must be from {list(MODES)}; --epochs and --batch must be >= 1.")
   options = {"epochs": args.epochs, "dataset": args.dataset, "modes": modes,
              "batch": args.batch, "limit": args.limit}
   job = jobs.Job("accuracy-2x1", 2, 1, ("accuracy",), options=tuple(options.items()))
@@ -221,18 +224,11 @@ def main(argv=None) -> int:
   environment = report.environment()
   result = jobs.run(job, quick=False, timeout=args.timeout)
   section = result.get("sections", {}).get("accuracy", {})
-  results = {"command": "python -m benchmarks.accuracy " + " ".join(argv or sys.argv[1:]),
+  results = {"command": args.command,
              "options": options, "environment": environment,
              "wall_s": time.perf_counter() - start, "rows": section.get("rows", []),
              "error": result.get("error") or section.get("error")}
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "accuracy.json"), "w", encoding="utf-8") as f:
-    json.dump(results, f, indent=1)
-  with open(os.path.join(args.out, "accuracy.md"), "w", encoding="utf-8") as f:
-    f.write(markdown(results))
+  outputs.write_report(args.out, results, markdown, json_name="accuracy.json",
+                       md_name="accuracy.md")
   print(markdown(results))
   return 1 if results["error"] else 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

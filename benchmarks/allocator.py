@@ -1,9 +1,9 @@
 """Page faults of fresh XLA buffers: mpi4jax inside jit against raw MPI.
 
-    bash scripts/mpirun.sh -np 2 .venv/bin/python -m benchmarks.allocator
+    bash scripts/mpirun.sh -np 2 .venv/bin/python -m benchmarks allocator
     MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 \\
         bash scripts/mpirun.sh -np 2 -x MALLOC_MMAP_THRESHOLD_ -x MALLOC_TRIM_THRESHOLD_ \\
-        .venv/bin/python -m benchmarks.allocator
+        .venv/bin/python -m benchmarks allocator
 
 Every jitted call gets a new output buffer. glibc serves large ones with
 mmap and hands them back on free (or trims them off the heap), so each call
@@ -16,6 +16,7 @@ function, one and eight (`*_x8`) per call.
 
 from __future__ import annotations
 
+import argparse
 import os
 import resource
 
@@ -33,7 +34,7 @@ def _faults() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def main() -> None:
+def main(args: argparse.Namespace) -> int:
   from mpi4py import MPI  # pylint: disable=import-outside-toplevel
   import mpi4jax  # pylint: disable=import-outside-toplevel
   comm = allreduce.baseline_comm()
@@ -70,7 +71,4 @@ def main() -> None:
         cells.append(f"{name} {series[name].per(per_call).median * 1e3:.2f} ms "
                      f"{faults[name] / total_calls / per_call:.0f} faults")
       print(f"{megabytes} MB (MALLOC_MMAP_THRESHOLD_={tuned}): " + ", ".join(cells), flush=True)
-
-
-if __name__ == "__main__":
-  main()
+  return 0

@@ -1,6 +1,6 @@
 """Worker section "cluster_allreduce": all-reduce across the nodes of the cluster rig.
 
-Runs inside one job of `python -m benchmarks.cluster_bench`: P processes x 1
+Runs inside one job of `python -m benchmarks network --on rig`: P processes x 1
 device on N nodes of `benchmarks.cluster` (network namespaces, a shaped link
 per node), launched by `mpirun --hostfile`. At each float32 size these run
 interleaved round by round in the same processes (`timing.interleaved`):

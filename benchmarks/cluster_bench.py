@@ -1,6 +1,6 @@
-"""jdist beside its peers on the cluster rig: `python -m benchmarks.cluster_bench`.
+"""The network section on the cluster rig: `python -m benchmarks network --on rig`.
 
-    python -m benchmarks.cluster_bench [--quick] [--out DIR] [--links 10gbit,1gbit,100mbit]
+    python -m benchmarks network --on rig [--quick] [--out DIR] [--links 10gbit,1gbit,100mbit]
 
 For each per-node link rate, a fresh rig of 2 nodes (`benchmarks.cluster`:
 network namespaces with their own hostnames, a `tc`-shaped veth per node into
@@ -46,6 +46,7 @@ from benchmarks import cluster_report
 from benchmarks import jobs as jobs_lib
 from benchmarks import netns
 from benchmarks import network
+from benchmarks import outputs
 
 NODES = 2
 PROCESSES_PER_NODE = 2
@@ -116,7 +117,7 @@ def run_jdist(rig: cluster.Cluster, name: str, sections: list[str], options: dic
     prefix = os.path.join(tmp, "result")
     config = json.dumps({"job": name, "sections": sections, "quick": quick,
                          "options": options})
-    worker = [sys.executable, "-m", "benchmarks.worker", "--out", prefix, "--config", config]
+    worker = [sys.executable, "-m", "benchmarks", "worker", "--out", prefix, "--config", config]
     extra = [arg for key in list(RANK_ENV) + list(FORWARDED) for arg in ("-x", key)]
     argv = rig.mpirun_argv(worker, PROCESSES_PER_NODE, jobs_lib.mpirun_binary(), extra)
     env = dict(rank_environment(), **rig.mpi_env())
@@ -153,7 +154,7 @@ def run_torch(rig: cluster.Cluster, name: str, options: dict, *, timeout: float)
     for node in rig.nodes:
       command = [torchrun_binary(), "--nnodes", str(NODES), "--nproc-per-node",
                  str(PROCESSES_PER_NODE), "--node-rank", str(node.index), "--master-addr",
-                 master.address, "--master-port", port, "-m", "benchmarks.torch_peer",
+                 master.address, "--master-port", port, "-m", "benchmarks", "torch_peer",
                  "--out", prefix, "--config", config]
       procs.append(subprocess.Popen(rig.node_argv(node.index, command), env=env,
                                     cwd=jobs_lib.REPO, stdout=subprocess.PIPE,
@@ -237,7 +238,7 @@ def run_all(links=None, *, quick: bool = False, repeats: int | None = None,
     results += run_link(link, quick=quick, repeats=repeats, with_torch=torch_reason is None,
                         log=log)
   environment["load_average_end"] = list(os.getloadavg())
-  out = {"command": "python -m benchmarks.cluster_bench" + (" --quick" if quick else ""),
+  out = {"command": "python -m benchmarks network --on rig" + (" --quick" if quick else ""),
          "quick": quick, "environment": environment, "skipped": skipped, "links": links,
          "topology": TOPOLOGY, "jobs": results, "wall_s": time.perf_counter() - start}
   out["summary"] = cluster_report.summarize(out)
@@ -246,49 +247,22 @@ def run_all(links=None, *, quick: bool = False, repeats: int | None = None,
 
 def write_outputs(results: dict, out_dir: str) -> list[str]:
   """results.json and results.md into `out_dir`; returns the files written."""
-  os.makedirs(out_dir, exist_ok=True)
-  with open(os.path.join(out_dir, "results.json"), "w", encoding="utf-8") as f:
-    json.dump(results, f, indent=1)
-  with open(os.path.join(out_dir, "results.md"), "w", encoding="utf-8") as f:
-    f.write(cluster_report.markdown(results))
-  return ["results.json", "results.md"]
+  return outputs.write_report(out_dir, results, cluster_report.markdown,
+                              json_name="results.json", md_name="results.md")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.cluster_bench", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--quick", action="store_true",
-                      help="smoke run: 1 Gbit/s, 1 MB, plain and DDP, 3 rounds")
-  parser.add_argument("--out", help="output directory (default docs/benchmarks/cluster; "
-                      "--quick: a temporary directory)")
-  parser.add_argument("--links", help=f"comma-separated, from {','.join(LINKS)}")
-  parser.add_argument("--repeats", type=int, help=f"training rounds (default {TRAIN_REPEATS})")
-  parser.add_argument("--render", metavar="JSON", help="measure nothing: re-derive the summary "
-                      "of a results.json and rewrite its results.md into --out")
-  args = parser.parse_args(argv)
-  if args.out is None:
-    args.out = (os.path.join(tempfile.gettempdir(), "jdist-cluster-quick") if args.quick
-                else os.path.join(jobs_lib.REPO, "docs", "benchmarks", "cluster"))
-  if args.links and set(args.links.split(",")) - set(LINKS):
-    parser.error(f"--links: choose from {list(LINKS)}")
-  args.links = args.links.split(",") if args.links else None
-  return args
+# The same options and checks as on shaped links (`--topologies` and `--modes` refused).
+add_arguments = network.add_arguments
+check = network.check
 
 
-def main(argv=None) -> int:
-  args = parse_args(argv)
+def main(args: argparse.Namespace) -> int:
   if args.render:
     network.render(args.render, cluster_report.summarize, write_outputs, args.out)
     return 0
   netns.terminate_on_sigterm()  # a killed run still tears its rig down
   results = run_all(args.links, quick=args.quick, repeats=args.repeats)
-  if argv or len(sys.argv) > 1:
-    results["command"] = "python -m benchmarks.cluster_bench " + " ".join(
-        argv if argv is not None else sys.argv[1:])
+  results["command"] = args.command
   network.print_outcome(results, write_outputs(results, args.out), args.out,
                         cluster_report.num)
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

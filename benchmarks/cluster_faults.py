@@ -1,6 +1,6 @@
 """Lost nodes on the rig: how long until every process of a job is gone, and what it says.
 
-    python -m benchmarks.cluster_faults --runs 5 --timeout 20 \\
+    python -m benchmarks faults --runs 5 --timeout 20 \\
         --out docs/benchmarks/cluster/faults.md
 
 Each run starts `jdist train` on 2 nodes x 2 processes under `jdist launch`,
@@ -23,6 +23,7 @@ import sys
 import time
 
 from benchmarks import cluster
+from benchmarks import outputs
 
 FAULTS = ("link_down", "kill_node", "partition")
 PROCESSES_PER_NODE = 2
@@ -96,13 +97,23 @@ def table(runs: list[FaultRun], timeout_s: float) -> str:
   return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def markdown(results: dict) -> str:
+  """faults.md: what was run and `table` of `results["runs"]` (FaultRun) at `timeout_s`."""
+  runs, timeout_s = results["runs"], results["timeout_s"]
+  return (f"# Lost nodes on the rig\n\n`python -m benchmarks faults --runs {results['repeats']} "
+          f"--timeout {timeout_s:g}`: 2 nodes x 2 processes x 1 device, 1 Gbit/s per node, "
+          "`jdist train` under `jdist launch`, one fault per run after the first epoch (see "
+          f"the module's docstring).\n\n{table(runs, timeout_s)}\n")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--runs", type=int, default=5)
   parser.add_argument("--timeout", type=float, default=20.0, help="jdist train --timeout")
   parser.add_argument("--faults", default=",".join(FAULTS))
   parser.add_argument("--out", help="Markdown file to write the table to")
-  args = parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
   missing = cluster.missing_requirements()
   if missing:
     sys.stderr.write("cluster_faults: the rig cannot be built: " + "; ".join(missing) + "\n")
@@ -117,17 +128,8 @@ def main(argv=None) -> int:
       runs.append(run)
       print(f"{fault}: exit {run.exit_status} after {run.seconds:.1f} s, names host "
             f"{run.names_host}, {run.leftover} left", flush=True)
-  report = table(runs, args.timeout)
-  print(report)
+  print(table(runs, args.timeout))
   if args.out:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as handle:
-      handle.write(f"# Lost nodes on the rig\n\n`python -m benchmarks.cluster_faults --runs "
-                   f"{args.runs} --timeout {args.timeout:g}`: 2 nodes x 2 processes x 1 device, "
-                   f"1 Gbit/s per node, `jdist train` under `jdist launch`, one fault per run "
-                   f"after the first epoch (see the module's docstring).\n\n{report}\n")
+    outputs.write_markdown(args.out, markdown({"runs": runs, "repeats": args.runs,
+                                               "timeout_s": args.timeout}))
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -1,6 +1,6 @@
 """Node-aware vs flat native sums vs Open MPI's MPI_Allreduce, on the cluster rig.
 
-    sudo .venv/bin/python -m benchmarks.cluster_hierarchy --sizes-mb 1,4,16,64 \
+    sudo .venv/bin/python -m benchmarks hierarchy --sizes-mb 1,4,16,64 \
         --rate-mbit 1000 --out docs/benchmarks/cluster/hierarchy.json
 
 Builds a rig of `--nodes` nodes (`benchmarks.cluster`, root needed) with
@@ -85,8 +85,7 @@ def _worker(sizes_mb: list[float], repeats: int) -> None:
               flush=True)
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--sizes-mb", default="1,4,16,64")
   parser.add_argument("--rate-mbit", type=float, default=1000)
   parser.add_argument("--nodes", type=int, default=2)
@@ -97,7 +96,9 @@ def main(argv=None) -> int:
                            "(for a rig with fewer cores than processes)")
   parser.add_argument("--out", default=None)
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-  args = parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
   sizes = [float(s) for s in args.sizes_mb.split(",")]
   if args.worker:
     _worker(sizes, args.repeats)
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
   if missing:
     print("cluster_hierarchy: the rig cannot be built here: " + "; ".join(missing))
     return 2
-  command = [sys.executable, "-m", "benchmarks.cluster_hierarchy", "--worker",
+  command = [sys.executable, "-m", "benchmarks", "hierarchy", "--worker",
              "--sizes-mb", args.sizes_mb, "--repeats", str(args.repeats)]
   env = {"OMPI_MCA_mpi_yield_when_idle": "1"} if args.mpi_yield else {}
   with cluster.Cluster(nodes=args.nodes, rate_mbit=args.rate_mbit) as rig:
@@ -135,7 +136,3 @@ def main(argv=None) -> int:
     with open(args.out, "w", encoding="utf-8") as handle:
       json.dump(rows, handle, indent=1)
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -1,6 +1,6 @@
 """XLA:CPU settings a trainer can choose, against PyTorch's compute step.
 
-    python -m benchmarks.cpu_flags [--rounds 3] [--repeats 15] [--out DIR]
+    python -m benchmarks cpu_flags [--rounds 3] [--repeats 15] [--out DIR]
 
 On shaped links jdist's whole step is slower than PyTorch DDP's mostly
 because XLA:CPU's compute-only step (SINGA's CNN, 64 images, SGD) takes
@@ -21,7 +21,6 @@ jdist/torch ratio. Writes cpu_flags.json and cpu_flags.md into --out
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,8 @@ import time
 
 from benchmarks import jobs as jobs_lib
 from benchmarks import network
+from benchmarks import outputs
+from benchmarks import registry
 from benchmarks import report
 
 # Setting name -> (extra XLA flags, extra environment).
@@ -111,18 +112,21 @@ def markdown(results: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_flags", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--repeats", type=int, default=15, help="timed steps per job")
   parser.add_argument("--settings", default=",".join(SETTINGS),
                       help="comma-separated, from " + ",".join(SETTINGS))
-  parser.add_argument("--out", default=os.path.join(jobs_lib.REPO, "docs", "benchmarks"))
-  args = parser.parse_args(argv)
+
+
+def check(args: argparse.Namespace) -> None:
+  if set(args.settings.split(",")) - set(SETTINGS) or args.rounds < 1 or args.repeats < 1:
+    raise registry.UsageError(f"--settings must be from {list(SETTINGS)}; --rounds and "
+                              "--repeats >= 1.")
+
+
+def main(args: argparse.Namespace) -> int:
   names = args.settings.split(",")
-  if set(names) - set(SETTINGS) or args.rounds < 1 or args.repeats < 1:
-    parser.error(f"--settings must be from {list(SETTINGS)}; --rounds and --repeats >= 1.")
   reason = network.torch_missing()
   if reason:
     print(reason, file=sys.stderr)
@@ -137,19 +141,10 @@ def main(argv=None) -> int:
       if result.get("error"):
         failures.append({"job": f"{name} round {round_index + 1}", "error": result["error"]})
       samples[name].append(job_rows(result))
-  results = {"command": "python -m benchmarks.cpu_flags " + " ".join(
-      argv if argv is not None else sys.argv[1:]), "environment": environment,
+  results = {"command": args.command, "environment": environment,
              "load_average_end": list(os.getloadavg()), "wall_s": time.perf_counter() - start,
              "summary": summarize(samples), "failures": failures}
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "cpu_flags.json"), "w", encoding="utf-8") as f:
-    json.dump(results, f, indent=1)
-  text = markdown(results)
-  with open(os.path.join(args.out, "cpu_flags.md"), "w", encoding="utf-8") as f:
-    f.write(text)
-  print(text)
+  outputs.write_report(args.out, results, markdown, json_name="cpu_flags.json",
+                       md_name="cpu_flags.md")
+  print(markdown(results))
   return 1 if failures else 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -1,6 +1,6 @@
 """Chaos: one `jdist train` under `jdist launch --max-restarts 30` through many faults.
 
-    sudo .venv/bin/python -m benchmarks.elastic_chaos --faults 20
+    sudo .venv/bin/python -m benchmarks elastic_chaos --faults 20
 
 Builds the 2-node namespace rig (`benchmarks.cluster`, one process per node)
 and runs the SINGA CNN on digits with persistent checkpoints every
@@ -214,8 +214,7 @@ def schedule_of(runs: list[dict]) -> list[tuple[int, int, int | None]]:
   return segments
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--faults", type=int, default=20)
   parser.add_argument("--epochs", type=int, default=40)
   parser.add_argument("--train-limit", type=int, default=512)
@@ -228,7 +227,9 @@ def main(argv=None) -> int:
   parser.add_argument("--output", default=os.path.join(tempfile.gettempdir(),
                                                        "jdist_chaos_output.txt"),
                       help="the chaos job's output goes here")
-  args = parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
   started = time.monotonic()
   with tempfile.TemporaryDirectory() as tmp, cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
     chaos_dir, replay_dir = os.path.join(tmp, "chaos"), os.path.join(tmp, "replay")
@@ -288,7 +289,3 @@ def main(argv=None) -> int:
     if job.returncode != 0:
       print("".join(chaos.lines[-80:]), file=sys.stderr)
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

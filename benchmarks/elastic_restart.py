@@ -1,6 +1,6 @@
 """A node lost mid-run under `jdist launch --max-restarts`: time to resume, accuracy, the epoch log.
 
-    sudo .venv/bin/python -m benchmarks.elastic_restart --nodes 2 --per-node 2 --epochs 6
+    sudo .venv/bin/python -m benchmarks elastic_restart --nodes 2 --per-node 2 --epochs 6
 
 Builds the namespace rig (`benchmarks.cluster`), runs `jdist train` under
 `jdist launch --max-restarts 1` undisturbed, then again with node B's link
@@ -108,8 +108,7 @@ def log_problems(epochs: list[dict], expected: int) -> list[str]:
   return problems
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--nodes", type=int, default=2)
   parser.add_argument("--per-node", type=int, default=2)
   parser.add_argument("--epochs", type=int, default=6)
@@ -119,7 +118,9 @@ def main(argv=None) -> int:
   parser.add_argument("--rate-mbit", type=float, default=1000)
   parser.add_argument("--fault", choices=("link_down", "kill_node"), default="link_down")
   parser.add_argument("--skip-undisturbed", action="store_true")
-  args = parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
   for fault in ((None,) if not args.skip_undisturbed else ()) + (args.fault_after_epoch,):
     with tempfile.TemporaryDirectory() as tmp, \
          cluster.Cluster(nodes=args.nodes, rate_mbit=args.rate_mbit) as rig:
@@ -141,7 +142,3 @@ def main(argv=None) -> int:
       if result["code"] != 0:
         print(result["output"][-4000:], file=sys.stderr)
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

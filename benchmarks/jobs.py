@@ -1,7 +1,7 @@
 """The benchmark jobs and how the driver runs them.
 
 A job is one topology (processes x local devices) and the sections measured
-in it. Single-process jobs run as `python -m benchmarks.worker`; the others
+in it. Single-process jobs run as `python -m benchmarks worker`; the others
 under `mpirun -np P --oversubscribe` (plus `--allow-run-as-root` as root).
 Every job has a hard timeout; each rank writes a JSON file into a temporary
 directory and `merge_ranks` folds them into one result: a collective takes
@@ -36,7 +36,7 @@ class Job:
   backend: str | None = None
   env: tuple[tuple[str, str], ...] = ()
   options: tuple[tuple[str, Any], ...] = ()  # handed to the sections (ctx.options)
-  module: str = "benchmarks.worker"  # the per-rank program (`python -m MODULE --out --config`)
+  program: str = "worker"  # the per-rank program (`python -m benchmarks PROGRAM --out --config`)
   prefix: tuple[str, ...] = ()  # argv before the launcher (e.g. `ip netns exec NAME`)
   mpirun_args: tuple[str, ...] = ()  # extra mpirun options (e.g. MCA parameters)
 
@@ -78,7 +78,7 @@ def command(job: Job, out_prefix: str, quick: bool) -> list[str]:
   """The argv that starts `job`'s processes."""
   config = json.dumps({"job": job.name, "sections": list(job.sections), "quick": quick,
                        "backend": job.backend, "options": dict(job.options)})
-  worker = [sys.executable, "-m", job.module, "--out", out_prefix, "--config", config]
+  worker = [sys.executable, "-m", "benchmarks", job.program, "--out", out_prefix, "--config", config]
   if job.processes == 1:
     return list(job.prefix) + worker
   launcher = [mpirun_binary(), "-np", str(job.processes), "--oversubscribe"]

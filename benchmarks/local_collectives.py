@@ -2,7 +2,7 @@
 
     for on in 1 0; do bash scripts/mpirun.sh -np 2 \
         -x XLA_FLAGS=--xla_force_host_platform_device_count=2 -x JAX_PLATFORMS=cpu \
-        -x JDIST_JAX_DISTRIBUTED=$on .venv/bin/python -m benchmarks.local_collectives; done
+        -x JDIST_JAX_DISTRIBUTED=$on .venv/bin/python -m benchmarks local_collectives; done
 
 Once `jax.distributed` is up, the CPU client runs every XLA collective through
 its cross-process implementation (gloo), also one whose devices are all in
@@ -11,6 +11,7 @@ step (docs/jax_processes.md "Cost"). Prints each rank's time for the sum of a
 4 MB float32 buffer over its local devices (median of 20 after 3 warm-ups).
 """
 
+import argparse
 import os
 import statistics
 import time
@@ -26,7 +27,7 @@ BUFFER_FLOATS = 1 << 20  # 4 MB of float32 per device
 ROUNDS = 20
 
 
-def main() -> None:
+def main(args: argparse.Namespace) -> int:
   topo = jdist.init()
   mesh = jdist.mesh()
   rows = np.ones((mesh.devices.size, BUFFER_FLOATS), np.float32)
@@ -43,7 +44,4 @@ def main() -> None:
         f"JDIST_JAX_DISTRIBUTED={os.environ.get('JDIST_JAX_DISTRIBUTED', '(default)')}: "
         f"{mesh.devices.size} local devices, sum of 4 MB "
         f"{statistics.median(times) * 1e3:.2f} ms (median of {ROUNDS})", flush=True)
-
-
-if __name__ == "__main__":
-  main()
+  return 0

@@ -1,6 +1,6 @@
 """What `jdist train --local-checkpoint-every K` costs per step: local tier on vs off.
 
-    bash scripts/mpirun.sh -np 2 .venv/bin/python -m benchmarks.local_commit \
+    bash scripts/mpirun.sh -np 2 .venv/bin/python -m benchmarks local_commit \
         --every 50 --rounds 4 --epochs 10 --cpu-devices 1
 
 Runs the SINGA CNN (`jdist train --model cnn`) on sklearn's digits in the
@@ -77,14 +77,15 @@ def one_run(every: int, epochs: int, batch: int, local: bool, devices: int) -> d
           "local_save_share": sum(timed) / seconds}  # none in the first epoch (K > its steps)
 
 
-def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--every", type=int, default=50, help="local save every K steps")
   parser.add_argument("--rounds", type=int, default=4, help="pairs of runs (off + on)")
   parser.add_argument("--epochs", type=int, default=10, help="epochs per run")
   parser.add_argument("--batch-size", type=int, default=32, help="per replica")
   parser.add_argument("--cpu-devices", type=int, default=1, help="CPU devices per process")
-  args = parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
   jdist.app.cpu_devices.force_cpu_devices(args.cpu_devices)
   train_loop.Run.save = _timed_save(train_loop.Run.save)
   topo = jdist.init()
@@ -108,7 +109,3 @@ def main(argv=None) -> None:
             t for r in runs if r["local"] for t in r["local_save_ms"]),
         "local_save_share_median": statistics.median(
             r["local_save_share"] for r in runs if r["local"])}), flush=True)
-
-
-if __name__ == "__main__":
-  main()

@@ -1,7 +1,8 @@
 """Network section: jdist against PyTorch DDP on emulated cluster links.
 
-    python -m benchmarks.network [--quick] [--out DIR] [--links shm,1gbit] [--topologies 2x1]
-    python -m benchmarks --only network     # the same, as a section of the suite
+    python -m benchmarks network [--quick] [--out DIR] [--links shm,1gbit] [--topologies 2x1]
+    python -m benchmarks suite --only network   # the same, as a part of the suite
+    python -m benchmarks network --on rig       # the same section on the rig (cluster_bench)
 
 For each link of `netns.LINKS` (shared memory: no namespace; then 10 Gbit/s,
 1 Gbit/s, 100 Mbit/s and 100 Mbit/s + 1 ms, each a fresh network namespace
@@ -36,14 +37,15 @@ import os
 import platform
 import socket
 import sys
-import tempfile
 import time
 from typing import Any, Callable
 
 from benchmarks import jobs as jobs_lib
 from benchmarks import netns
 from benchmarks import network_report
+from benchmarks import outputs
 from benchmarks import plots
+from benchmarks import registry
 from benchmarks import report
 
 TOPOLOGIES = {"2x1": (2, 1), "2x2": (2, 2)}
@@ -181,7 +183,7 @@ def run_network(links=None, topologies=None, *, quick: bool = False, repeats: in
     results += run_link(link, topologies, quick=quick, repeats=repeats or REPEATS,
                         with_torch=torch_reason is None, log=log, modes=modes)
   environment_info["load_average_end"] = list(os.getloadavg())
-  out = {"command": "python -m benchmarks.network" + (" --quick" if quick else ""),
+  out = {"command": "python -m benchmarks network" + (" --quick" if quick else ""),
          "quick": quick, "environment": environment_info, "skipped": skipped, "jobs": results,
          "links": [dataclasses.asdict(l) for l in chosen], "wall_s": time.perf_counter() - start}
   out["summary"] = network_report.summarize(out)
@@ -193,39 +195,47 @@ def write_outputs(results: dict, out_dir: str) -> list[str]:
   os.makedirs(out_dir, exist_ok=True)
   figure = plots.network(results["summary"], out_dir)
   results["figures"] = [figure] if figure else []
-  with open(os.path.join(out_dir, "network.json"), "w", encoding="utf-8") as f:
-    json.dump(results, f, indent=1)
-  with open(os.path.join(out_dir, "network.md"), "w", encoding="utf-8") as f:
-    f.write(network_report.markdown(results))
-  return ["network.json", "network.md"] + [f"{name}.png" for name in results["figures"]]
+  written = outputs.write_report(out_dir, results, network_report.markdown,
+                                 json_name="network.json", md_name="network.md")
+  return written + [f"{name}.png" for name in results["figures"]]
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.network", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--quick", action="store_true", help="smoke run (about a minute)")
-  parser.add_argument("--out", help="output directory (default docs/benchmarks; --quick: "
-                      "a temporary directory)")
-  parser.add_argument("--links", help="comma-separated, from "
-                      + ",".join(link.name for link in netns.LINKS))
-  parser.add_argument("--topologies", help="comma-separated, from " + ",".join(TOPOLOGIES))
-  parser.add_argument("--repeats", type=int, help=f"timed rounds (default {REPEATS})")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  """Options of the network section in both places (`--on shaped`, `--on rig`)."""
+  parser.add_argument("--links", help="comma-separated: shaped from "
+                      + ",".join(link.name for link in netns.LINKS) + "; rig from "
+                      + ",".join(cluster_links()))
+  parser.add_argument("--repeats", type=int, help=f"timed rounds (default {REPEATS}; rig: "
+                      "training rounds)")
   parser.add_argument("--render", metavar="JSON", help="measure nothing: re-derive the summary "
-                      "of a network.json and rewrite its network.md and figure into --out")
-  parser.add_argument("--modes", help="comma-separated jdist modes (default all: plain, fp16, "
-                      "bf16, topk1%%, topk1%%-block, threshold, partial4, powersgd4, powersgd1)")
-  args = parser.parse_args(argv)
-  if args.out is None:
-    args.out = (os.path.join(tempfile.gettempdir(), "jdist-network-quick") if args.quick
-                else os.path.join(jobs_lib.REPO, "docs", "benchmarks"))
+                      "of a results JSON and rewrite its report (and figure) into --out")
+  parser.add_argument("--topologies", help="shaped only: comma-separated, from "
+                      + ",".join(TOPOLOGIES))
+  parser.add_argument("--modes", help="shaped only: comma-separated jdist modes (default all: "
+                      "plain, fp16, bf16, topk1%%, topk1%%-block, threshold, partial4, powersgd4, "
+                      "powersgd1)")
+
+
+def cluster_links() -> tuple[str, ...]:
+  from benchmarks import cluster_bench  # pylint: disable=import-outside-toplevel
+  return cluster_bench.LINKS
+
+
+def check(args: argparse.Namespace) -> None:
+  if args.on == "rig":
+    if args.topologies or args.modes:
+      raise registry.UsageError("--topologies and --modes: only with --on shaped")
+    if args.links and set(args.links.split(",")) - set(cluster_links()):
+      raise registry.UsageError(f"--links: choose from {list(cluster_links())}")
+    args.links = args.links.split(",") if args.links else None
+    return
   try:
     args.links = [netns.link_named(n).name for n in args.links.split(",")] if args.links else None
   except ValueError as err:
-    parser.error(str(err))
+    raise registry.UsageError(str(err)) from err
   if args.topologies and set(args.topologies.split(",")) - set(TOPOLOGIES):
-    parser.error(f"--topologies: choose from {list(TOPOLOGIES)}")
+    raise registry.UsageError(f"--topologies: choose from {list(TOPOLOGIES)}")
   args.topologies = args.topologies.split(",") if args.topologies else None
-  return args
 
 
 def render(path: str, summarize: Callable[[dict], dict],
@@ -238,17 +248,15 @@ def render(path: str, summarize: Callable[[dict], dict],
   print(f"Rewrote {', '.join(write(results, out_dir))} into {out_dir}.")
 
 
-def main(argv=None) -> int:
-  args = parse_args(argv)
+def main(args: argparse.Namespace) -> int:
+  """`python -m benchmarks network --on shaped` (`--on rig`: `benchmarks.cluster_bench`)."""
   if args.render:
     render(args.render, network_report.summarize, write_outputs, args.out)
     return 0
   netns.terminate_on_sigterm()  # so a killed run still deletes its namespace
   results = run_network(args.links, args.topologies, quick=args.quick, repeats=args.repeats,
                         modes=args.modes.split(",") if args.modes else None)
-  if argv or len(sys.argv) > 1:
-    results["command"] = "python -m benchmarks.network " + " ".join(
-        argv if argv is not None else sys.argv[1:])
+  results["command"] = args.command
   print_outcome(results, write_outputs(results, args.out), args.out,
                 lambda value: report.num(value, 3))
   return 0
@@ -264,7 +272,3 @@ def print_outcome(results: dict, written: list[str], out_dir: str, num) -> None:
     print(f"FAILURE in job {failure['job']}: {str(failure['error']).splitlines()[0][:200]}",
           file=sys.stderr)
   print(f"Wrote {', '.join(written)} into {out_dir} in {results['wall_s']:.0f} s.")
-
-
-if __name__ == "__main__":
-  sys.exit(main())

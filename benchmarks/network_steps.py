@@ -1,6 +1,6 @@
 """Worker section "network": jdist's modes, a hand-written step and raw MPI on one link.
 
-Runs inside one job of `python -m benchmarks.network` (2x1 or 2x2, in a
+Runs inside one job of `python -m benchmarks network` (2x1 or 2x2, in a
 shaped namespace or over shared memory). On SINGA's CNN (431,080
 parameters, 1.7 MB of float32 gradients) with 64 synthetic images per
 replica, these steps train interleaved round by round (`timing.interleaved`):

@@ -1,6 +1,6 @@
 """Probe: can XLA:CPU overlap an mpi4jax all-reduce with the backward pass?
 
-    python -m benchmarks.overlap [--link 1gbit] [--repeats 15]
+    python -m benchmarks overlap [--link 1gbit] [--repeats 15]
 
 A 2x1 job (in a shaped namespace unless --link shm) on SINGA's CNN with 64
 images per replica, measuring, interleaved round by round:
@@ -208,14 +208,14 @@ def run(ctx):
                                             for name, v in offsets.items()}}
 
 
-def main(argv=None) -> int:
-  from benchmarks import jobs as jobs_lib  # pylint: disable=import-outside-toplevel
-  from benchmarks import netns  # pylint: disable=import-outside-toplevel
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--link", default="1gbit")
   parser.add_argument("--repeats", type=int, default=15)
-  args = parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
+  from benchmarks import jobs as jobs_lib  # pylint: disable=import-outside-toplevel
+  from benchmarks import netns  # pylint: disable=import-outside-toplevel
   link = netns.link_named(args.link)
   netns.terminate_on_sigterm()
   from benchmarks import network  # pylint: disable=import-outside-toplevel
@@ -231,7 +231,3 @@ def main(argv=None) -> int:
     print(", ".join(f"{k} {v * 1e3:.1f} ms" if k.endswith("_s") else f"{k} {v}"
                     for k, v in row.items() if not k.endswith(("min_s", "p90_s"))))
   return 0 if "error" not in result else 1
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -237,7 +237,7 @@ def _network(results: dict) -> list[str]:
     return []
   lines = ["## 6. Network", "",
            f"jdist against PyTorch DDP on shaped links: [{info['report']}]({info['report']}) "
-           "(`python -m benchmarks.network`).", ""]
+           "(`python -m benchmarks network`).", ""]
   lines += [f"**Skipped:** {reason}." for reason in info["skipped"]]
   return lines + [""]
 

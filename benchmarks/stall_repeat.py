@@ -6,7 +6,7 @@ Each repetition launches `tests/jobs/stall.py` under mpirun: rank 1 sleeps
 within T + 15 s of the stall starting and the watchdog's report names rank 1
 and the step. Prints one line per repetition and a summary:
 
-  python benchmarks/stall_repeat.py --repeat 10 --devices 1
+  python -m benchmarks stall_repeat --repeat 10 --devices 1
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ if REPO not in sys.path:
 from tests.jobs import faults  # noqa: E402  (needs the repository on sys.path)
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--repeat", type=int, default=10)
   parser.add_argument("--devices", type=int, default=1, help="local devices per process")
   parser.add_argument("--timeout", type=float, default=10.0, help="jdist.init(timeout=...)")
-  args = parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
 
   correct, times = 0, []
   for index in range(1, args.repeat + 1):
@@ -57,7 +57,3 @@ def main(argv=None) -> int:
                 f"{statistics.median(times):.1f} s, max {max(times):.1f} s")
   print(summary)
   return 0 if correct == args.repeat else 1
-
-
-if __name__ == "__main__":
-  sys.exit(main())

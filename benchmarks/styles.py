@@ -16,7 +16,7 @@ gives both medians, the ratio of medians and the median of per-round ratios
 (jit / data_parallel), the route each style took and the load average.
 
   bash scripts/mpirun.sh -np 2 -x XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
-      python -m benchmarks.styles [--repeats 40] [--global-batch 64] [--models cnn,transformer]
+      python -m benchmarks styles [--repeats 40] [--global-batch 64] [--models cnn,transformer]
 """
 
 from __future__ import annotations
@@ -126,13 +126,14 @@ def measure(name: str, global_batch: int, repeats: int, warmup: int = 3) -> dict
           "load_average": os.getloadavg()}
 
 
-def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--models", default="cnn,transformer")
   parser.add_argument("--global-batch", type=int, default=64)
   parser.add_argument("--repeats", type=int, default=40)
   parser.add_argument("--out", default=None, help="append JSON lines here (rank 0)")
-  args = parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
   topo = jdist.init()
   for name in args.models.split(","):
     row = measure(name, args.global_batch, args.repeats)
@@ -142,7 +143,3 @@ def main(argv: list[str] | None = None) -> None:
       if args.out:
         with open(args.out, "a", encoding="utf-8") as out:
           out.write(line + "\n")
-
-
-if __name__ == "__main__":
-  main()

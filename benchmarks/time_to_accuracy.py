@@ -1,6 +1,6 @@
 """Time to a test accuracy: jdist's modes against PyTorch DDP on shaped links.
 
-    python -m benchmarks.time_to_accuracy [--links 1gbit,100mbit]
+    python -m benchmarks time_to_accuracy [--links 1gbit,100mbit]
         [--variants ddp,plain@1gbit,powersgd4,powersgd1] [--full plain,powersgd4,powersgd1]
         [--target 0.88] [--epochs 4] [--eval-every N] [--dataset auto|fashion_mnist|digits]
         [--max-seconds S] [--max-seconds-of NAME[@LINK]=S,...]
@@ -52,7 +52,7 @@ fails the run. `--render JSON` rewrites the Markdown of an earlier run.
 The defaults are the full measurement, about 40 minutes on the 2-core
 machine (DDP plain at 100 Mbit/s alone about 12), best run in the background:
 
-    nohup .venv/bin/python -m benchmarks.time_to_accuracy > /tmp/tta.log 2>&1 &
+    nohup .venv/bin/python -m benchmarks time_to_accuracy > /tmp/tta.log 2>&1 &
 
 `--quick` (digits, 1 epoch, target 0.5, plain and DDP on shm and 1gbit) is a
 smoke run of about two minutes, most of it each job's start.
@@ -61,10 +61,7 @@ smoke run of about two minutes, most of it each job's start.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
-import tempfile
 import time
 from typing import Any, Callable
 
@@ -72,6 +69,8 @@ from benchmarks import accuracy
 from benchmarks import jobs as jobs_lib
 from benchmarks import netns
 from benchmarks import network
+from benchmarks import outputs
+from benchmarks import registry
 from benchmarks import time_to_accuracy_report
 from benchmarks import train_to_target
 
@@ -220,20 +219,12 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print,
 
 def write_outputs(results: dict, out_dir: str) -> list[str]:
   """time_to_accuracy.json and .md into `out_dir`; returns the files written."""
-  os.makedirs(out_dir, exist_ok=True)
-  with open(os.path.join(out_dir, "time_to_accuracy.json"), "w", encoding="utf-8") as f:
-    json.dump(results, f, indent=1)
-  with open(os.path.join(out_dir, "time_to_accuracy.md"), "w", encoding="utf-8") as f:
-    f.write(time_to_accuracy_report.markdown(results))
-  return ["time_to_accuracy.json", "time_to_accuracy.md"]
+  return outputs.write_report(out_dir, results, time_to_accuracy_report.markdown,
+                              json_name="time_to_accuracy.json", md_name="time_to_accuracy.md")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.time_to_accuracy",
-                                   description=__doc__.replace("%", "%%"),
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(
-      f"--{k} {v}" for k, v in QUICK.items() if v != ""))
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  """The section's options; `--quick` (the settings of `QUICK`) and `--out` are common."""
   parser.add_argument("--links", help=f"comma-separated, from "
                       f"{','.join(l.name for l in netns.LINKS)} (default {DEFAULTS['links']})")
   parser.add_argument("--variants", help="comma-separated NAME or NAME@LINK, NAME from "
@@ -257,41 +248,34 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="per-variant caps, over --max-seconds")
   parser.add_argument("--timeout", type=float, default=JOB_TIMEOUT,
                       help="seconds before a job is killed")
-  parser.add_argument("--out", help="output directory (default docs/benchmarks/"
-                      "time_to_accuracy; --quick: a temporary directory)")
   parser.add_argument("--render", metavar="JSON", help="measure nothing: re-derive the "
                       "summary of a time_to_accuracy.json and rewrite its .md into --out "
                       "(default the JSON's directory)")
-  args = parser.parse_args(argv)
-  args.command = "python -m benchmarks.time_to_accuracy " + " ".join(
-      argv if argv is not None else sys.argv[1:])
+
+
+def check(args: argparse.Namespace) -> None:
+  """Fills the defaults (of --quick or the full run) and parses the variant lists."""
   base = dict(QUICK if args.quick else DEFAULTS)
   if args.variants is not None:  # the default --full goes with the default --variants
     base["full"] = ""
   for key, value in base.items():
     if getattr(args, key) is None:
       setattr(args, key, value)
-  if args.out is None:
-    args.out = (os.path.dirname(os.path.abspath(args.render)) if args.render else
-                os.path.join(tempfile.gettempdir(), "jdist-time-to-accuracy-quick")
-                if args.quick else os.path.join(jobs_lib.REPO, "docs", "benchmarks",
-                                                "time_to_accuracy"))
   try:
     args.links = [netns.link_named(n.strip()).name for n in args.links.split(",")]
     args.variants = parse_variants(args.variants, args.links)
     args.full = set(parse_variants(args.full, args.links))
     args.caps = parse_caps(args.max_seconds_of, args.links)
   except ValueError as err:
-    parser.error(str(err))
+    raise registry.UsageError(str(err)) from err
   if (args.epochs < 1 or args.batch < 1 or args.eval_every < 0 or not 0 < args.target <= 1
       or args.max_seconds < 0):
-    parser.error("--epochs and --batch must be >= 1, --eval-every >= 0 (0: a quarter "
-                 "epoch), --target in (0, 1], --max-seconds >= 0 (0: no cap).")
-  return args
+    raise registry.UsageError("--epochs and --batch must be >= 1, --eval-every >= 0 (0: a "
+                              "quarter epoch), --target in (0, 1], --max-seconds >= 0 (0: no "
+                              "cap).")
 
 
-def main(argv=None) -> int:
-  args = parse_args(argv)
+def main(args: argparse.Namespace) -> int:
   if args.render:
     network.render(args.render, time_to_accuracy_report.summarize, write_outputs, args.out)
     return 0
@@ -309,7 +293,3 @@ def main(argv=None) -> int:
           + (f", FAILED: {run['error'].splitlines()[0][:200]}" if run["error"] else ""))
   print(f"Wrote {', '.join(written)} into {args.out} in {results['wall_s']:.0f} s.")
   return 1 if any(run["error"] for run in results["runs"]) else 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -4,7 +4,7 @@
 (`init`, `Trainer`), so DDP and jdist steps interleave under the same load.
 It also runs alone, one rank per process:
 
-    mpirun -np 2 python -m benchmarks.torch_peer --out PREFIX --config JSON
+    mpirun -np 2 python -m benchmarks torch_peer --out PREFIX --config JSON
 
 mpirun only starts the processes (rank and size come from Open MPI's
 environment); the exchange is PyTorch's own: `torch.distributed` with the
@@ -155,11 +155,12 @@ def measure(options: dict, rank: int):
     yield row
 
 
-def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--out", required=True, help="path prefix of the per-rank JSON files")
   parser.add_argument("--config", required=True, help="JSON: job, options")
-  args = parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
   config = json.loads(args.config)
   options = config.get("options", {})
   rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "0")))
@@ -189,7 +190,4 @@ def main(argv=None) -> None:
   flush()
   dist.barrier()
   dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-  main()
+  return 0

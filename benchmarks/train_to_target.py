@@ -1,6 +1,6 @@
 """Worker section "time_to_accuracy": one variant trained until it reaches a test accuracy.
 
-Runs in each rank of one job of `python -m benchmarks.time_to_accuracy`
+Runs in each rank of one job of `python -m benchmarks time_to_accuracy`
 (2 processes x 1 device, on one link). Trains SINGA's CNN
 (`benchmarks.accuracy.build_model`, the same initial parameters on every
 rank and in every variant) with batch `batch` per replica over the batches

@@ -1,4 +1,4 @@
-"""One benchmark job's process: `python -m benchmarks.worker --out PREFIX --config JSON`.
+"""One benchmark job's process: `python -m benchmarks worker --out PREFIX --config JSON`.
 
 The driver (`python -m benchmarks`) starts it, under `mpirun` for
 multi-process jobs, with the device count already in `XLA_FLAGS`. It sets up
@@ -29,20 +29,8 @@ import jax
 
 import jdist
 
-# Section name -> module in this package whose `run(ctx)` measures it.
-SECTIONS = {
-    "allreduce": "allreduce",
-    "cluster_allreduce": "cluster_allreduce",
-    "overhead": "overhead",
-    "compression": "compression",
-    "selection": "selection",
-    "scaling": "scaling",
-    "half": "half",
-    "accuracy": "accuracy",
-    "network": "network_steps",
-    "overlap": "overlap",
-    "time_to_accuracy": "train_to_target",
-}
+from benchmarks import registry
+
 
 
 @dataclasses.dataclass
@@ -107,7 +95,7 @@ class Recorder:
     os.replace(self.path + ".tmp", self.path)
 
   def run_section(self, name: str, ctx: Context) -> None:
-    module = importlib.import_module(f"benchmarks.{SECTIONS[name]}")
+    module = importlib.import_module(f"benchmarks.{registry.MEASUREMENTS[name]}")
     section: dict[str, Any] = {"rows": [], "complete": False}
     self.result["sections"][name] = section
     self.flush()
@@ -125,11 +113,12 @@ class Recorder:
     self.flush()
 
 
-def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--out", required=True, help="path prefix of the per-rank JSON files")
   parser.add_argument("--config", required=True, help="JSON: job, sections, quick, backend")
-  args = parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
   config = json.loads(args.config)
   topo, init_error = init_backend(config.get("backend"))
   ctx = Context(job=config["job"], quick=bool(config.get("quick")), topo=topo,
@@ -140,7 +129,4 @@ def main(argv=None) -> None:
   for name in config["sections"]:
     recorder.run_section(name, ctx)
   jdist.barrier("benchmark end")
-
-
-if __name__ == "__main__":
-  main()
+  return 0

@@ -1,6 +1,6 @@
 """The cluster benchmark end to end on its smallest configuration (benchmarks/cluster_bench.py).
 
-`python -m benchmarks.cluster_bench --quick`: one two-node rig at 1 Gbit/s per
+`python -m benchmarks network --on rig --quick`: one two-node rig at 1 Gbit/s per
 node, 2 processes per node; a 1 MB all-reduce (Open MPI, hierarchical, jdist)
 and a plain CNN step beside DDP under torchrun, 3 rounds each. The report
 must hold every row with a measured time, and the rig must be gone after.

@@ -1,4 +1,4 @@
-"""The time-to-accuracy benchmark (`python -m benchmarks.time_to_accuracy`).
+"""The time-to-accuracy benchmark (`python -m benchmarks time_to_accuracy`).
 
 Unit tests of its pure parts: the flax -> torch weight copy (the same logits),
 the evaluation schedule and stop decision, the variant selection and the
@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+from benchmarks import __main__ as entry
 from benchmarks import time_to_accuracy
 from benchmarks import time_to_accuracy_report as tta_report
 from benchmarks import train_to_target
@@ -152,12 +153,12 @@ def test_variants_are_names_or_name_at_link():
 
 
 def test_default_full_goes_with_the_default_variants_only():
-  args = time_to_accuracy.parse_args([])
+  args = entry.parse_args(["time_to_accuracy"])
   assert ("powersgd1", "100mbit") in args.full and ("plain", "1gbit") in args.variants
   assert ("plain", "100mbit") not in args.variants
-  args = time_to_accuracy.parse_args(["--variants", "plain,ddp", "--links", "1gbit"])
+  args = entry.parse_args(["time_to_accuracy", "--variants", "plain,ddp", "--links", "1gbit"])
   assert args.full == set() and args.target == 0.88 and args.epochs == 4
-  quick = time_to_accuracy.parse_args(["--quick"])
+  quick = entry.parse_args(["time_to_accuracy", "--quick"])
   assert quick.dataset == "digits" and quick.epochs == 1 and quick.links == ["shm", "1gbit"]
 
 
@@ -181,7 +182,7 @@ def test_skipped_links_and_torch_are_recorded_and_full_variants_train_every_epoc
             "sections": {"time_to_accuracy": {"rows": run["curve"] + [run["final"]]}}}
 
   monkeypatch.setattr(time_to_accuracy.jobs_lib, "run", fake_run)
-  args = time_to_accuracy.parse_args(["--links", "shm,100mbit", "--variants",
+  args = entry.parse_args(["time_to_accuracy", "--links", "shm,100mbit", "--variants",
                                       "plain,ddp,powersgd1", "--full", "powersgd1",
                                       "--out", str(tmp_path)])
   results = time_to_accuracy.run_benchmark(args, log=lambda line: None)
@@ -214,7 +215,7 @@ def _run_record(link, variant, time_to_target, accuracy, completed):
 def _results(runs):
   env = {"versions": {"jax": "0"}, "cpu": "cpu", "cores": 2, "date": "today",
          "load_average_start": [1.0, 1.0, 1.0], "load_average_end": [1.0, 1.0, 1.0]}
-  results = {"command": "python -m benchmarks.time_to_accuracy", "environment": env,
+  results = {"command": "python -m benchmarks time_to_accuracy", "environment": env,
              "skipped": ["torch is not installed"], "runs": runs, "wall_s": 60.0,
              "options": {"epochs": 4, "target": 0.88, "batch": 32, "dataset": "auto",
                          "learning_rate": 0.005, "momentum": 0.9}}
@@ -267,7 +268,7 @@ def test_command_runs_end_to_end_in_a_subprocess(tmp_path, topo):
   if topo.process_count > 1:
     pytest.skip("starts its own MPI jobs: runs from plain pytest only")
   variants = "plain" + ("" if time_to_accuracy.network.torch_missing() else ",ddp")
-  result = launch.python(["-m", "benchmarks.time_to_accuracy", "--links", "shm",
+  result = launch.python(["-m", "benchmarks", "time_to_accuracy", "--links", "shm",
                           "--dataset", "digits", "--epochs", "1", "--target", "0.3",
                           "--variants", variants, "--out", str(tmp_path)], timeout=280)
   assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
@@ -390,9 +391,10 @@ def test_diloco_best_runs_the_fastest_diloco_mode_of_the_earlier_links(monkeypat
             "sections": {"time_to_accuracy": {"rows": run["curve"] + [run["final"]]}}}
 
   monkeypatch.setattr(time_to_accuracy.jobs_lib, "run", fake_run)
-  args = time_to_accuracy.parse_args([
-      "--links", "shm,10mbit", "--variants", "diloco32@shm,diloco128@shm,local_sgd32@shm,"
-      "diloco_best@10mbit,compute_floor@10mbit", "--max-seconds", "300",
+  args = entry.parse_args([
+      "time_to_accuracy", "--links", "shm,10mbit", "--variants",
+      "diloco32@shm,diloco128@shm,local_sgd32@shm,diloco_best@10mbit,compute_floor@10mbit",
+      "--max-seconds", "300",
       "--max-seconds-of", "compute_floor=50", "--out", str(tmp_path)])
   results = time_to_accuracy.run_benchmark(args, log=lambda line: None,
                                            progress=progress.append)
