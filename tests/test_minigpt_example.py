@@ -123,7 +123,7 @@ def test_the_port_trains_like_one_device_and_saves_unguarded(topo, tmp_path, mon
   assert mine[-1] < mine[0]
 
   # The unguarded save: one finished checkpoint, restored by every process.
-  assert not [name for name in os.listdir(os.path.dirname(checkpoint)) if "tmp" in name]
+  assert not [n for n in os.listdir(os.path.dirname(checkpoint)) if "orbax-checkpoint-tmp" in n]
   assert os.path.exists(os.path.join(checkpoint, "_CHECKPOINT_METADATA"))
   restored = ocp.PyTreeCheckpointer().restore(checkpoint)
   trained = nnx.to_pure_dict(jax.device_get(nnx.state(port["model"])))
