@@ -25,8 +25,9 @@ from jdist.collectives.native import BUILD_DIR
 from jdist.collectives.native import CPU_LIBRARY
 from jdist.collectives.native import CUDA_LIBRARY
 from jdist.collectives.native import HERE
-# The CPU library's translation units: the engine, and the FFI handlers that post to it.
-CPU_SOURCES = ("engine.cc", "ffi_cpu.cc")
+# The CPU library's translation units: the engine, and the FFI handlers that post to it
+# (deferred.cc: exchanges started in one step and finished in a later one).
+CPU_SOURCES = ("engine.cc", "ffi_cpu.cc", "deferred.cc")
 FLAGS = ["-O3", "-DNDEBUG", "-std=c++17", "-fPIC", "-shared", "-pthread", "-Wall"]
 
 

@@ -1,0 +1,150 @@
+"""Sums that outlive their step: started in one step, finished in a later one.
+
+On the native route (CPU devices, several processes) a sum over every
+replica can be split in two custom calls (`jdist/collectives/native/deferred.h`):
+
+* `start(buffer)` copies this device's buffer into memory the engine owns,
+  posts it and returns at once a *token*, int32 [ordinal, seq, session]:
+  the step ends without waiting for the wire;
+* `finish(token, like)` in a later step waits for that exchange (an XLA
+  future: no thread is held) and returns the sum.
+
+`jdist.diloco(..., delay=τ)` starts a fragment's pseudo-gradient sum at its
+sync step and finishes it τ steps later, so the exchange is on the wire
+while the inner steps between compute (see docs/diloco.md).
+
+A token names its exchange exactly: `seq` counts this device's starts of
+that ordinal in this process, so several exchanges of one ordinal may be
+in flight and each finish reads its own (seq -1 reads the oldest unread
+one, first in, first out). A finished exchange is kept until the next
+start of its ordinal on that device: a second finish of one token (a state
+restored from a checkpoint and continued beside the original) reads the
+same sum. `session` is one random value per run of the job, the same on
+every process: a token from another run's checkpoint has another session,
+which `session()` tells a step at run time. A finish of a token never
+started in this process is an error (not a hang); an exchange that another
+process never starts is aborted by the engine's deadline, as any other.
+
+At the end of training, an exchange started and never finished still
+completes on the wire (every process posted it) and is dropped;
+`drain()` waits for such exchanges and frees their memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import jax
+import numpy as np
+from jax import lax
+
+from jdist import errors
+from jdist.collectives import autodiff
+from jdist.collectives import context
+from jdist.collectives import native
+from jdist.collectives import start as start_lib
+from jdist.collectives import steps
+from jdist.collectives.wire import DATA_AXIS
+
+START_TARGET = "jdist_deferred_start"
+FINISH_TARGET = "jdist_deferred_finish"
+SESSION_TARGET = "jdist_deferred_session"
+TOKEN_SHAPE = (3,)  # [ordinal, seq, session]; session 0: nothing in flight
+_registered = False
+
+
+def _library() -> ctypes.CDLL:
+  """The CPU library with the deferred handlers registered with XLA (once)."""
+  global _registered
+  library = native._load()  # pylint: disable=protected-access
+  if not _registered:
+    library.jdist_deferred_outstanding.restype = ctypes.c_int64
+    library.jdist_deferred_drain.argtypes = [ctypes.c_double]
+    library.jdist_deferred_drain.restype = ctypes.c_int64
+    for target, symbol in ((START_TARGET, library.JdistDeferredStartCpu),
+                           (FINISH_TARGET, library.JdistDeferredFinishCpu),
+                           (SESSION_TARGET, library.JdistDeferredSessionCpu)):
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
+    _registered = True
+  return library
+
+
+def available(route) -> bool:
+  """Whether `route` runs deferred sums: the native route on CPU, across processes."""
+  return (route.name == "native" and route.processes > 1 and native.running()
+          and native.platform_of_devices() == "cpu")
+
+
+def applies(what: str = "a deferred sum") -> bool:
+  """Whether a step being traced here can start deferred sums: a per-replica
+  (`jdist.data_parallel`) step on a route that runs them (`available`)."""
+  try:
+    if context.in_global_step(what):
+      return False
+  except errors.CollectiveContextError:  # traced outside any step
+    return False
+  return available(start_lib.active_route())
+
+
+def _device(axis: str) -> jax.Array:
+  return lax.axis_index(axis).astype(np.int32)
+
+
+def start(buffer: jax.Array, axis: str = DATA_AXIS) -> jax.Array:
+  """Starts the sum of a 1-D buffer over every replica; returns its token.
+
+  Call it inside a per-replica step where `applies()`. The bytes it sends
+  are recorded in the active `jdist.collectives.measure()` ledger.
+
+  Returns:
+    int32 [3]: [ordinal, seq, session], for `finish`.
+  """
+  route = start_lib.active_route()
+  route.record(autodiff.SUM, buffer.nbytes)
+  _library()
+  return jax.ffi.ffi_call(START_TARGET, jax.ShapeDtypeStruct(TOKEN_SHAPE, np.int32),
+                          has_side_effect=True)(
+      _device(axis), buffer, ordinal=np.int64(steps.next_ordinal()))
+
+
+def finish(token: jax.Array, like: jax.ShapeDtypeStruct, axis: str = DATA_AXIS) -> jax.Array:
+  """The sum `start` returned `token` for (`like`: its buffer's shape and dtype).
+
+  Raises (when the step runs):
+    an XLA error naming the exchange: the token was never started in this
+    process, or asks for another size.
+  """
+  _library()
+  return jax.ffi.ffi_call(FINISH_TARGET, jax.ShapeDtypeStruct(like.shape, like.dtype),
+                          has_side_effect=True)(_device(axis), token.astype(np.int32))
+
+
+def session() -> jax.Array:
+  """This run's session (int32, >= 1), read at run time inside a step."""
+  _library()
+  return jax.ffi.ffi_call(SESSION_TARGET, jax.ShapeDtypeStruct((), np.int32))()
+
+
+def outstanding() -> int:
+  """Started exchanges (device parts) no finish has read yet; 0 without the library."""
+  return int(_library().jdist_deferred_outstanding()) if native.running() else 0
+
+
+def drain(timeout: float = 60.0) -> int:
+  """Waits for every started exchange to complete, then forgets them all.
+
+  For the end of training (after the last step): an exchange started and
+  never finished is dropped. A finish of a dropped token is an error.
+
+  Returns:
+    How many exchanges (device parts) no finish had read.
+
+  Raises:
+    TimeoutError: some exchange did not complete within `timeout` seconds.
+  """
+  if not native.running():
+    return 0
+  dropped = int(_library().jdist_deferred_drain(float(timeout)))
+  if dropped < 0:
+    raise TimeoutError(f"jdist: deferred exchanges still in flight after {timeout} s")
+  return dropped
