@@ -63,7 +63,7 @@ def test_two_in_flight_finish_first_in_first_out(topo):
   if not _native(topo):
     return
   deferred.drain()
-  first, second = _start(_inputs(topo, 3)), _start(_inputs(topo, 5))
+  first, second = jax.block_until_ready((_start(_inputs(topo, 3)), _start(_inputs(topo, 5))))
   assert deferred.outstanding() == 2 * topo.local_device_count
   _check(topo, _finish(_oldest(first)), 3)
   _check(topo, _finish(_oldest(first)), 5)

@@ -20,8 +20,10 @@ one, first in, first out). A finished exchange is kept until the next
 start of its ordinal on that device: a second finish of one token (a state
 restored from a checkpoint and continued beside the original) reads the
 same sum. `session` is one random value per run of the job, the same on
-every process: a token from another run's checkpoint has another session,
-which `session()` tells a step at run time. A finish of a token never
+every process: a token from another run's checkpoint has another session.
+`held(token)` tells a step at run time whether a finish would read a sum
+(this run's token, still kept), so that a caller holding the shares can
+sum them again instead. A finish of a token never
 started in this process is an error (not a hang); an exchange that another
 process never starts is aborted by the engine's deadline, as any other.
 
@@ -49,6 +51,7 @@ from jdist.collectives.wire import DATA_AXIS
 START_TARGET = "jdist_deferred_start"
 FINISH_TARGET = "jdist_deferred_finish"
 SESSION_TARGET = "jdist_deferred_session"
+HELD_TARGET = "jdist_deferred_held"
 TOKEN_SHAPE = (3,)  # [ordinal, seq, session]; session 0: nothing in flight
 _registered = False
 
@@ -63,7 +66,8 @@ def _library() -> ctypes.CDLL:
     library.jdist_deferred_drain.restype = ctypes.c_int64
     for target, symbol in ((START_TARGET, library.JdistDeferredStartCpu),
                            (FINISH_TARGET, library.JdistDeferredFinishCpu),
-                           (SESSION_TARGET, library.JdistDeferredSessionCpu)):
+                           (SESSION_TARGET, library.JdistDeferredSessionCpu),
+                           (HELD_TARGET, library.JdistDeferredHeldCpu)):
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     _registered = True
   return library
@@ -123,6 +127,18 @@ def session() -> jax.Array:
   """This run's session (int32, >= 1), read at run time inside a step."""
   _library()
   return jax.ffi.ffi_call(SESSION_TARGET, jax.ShapeDtypeStruct((), np.int32))()
+
+
+def held(token: jax.Array, axis: str = DATA_AXIS) -> jax.Array:
+  """Whether `finish(token)` would read a sum (int32 1/0, at run time): the
+  token is this run's and its exchange is still kept on this device.
+
+  The same on every process running the same steps: each keeps the same
+  exchanges. Where 0, a caller holding the shares may sum them again.
+  """
+  _library()
+  return jax.ffi.ffi_call(HELD_TARGET, jax.ShapeDtypeStruct((), np.int32),
+                          has_side_effect=True)(_device(axis), token.astype(np.int32))
 
 
 def outstanding() -> int:

@@ -13,10 +13,11 @@ into P fragments of whole leaves (balanced by size); fragment p has its own
 outer step, at the inner steps s with `s % H == offset_p`, the offsets
 staggered by H/P, so one fragment's bytes cross per sync and each fragment
 still syncs once every H steps. `delay=τ`: the averaged pseudo-gradient of
-a fragment, exchanged at step s, is applied at step s + τ (the state holds
-it meanwhile); the τ steps between are what an exchange running in the
-background overlaps. On applying, the fragment's local parameters become
-`mix * local + (1 - mix) * outer` (the paper's merge; 0 replaces them).
+a fragment, exchanged at step s, is applied at step s + τ; on the native
+route (float32 payload, `jdist.data_parallel` step) the exchange runs in
+the background meanwhile (`jdist.transforms.diloco_background`), elsewhere
+inside step s, the state holding the average. On applying, the fragment's
+local parameters become `mix * local + (1 - mix) * outer` (0 replaces them).
 
 `payload` sets what a pseudo-gradient is sent as: float32, 16-bit floats
 (`jdist.cast`'s codec, summed in float32), or 8-bit / 4-bit levels with one
@@ -58,6 +59,7 @@ from jdist.compression import half as half_lib
 from jdist.compression import protocol
 from jdist.compression import qsgd as qsgd_lib
 from jdist.runtime import topology as topology_lib
+from jdist.transforms import diloco_background as background
 
 PAYLOADS = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
 QUANTIZED = {"int8": 8, "int4": 4}  # payload -> bits per value on the wire
@@ -83,6 +85,9 @@ class DiLoCoState(NamedTuple):
     residual: with an 8- or 4-bit payload, per leaf (float32, shaped like
       the parameters), what this replica's last encoding of its fragment's
       pseudo-gradient missed: added to the next one (error feedback); else ().
+    in_flight: with `delay > 0`, int32 [fragments, 3]: each fragment's
+      exchange running in the background (`diloco_background`; its `pending`
+      leaves then hold this replica's share), zeros if none; else ().
   """
   step: jax.Array
   inner_state: Any
@@ -92,6 +97,7 @@ class DiLoCoState(NamedTuple):
   syncs: jax.Array
   wire_bytes: jax.Array
   residual: Any = ()
+  in_flight: Any = ()
 
 
 def fragment_plan(sizes: list[int], fragments: int) -> list[list[int]]:
@@ -266,7 +272,8 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
         pending=jax.tree.map(jnp.zeros_like, params) if delay else (),
         syncs=jnp.zeros([], jnp.int32), wire_bytes=jnp.zeros([], jnp.float32),
         residual=(jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, jnp.float32), params)
-                  if bits else ()))
+                  if bits else ()),
+        in_flight=jnp.zeros((fragments,) + background.TOKEN_SHAPE, jnp.int32) if delay else ())
 
   def update_fn(grads, state, params=None):
     if params is None:
@@ -280,8 +287,7 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
     step = state.step + 1
     sent = [0] * (fragments + 1)  # bytes of each branch, known once traced
 
-    # Error feedback's residual, per leaf; an empty list without it (a
-    # fragment's exchange then leaves it as it is).
+    # Error feedback's residual, per leaf; [] without it (exchanges keep it).
     residual = treedef.flatten_up_to(state.residual) if bits else []
 
     def exchange(p, updates, params, outer_now, residual):
@@ -314,8 +320,32 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
       outer_states[p] = state_p
       return updates, outer_now, tuple(outer_states)
 
-    pending = ()
-    if delay:
+    pending, in_flight = (), ()
+    if background.applies(delay, codec):  # on the native route: across the delay
+      def start(p, pending, flight, updates, params, outer_now):
+        delta = [outer_now[i] - (params[i] + updates[i]).astype(params[i].dtype)
+                 for i in plan[p]]
+        pending, token, sent[p + 1] = background.start(delta, pending, plan[p])
+        return pending, flight.at[p].set(token)
+
+      index = due(step, offsets, sync_every)
+      pending, in_flight = lax.switch(index, [lambda pend, flight, *_: (pend, flight)] + [
+          functools.partial(start, p) for p in range(fragments)],
+          treedef.flatten_up_to(state.pending), state.in_flight, updates, param_leaves,
+          outer_leaves)
+
+      def finish(p, updates, params, outer_now, outer_states, pending, flight):
+        averaged = background.average([pending[i] for i in plan[p]], flight[p])
+        return apply(p, averaged, updates, params, outer_now, outer_states) + (
+            flight.at[p].set(0),)
+
+      branches = [lambda u, pa, o, s, pend, flight: (u, o, s, flight)] + [
+          functools.partial(finish, p) for p in range(fragments)]
+      updates, outer_leaves, outer_states, in_flight = lax.switch(
+          due(step - delay, offsets, sync_every), branches, updates, param_leaves,
+          outer_leaves, state.outer_states, pending, in_flight)
+      pending = jax.tree.unflatten(treedef, pending)
+    elif delay:
       def stash(p, pending, residual, updates, params, outer_now):
         pending = list(pending)
         averaged, residual = exchange(p, updates, params, outer_now, residual)
@@ -338,6 +368,8 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
           due(step - delay, offsets, sync_every), branches, updates, param_leaves,
           outer_leaves, state.outer_states, pending)
       pending = jax.tree.unflatten(treedef, pending)
+      in_flight = state.in_flight
+      in_flight = state.in_flight
     else:
       def sync(p, updates, params, outer_now, outer_states, residual):
         averaged, residual = exchange(p, updates, params, outer_now, residual)
@@ -353,7 +385,8 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
         outer_params=jax.tree.unflatten(treedef, outer_leaves), outer_states=outer_states,
         pending=pending, syncs=state.syncs + (index > 0).astype(jnp.int32),
         wire_bytes=jnp.asarray(sent, jnp.float32)[index],
-        residual=jax.tree.unflatten(treedef, residual) if bits else ())
+        residual=jax.tree.unflatten(treedef, residual) if bits else (),
+        in_flight=in_flight)
     return jax.tree.unflatten(treedef, updates), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -159,6 +159,16 @@ ffi::Future FinishOnHost(ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> tok
   return future;
 }
 
+// 1 where `token` is this run's and its sum is still kept on this device, else 0.
+ffi::Error HeldOnHost(ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
+                      ffi::Result<ffi::Buffer<ffi::S32>> out) {
+  const int32_t* t = token.typed_data();
+  std::lock_guard<std::mutex> lock(mu);
+  auto found = started.find({t[0], device.typed_data()[0]});
+  out->typed_data()[0] = t[2] == session && found != started.end() && found->second.count(t[1]);
+  return ffi::Error::Success();
+}
+
 ffi::Error SessionOnHost(ffi::Result<ffi::Buffer<ffi::S32>> out) {
   out->typed_data()[0] = session;
   return ffi::Error::Success();
@@ -215,6 +225,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JdistDeferredFinishCpu, jdist::FinishOnHost,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JdistDeferredHeldCpu, jdist::HeldOnHost,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JdistDeferredSessionCpu, jdist::SessionOnHost,
                               ffi::Ffi::Bind().Ret<ffi::Buffer<ffi::S32>>());

@@ -10,6 +10,8 @@
 //    XLA future completed with the sum once the engine has it. seq -1 takes
 //    the oldest exchange of the ordinal not yet read. A token never started
 //    in this process (or dropped by `jdist_deferred_drain`) is an error.
+//  * JdistDeferredHeldCpu(device, token) -> int32: 1 where the token is this
+//    session's and its exchange is still kept (a finish would read it).
 //  * JdistDeferredSessionCpu() -> int32: the session, read at run time.
 //
 // The engine's deadline covers a started exchange as any other: one that
