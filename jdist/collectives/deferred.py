@@ -74,9 +74,11 @@ def _library() -> ctypes.CDLL:
 
 
 def available(route) -> bool:
-  """Whether `route` runs deferred sums: the native route on CPU, across processes."""
+  """Whether `route` runs deferred sums: the native route on CPU, across
+  processes, with a library built with deferred.cc (not an older build)."""
   return (route.name == "native" and route.processes > 1 and native.running()
-          and native.platform_of_devices() == "cpu")
+          and native.platform_of_devices() == "cpu"
+          and hasattr(native._load(), "JdistDeferredStartCpu"))  # pylint: disable=protected-access
 
 
 def applies(what: str = "a deferred sum") -> bool:

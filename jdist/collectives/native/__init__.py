@@ -202,8 +202,8 @@ def start(world, local_devices: int, timeout: float) -> str | None:
       _unavailable = library.jdist_last_error().decode()
       return _unavailable
     library.jdist_set_process_index(world.comm.Get_rank())
-    # A run's session, the same on every process: tokens of jdist.collectives.deferred.
-    library.jdist_deferred_set_session(world.comm.bcast(1 + int.from_bytes(os.urandom(3), "big")))
+    session = world.comm.bcast(1 + int.from_bytes(os.urandom(3), "big"))  # deferred's tokens
+    getattr(library, "jdist_deferred_set_session", lambda _: None)(session)  # an older build
     _started = True
     flight_recorder.add_source(flight_rows)
     # After the steps in flight at exit end (they post to the engine), before
