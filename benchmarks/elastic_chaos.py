@@ -39,6 +39,7 @@ import time
 
 import numpy as np
 
+from benchmarks import chaos_checkpoints
 from benchmarks import cluster
 from benchmarks import netns
 from tests import launch as test_launch
@@ -48,9 +49,18 @@ CYCLE = ("link_down", "kill_rank", "kill_node", "kill_rank")
 # Searched, not matched: the launcher's stderr and the ranks' stdout share one pipe,
 # so a line may start with another's unfinished output.
 _TRAIN = re.compile(r"jdist train: \w+ \([\d,]+ parameters\)")
-_RESUMED = re.compile(r"resumed from \S+ step (\d+)")
+_RESUMED = re.compile(r"resumed from (\S+) step (\d+)")
 _SAVED = re.compile(r"checkpoint saved at step (\d+)")
 _WORLD = re.compile(r"process \d+/(\d+)")
+REPLAY_BINDING = ["--bind-to", "core"]
+
+
+def resumed_step(output: str) -> int | None:
+  """The step a `jdist train` run says it resumed from (0: from scratch; None: neither)."""
+  found = _RESUMED.search(output)
+  if found:
+    return int(found.group(2))
+  return 0 if "starting from scratch" in output else None
 
 
 def train_args(args, checkpoint_dir: str) -> list[str]:
@@ -81,10 +91,20 @@ def training_pids(rig) -> list[int]:
   return pids
 
 
+def cpus_allowed(pid: int) -> str | None:
+  """The CPUs a process may run on (/proc's Cpus_allowed_list), or None if it is gone."""
+  try:
+    with open(f"/proc/{pid}/status", encoding="utf-8") as handle:
+      return next((line.split(":", 1)[1].strip() for line in handle
+                   if line.startswith("Cpus_allowed_list")), None)
+  except OSError:
+    return None
+
+
 def _new_run() -> dict:
   """A run of the job: the step it resumed from (None: it trained nothing), its
   processes and its newest persistent checkpoint."""
-  return {"resumed": None, "world": None, "saved": None}
+  return {"resumed": None, "world": None, "saved": None, "tier": None, "cpus": None}
 
 
 class Chaos:
@@ -111,7 +131,9 @@ class Chaos:
       world = _WORLD.search(line)
       self.runs[-1]["world"] = int(world.group(1)) if world else None
     elif _RESUMED.search(line):
-      self.runs[-1]["resumed"] = int(_RESUMED.search(line).group(1))
+      resumed = _RESUMED.search(line)
+      self.runs[-1]["resumed"] = int(resumed.group(2))
+      self.runs[-1]["tier"] = "local" if "jdist-local" in resumed.group(1) else "persistent"
     elif "starting from scratch" in line:
       self.runs[-1]["resumed"] = 0
     elif _SAVED.search(line):
@@ -158,6 +180,8 @@ class Chaos:
             os.killpg(job.pid, signal.SIGKILL)
           continue
         run = self.runs[-1]
+        if run["cpus"] is None and run["saved"] is not None:  # the ranks' CPU binding
+          run["cpus"] = sorted({c for c in map(cpus_allowed, training_pids(self.rig)) if c})
         if (len(self.faults) >= self.args.faults or run["saved"] is None
             or run["resumed"] is None or run["saved"] <= run["resumed"]):
           continue
@@ -183,16 +207,22 @@ def replay(args, chaos: "Chaos", finished: threading.Event, directory: str,
       time.sleep(2.0)
       continue
     start, world, end = ready[index]
-    del start  # the replay's own checkpoint of that step
     argv = train_args(args, directory)
     if end is not None:
       argv += ["--max-steps", str(end)]
     env = test_launch.clean_env(1, JDIST_RESTART=str(index))
-    ran = subprocess.run(test_launch.mpirun_argv(argv, np=world), env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=600, check=False)
+    # One core per rank, as the rig's mpirun binds the chaos job's (1 slot a node, not
+    # oversubscribed); XLA's CPU results depend on the threads a process may use.
+    ran = subprocess.run(test_launch.mpirun_argv(REPLAY_BINDING + argv, np=world), env=env,
+                         cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
     codes.append(ran.returncode)
     if ran.returncode:
       print(ran.stdout[-2000:] + ran.stderr[-2000:], file=sys.stderr)
+      return
+    resumed = resumed_step(ran.stdout)
+    if resumed != start:  # the replay must start each segment where the chaos run did
+      print(f"replay segment {index}: resumed from {resumed}, not {start}", file=sys.stderr)
+      codes[-1] = -1
       return
     index += 1
 
@@ -224,6 +254,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--cooldown", type=float, default=10.0)
   parser.add_argument("--hang-s", type=float, default=120.0)
   parser.add_argument("--timeout", type=float, default=3000.0)
+  parser.add_argument("--archive", default=None,
+                      help="keep copies of every checkpoint of both runs here (default: "
+                           "a temporary directory, deleted)")
+  parser.add_argument("--tolerance", type=float, default=1e-5)
   parser.add_argument("--output", default=os.path.join(tempfile.gettempdir(),
                                                        "jdist_chaos_output.txt"),
                       help="the chaos job's output goes here")
@@ -233,6 +267,10 @@ def main(args: argparse.Namespace) -> int:
   started = time.monotonic()
   with tempfile.TemporaryDirectory() as tmp, cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
     chaos_dir, replay_dir = os.path.join(tmp, "chaos"), os.path.join(tmp, "replay")
+    # Every checkpoint of both, as it appears: the runs keep only the newest few.
+    archive = chaos_checkpoints.Archive(args.archive or os.path.join(tmp, "archive"), {
+        "chaos": chaos_dir, "chaos_local": chaos_checkpoints.local_dirs(chaos_dir),
+        "replay": replay_dir}).start()
     train = train_args(args, chaos_dir) + ["--local-checkpoint-every", str(args.local_every)]
     launch_args = ["--max-restarts", "30", "--cooldown", str(args.cooldown),
                    "--discovery-interval", "2"]
@@ -269,6 +307,9 @@ def main(args: argparse.Namespace) -> int:
                       "chaos_s": round(chaos_s, 1)}), flush=True)
     finished.set()
     replayer.join()
+    archive.stop()
+    steps = chaos_checkpoints.compare(archive.copies("chaos", "chaos_local"),
+                                      archive.copies("replay"), schedule, args.tolerance)
     diff = None
     if len(codes) == len(schedule) and not any(codes):
       mine, theirs = final_arrays(chaos_dir), final_arrays(replay_dir)
@@ -283,6 +324,9 @@ def main(args: argparse.Namespace) -> int:
         "grow_backs": chaos.grows, "runs": len(chaos.runs), "hangs": chaos.hangs,
         "lost_checkpoints": lost, "corrupt_checkpoints": chaos.corrupt,
         "schedule": schedule, "replay_codes": codes, "max_param_diff": diff,
+        "first_over_tolerance": steps["first_over"], "by_step": steps["steps"],
+        "superseded_saves": steps["superseded"], "unreadable_copies": len(steps["unreadable"]),
+        "runs_detail": chaos.runs,
         "chaos_s": round(chaos_s, 1), "total_s": round(time.monotonic() - started, 1),
         "restart_lines": [l.strip() for l in chaos.lines if "jdist launch: restart" in l]}),
         flush=True)

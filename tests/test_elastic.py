@@ -90,6 +90,23 @@ def test_restart_batch_size_is_left_alone_outside_a_restart(monkeypatch, tmp_pat
   assert elastic.restart_batch_size(None, 2, 8) == (8, None)  # no checkpoints, nothing to keep
 
 
+def test_restart_batch_size_keeps_the_checkpoints_batch_on_the_same_replicas(monkeypatch,
+                                                                             tmp_path):
+  # 2 replicas x 16 first, then 1 x 32 (a lost host) saved step 24; the next restart is on
+  # 1 replica again: it takes the checkpoint's 32, not the command's (the first run's) 16.
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import jdist  # pylint: disable=g-import-not-at-top
+  manager = jdist.CheckpointManager(str(tmp_path), keep=None)
+  manager.save(24, {"w": jdist.replicate(jnp.zeros(3))},
+               metadata={"replica_count": 1, "config": {"batch_size": 32}})
+  monkeypatch.setenv(elastic.RESTART_ENV, "2")
+  batch, note = elastic.restart_batch_size(str(tmp_path), 1, 16)
+  assert batch == 32 and "1 replicas x batch 32" in note
+  assert elastic.restart_batch_size(str(tmp_path), 2, 16) == (16, None)  # 32 / 2: as given
+  batch, _ = elastic.restart_batch_size(str(tmp_path), 4, 16)
+  assert batch == 8
+
+
 def _args(hostfile=None, **overrides):
   values = dict(hostfile=hostfile, processes=None, mpirun=sys.executable, mpirun_args="",
                 abort_grace=5.0, max_restarts=1, min_nodes=1, cooldown=600.0)

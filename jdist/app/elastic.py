@@ -275,7 +275,9 @@ def restart_batch_size(checkpoint_dir: str | None, replica_count: int,
     return batch_size, None
   replicas = saved.get("replica_count")
   batch = saved.get("config", {}).get("batch_size")
-  if not replicas or not batch or replicas == replica_count:
+  # Also when the checkpoint's replicas are this run's: the command's --batch-size is the
+  # first run's (2 replicas x 16, then 1 x 32, then 1 again: 32, not 16).
+  if not replicas or not batch:
     return batch_size, None
   global_batch = replicas * batch
   if global_batch % replica_count or global_batch // replica_count == batch_size:

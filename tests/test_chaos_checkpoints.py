@@ -1,0 +1,113 @@
+"""The chaos benchmark's bookkeeping (benchmarks/chaos_checkpoints.py, elastic_chaos.py).
+
+No rig here: the schedule is rebuilt from a recorded log fed line by line,
+and checkpoints of both tiers are written by this process's own jdist and
+compared as the benchmark compares the chaos run's with the replay's.
+"""
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+
+import jdist
+from benchmarks import chaos_checkpoints
+from benchmarks import elastic_chaos
+from jdist.app import checkpoint_tiers
+
+# A recorded chaos log, shortened: the launcher announces "from step 16" for its grow-back,
+# but the job saved once more before the stop reached it and resumed from 24; the run
+# after a lost host resumed from node A's local step 28, newer than its persistent 24.
+LOG = """\
+jdist train: cnn (131,080 parameters) on digits; process 0/2 on 2 nodes x 1 local devices
+no checkpoint in /c/chaos yet: starting from scratch
+checkpoint saved at step 8
+checkpoint saved at step 16
+jdist launch: the job failed: lost host nodeB (ranks 1).
+jdist launch: restart 1: lost host nodeB (ranks 1); continuing on 1 of 2 processes
+jdist train: cnn (131,080 parameters) on digits; process 0/1 x 1 local devices = 1 replicas
+resumed from /c/chaos step 16 (epoch 2, batch 0/16)
+jdist launch: host nodeB is back: stopping the job at its next checkpoint to continue on 2
+checkpoint saved at step 24
+jdist launch: restart 2: host nodeB is back; continuing on 2 of 2 processes from step 16
+jdist train: cnn (131,080 parameters) on digits; process 0/2 on 2 nodes x 1 local devices
+resumed from /c/chaos step 24 (epoch 2, batch 8/16)
+jdist launch: restart 3: lost host nodeB (ranks 1); continuing on 1 of 2 processes
+jdist train: cnn (131,080 parameters) on digits; process 0/1 x 1 local devices = 1 replicas
+resumed from /dev/shm/jdist-local/nodeA-0123456789ab step 28 (epoch 2, batch 12/16)
+"""
+
+
+def test_schedule_follows_the_resumed_lines_not_the_launchers_announcement():
+  chaos = elastic_chaos.Chaos(rig=None, args=None)
+  for line in LOG.splitlines(keepends=True):
+    chaos.take(line)
+  assert elastic_chaos.schedule_of(chaos.runs) == [(0, 2, 16), (16, 1, 24), (24, 2, 28),
+                                                   (28, 1, None)]
+  assert [run["tier"] for run in chaos.runs] == [None, "persistent", "persistent", "local"]
+  assert chaos.grows == 1
+  assert elastic_chaos.resumed_step("x\nresumed from /r step 40 (epoch 3)\n") == 40
+  assert elastic_chaos.resumed_step("no checkpoint in /r yet: starting from scratch") == 0
+  assert elastic_chaos.resumed_step("jdist train: error") is None
+
+
+def test_segment_of_a_step():
+  schedule = [(0, 2, 16), (16, 1, 24), (24, 2, None)]
+  assert [chaos_checkpoints.segment_of(schedule, s) for s in (8, 16, 17, 24, 100)] == [
+      0, 0, 1, 1, 2]
+  assert chaos_checkpoints.segment_of(schedule, 0) is None
+
+
+def _state(scale):
+  return {"params": jdist.replicate({"w": jnp.arange(6.0).reshape(2, 3) * scale,
+                                     "b": jnp.ones(3)})}
+
+
+def test_both_tiers_read_alike_and_the_first_step_over_tolerance_is_found(tmp_path):
+  chaos_dir, replay_dir = str(tmp_path / "chaos"), str(tmp_path / "replay")
+  local_dir = str(tmp_path / "local")
+  archive = chaos_checkpoints.Archive(str(tmp_path / "archive"), {
+      "chaos": chaos_dir, "chaos_local": local_dir, "replay": replay_dir})
+  chaos = jdist.CheckpointManager(chaos_dir, keep=1)
+  local = checkpoint_tiers.LocalManager(local_dir, keep=1)
+  replay = jdist.CheckpointManager(replay_dir, keep=1)
+  # Equal at 8 (persistent) and 12 (local vs the replay's persistent), off by 1e-3 from 16.
+  for step, scale, theirs in ((8, 1.0, 1.0), (12, 2.0, 2.0), (16, 3.0, 3.001), (24, 4.0, 4.1)):
+    (local if step == 12 else chaos).save(step, _state(scale),
+                                          metadata={"epoch": 1, "batch_in_epoch": step % 16})
+    replay.save(step, _state(theirs), metadata={"epoch": 1, "batch_in_epoch": step % 16})
+    archive.scan()  # keep=1: each step is gone by the next save, but copied
+  archive.scan()
+  assert sorted(archive.copies("chaos")) == [8, 16, 24]
+  assert sorted(archive.copies("chaos_local")) == [12]
+  assert not os.path.exists(os.path.join(chaos_dir, "8"))
+  record, arrays = chaos_checkpoints.read_checkpoint(archive.copies("chaos_local")[12][0])
+  assert record["step"] == 12
+  np.testing.assert_array_equal(arrays["['params']['w']"], np.arange(6.0).reshape(2, 3) * 2)
+
+  result = chaos_checkpoints.compare(archive.copies("chaos", "chaos_local"), archive.copies("replay"),
+                                     [(0, 2, 12), (12, 1, 24)], tolerance=1e-5)
+  steps = dict(result["steps"])
+  assert steps[8] == 0.0 and steps[12] == 0.0
+  np.testing.assert_allclose(steps[16], 0.005, rtol=1e-3)  # 5 x 0.001, on w[1, 2]
+  first = result["first_over"]
+  assert (first["step"], first["leaf"], first["segment"]) == (16, "['params']['w']", 1)
+  assert first["segment_details"] == [12, 1, 24] and first["position"] == [1, 0]
+  assert result["superseded"] == [] and result["unreadable"] == []
+
+
+def test_a_step_saved_again_is_a_new_version(tmp_path):
+  directory = str(tmp_path / "ckpt")
+  archive = chaos_checkpoints.Archive(str(tmp_path / "archive"), {"chaos": directory})
+  manager = checkpoint_tiers.LocalManager(directory, keep=2)
+  manager.save(4, _state(1.0))
+  archive.scan()
+  archive.scan()  # seen: not copied twice
+  manager.drop_after(None)
+  manager.save(4, _state(5.0))  # a resume from an older step saved 4 again
+  archive.scan()
+  (first, second), = archive.copies("chaos").values()
+  assert first.endswith("4-0") and second.endswith("4-1")  # the newer save last
+  gap, _ = chaos_checkpoints.difference(chaos_checkpoints.read_checkpoint(first)[1],
+                                        chaos_checkpoints.read_checkpoint(second)[1])
+  assert gap == 20.0
