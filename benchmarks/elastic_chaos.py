@@ -14,22 +14,32 @@ the launcher grows the job back onto it at its next checkpoint. After
 --faults faults no more are injected and the job runs to its end.
 
 The same schedule is replayed without faults, beside it (each segment as
-soon as it is known): for each run of the chaos job, `jdist train` on that run's number of processes (plain mpirun
-on this host), from the step that run resumed from to the step the next
-one resumed from (`--max-steps`). Prints one JSON line: faults by kind,
-grow-backs, restarts, hangs (a fault after which nothing restarted within
---hang-s), lost checkpoints (a restart resuming before the newest
-persistent checkpoint the previous run had reported), corrupt ones (the
-job's own warnings), the schedule, and the largest difference between
-the final parameters of the chaos run and of the replay (target 1e-5).
+soon as it is known): for each run of the chaos job, `jdist train` on that
+run's number of processes (plain mpirun on this host, each rank bound to
+one core as the rig's mpirun binds the chaos job's: XLA's CPU results
+depend on the threads a process may use), from the step that run says it
+resumed from to the step the next one says it resumed from (`--max-steps`;
+the launcher's announced step can be one checkpoint older). Every
+checkpoint either run writes is copied as it appears
+(`benchmarks.chaos_checkpoints`; `--archive DIR` keeps the copies), and
+the two are compared at every step both saved. Prints one JSON line:
+faults by kind, grow-backs, restarts, hangs (a fault after which nothing
+restarted within --hang-s), lost checkpoints (a restart resuming before
+the newest persistent checkpoint the previous run had reported), corrupt
+ones (the job's own warnings), the schedule and each run's resume step,
+tier and CPU binding, the difference at each step, the first step over
+--tolerance with its segment, and the largest difference between the
+final parameters of the chaos run and of the replay (target 1e-5).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -308,6 +318,8 @@ def main(args: argparse.Namespace) -> int:
     finished.set()
     replayer.join()
     archive.stop()
+    for local in glob.glob(chaos_checkpoints.local_dirs(chaos_dir)):  # /dev/shm: memory
+      shutil.rmtree(local, ignore_errors=True)
     steps = chaos_checkpoints.compare(archive.copies("chaos", "chaos_local"),
                                       archive.copies("replay"), schedule, args.tolerance)
     diff = None

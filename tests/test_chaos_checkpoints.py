@@ -6,14 +6,18 @@ compared as the benchmark compares the chaos run's with the replay's.
 """
 
 import os
+import shutil
+import tempfile
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jdist
 from benchmarks import chaos_checkpoints
 from benchmarks import elastic_chaos
 from jdist.app import checkpoint_tiers
+from jdist.runtime import host
 
 # A recorded chaos log, shortened: the launcher announces "from step 16" for its grow-back,
 # but the job saved once more before the stop reached it and resumed from 24; the run
@@ -58,14 +62,25 @@ def test_segment_of_a_step():
   assert chaos_checkpoints.segment_of(schedule, 0) is None
 
 
+@pytest.fixture
+def shared_dir():
+  """One directory for every process (rank 0 writes checkpoints; every process copies)."""
+  path = tempfile.mkdtemp(prefix="jdist_chaos_") if jdist.init().is_primary else None
+  path = host.allgather_object(path)[0]
+  yield path
+  host.allgather_object(None)  # nobody still reading
+  if jdist.init().is_primary:
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _state(scale):
   return {"params": jdist.replicate({"w": jnp.arange(6.0).reshape(2, 3) * scale,
                                      "b": jnp.ones(3)})}
 
 
-def test_both_tiers_read_alike_and_the_first_step_over_tolerance_is_found(tmp_path):
-  chaos_dir, replay_dir = str(tmp_path / "chaos"), str(tmp_path / "replay")
-  local_dir = str(tmp_path / "local")
+def test_both_tiers_read_alike_and_the_first_step_over_tolerance_is_found(tmp_path, shared_dir):
+  chaos_dir, replay_dir = (os.path.join(shared_dir, n) for n in ("chaos", "replay"))
+  local_dir = os.path.join(shared_dir, "local")
   archive = chaos_checkpoints.Archive(str(tmp_path / "archive"), {
       "chaos": chaos_dir, "chaos_local": local_dir, "replay": replay_dir})
   chaos = jdist.CheckpointManager(chaos_dir, keep=1)
@@ -96,8 +111,8 @@ def test_both_tiers_read_alike_and_the_first_step_over_tolerance_is_found(tmp_pa
   assert result["superseded"] == [] and result["unreadable"] == []
 
 
-def test_a_step_saved_again_is_a_new_version(tmp_path):
-  directory = str(tmp_path / "ckpt")
+def test_a_step_saved_again_is_a_new_version(tmp_path, shared_dir):
+  directory = os.path.join(shared_dir, "ckpt")
   archive = chaos_checkpoints.Archive(str(tmp_path / "archive"), {"chaos": directory})
   manager = checkpoint_tiers.LocalManager(directory, keep=2)
   manager.save(4, _state(1.0))
@@ -111,3 +126,12 @@ def test_a_step_saved_again_is_a_new_version(tmp_path):
   gap, _ = chaos_checkpoints.difference(chaos_checkpoints.read_checkpoint(first)[1],
                                         chaos_checkpoints.read_checkpoint(second)[1])
   assert gap == 20.0
+  # Against a replay that went through the newer save: that one is the trajectory's.
+  replay_dir = os.path.join(shared_dir, "replay")
+  checkpoint_tiers.LocalManager(replay_dir).save(4, _state(5.0))
+  archive.sources["replay"] = replay_dir
+  archive.scan()
+  result = chaos_checkpoints.compare(archive.copies("chaos"), archive.copies("replay"),
+                                     [(0, 1, None)], tolerance=1e-5)
+  assert result["steps"] == [[4, 0.0]] and result["first_over"] is None
+  assert result["superseded"] == [[4, 20.0]]
