@@ -96,6 +96,8 @@ SECTIONS: tuple[Section, ...] = (
              host=Run("cpu_flags", "cpu_flags.markdown", "docs/benchmarks")),
     _section("overlap", "can XLA:CPU overlap an all-reduce with the backward pass (probe)",
              shaped=Run("overlap")),
+    _section("diloco_overlap", "Streaming DiLoCo's outer sync in the step or in the background",
+             shaped=Run("diloco_overlap")),
     _section("timeline", "jdist train --timeline over a shaped link: trace, summary, plots",
              shaped=Run("timeline_shaped")),
     _section("timeline_ab", "what the step timeline costs per step, on against off",
@@ -141,6 +143,7 @@ MEASUREMENTS = {
     "accuracy": "accuracy",
     "network": "network_steps",
     "overlap": "overlap",
+    "diloco_overlap": "diloco_overlap",
     "time_to_accuracy": "train_to_target",
 }
 

@@ -1,0 +1,139 @@
+"""Streaming DiLoCo's outer sync: in the step that starts it, or in the background.
+
+    python -m benchmarks diloco_overlap [--links 1gbit,100mbit] [--rounds 8]
+        [--sync-every 32] [--fragments 4] [--delay 4]
+
+Each link gets a 2x1 job in a shaped namespace (root), on SINGA's CNN
+(431,080 parameters) with 64 images per replica, inner optimizer SGD. Three
+variants train in blocks of `--sync-every` consecutive steps, the variants
+alternating block by block for `--rounds` rounds:
+
+  * `compute`: the same step with no exchange at all (the compute floor);
+  * `in_step`: `jdist.diloco(..., fragments=P, delay=0)`: each fragment's
+    averaged pseudo-gradient is exchanged inside the step that starts it, so
+    a sync step waits for the wire;
+  * `background`: `delay=τ`: on the native route the fragment's sum is
+    started in the sync step and read τ steps later (`jdist.collectives.
+    deferred`), while the inner steps in between compute.
+
+A block is timed from its first dispatch to its last result, so a block's
+time per step is the inner step time with the outer syncs of that block
+included. Blocks start after `τ + 1` warm-up steps past a multiple of H / P,
+so every exchange a block starts is also read inside it (checked: the row
+says how many were still in flight at the block's end). Each variant's
+exposed sync time is its block time minus the `compute` block of the same
+round, over `compute`'s (median over rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+
+import jdist
+from benchmarks import compression
+from benchmarks import workload
+
+PER_REPLICA_BATCH = 64
+VARIANTS = ("compute", "in_step", "background")
+
+
+def _transformation(variant: str, options: dict) -> optax.GradientTransformation:
+  inner = optax.sgd(compression.LEARNING_RATE)
+  if variant == "compute":
+    return inner
+  delay = 0 if variant == "in_step" else int(options["delay"])
+  return jdist.diloco(inner, sync_every=int(options["sync_every"]),
+                      fragments=int(options["fragments"]), delay=delay)
+
+
+def _in_flight(state) -> int:
+  flights = getattr(state, "in_flight", ())
+  return int(np.count_nonzero(np.asarray(flights)[..., 2])) if np.size(flights) else 0
+
+
+def run(ctx):
+  """Yields one row per variant: seconds per block, per step, exposed share."""
+  options = ctx.options
+  sync_every, fragments = int(options["sync_every"]), int(options["fragments"])
+  rounds = 2 if ctx.quick else int(options["rounds"])
+  bench = workload.setup("cnn", PER_REPLICA_BATCH)
+  steppers = {}
+  for variant in VARIANTS:
+    tx = _transformation(variant, options)
+    step = (workload.compute_step(bench.model, tx) if variant == "compute"
+            else workload.jdist_step(bench.model, tx))
+    steppers[variant] = bench.stepper(step, tx)
+  # Warm-up (compiles): up to just past an apply step, so a block of H steps
+  # reads every exchange it starts (syncs every H / P steps, read τ later).
+  warmup = sync_every // fragments + int(options["delay"]) + 1
+  for stepper in steppers.values():
+    for _ in range(warmup):
+      jax.block_until_ready(stepper())
+  ctx.sync()
+  blocks = {variant: [] for variant in VARIANTS}
+  left = {variant: 0 for variant in VARIANTS}
+  for _ in range(rounds):
+    for variant, stepper in steppers.items():
+      start = time.perf_counter()
+      for _ in range(sync_every):
+        out = stepper()
+      jax.block_until_ready(out)
+      blocks[variant].append(time.perf_counter() - start)
+      left[variant] = max(left[variant], _in_flight(stepper.state[1]))
+  # Untimed: one more block read step by step, to see the exchanges in flight.
+  seen = {variant: 0 for variant in VARIANTS}
+  for variant, stepper in steppers.items():
+    for _ in range(sync_every):
+      stepper()
+      seen[variant] = max(seen[variant], _in_flight(stepper.state[1]))
+  compute = blocks["compute"]
+  for variant in VARIANTS:
+    exposed = [(b - c) / c for b, c in zip(blocks[variant], compute)]
+    yield {"variant": variant, "block_s": statistics.median(blocks[variant]),
+           "step_s": statistics.median(blocks[variant]) / sync_every,
+           "exposed_share": statistics.median(exposed), "rounds": rounds,
+           "sync_every": sync_every, "fragments": fragments,
+           "delay": 0 if variant != "background" else int(options["delay"]),
+           "route": jdist.collectives.route(), "in_flight_at_block_end": left[variant],
+           "most_in_flight": seen[variant]}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--links", default="1gbit,100mbit")
+  parser.add_argument("--rounds", type=int, default=8)
+  parser.add_argument("--sync-every", type=int, default=32)
+  parser.add_argument("--fragments", type=int, default=4)
+  parser.add_argument("--delay", type=int, default=4)
+
+
+def main(args: argparse.Namespace) -> int:
+  from benchmarks import jobs as jobs_lib  # pylint: disable=import-outside-toplevel
+  from benchmarks import netns  # pylint: disable=import-outside-toplevel
+  from benchmarks import network  # pylint: disable=import-outside-toplevel
+  netns.terminate_on_sigterm()
+  options = (("rounds", args.rounds), ("sync_every", args.sync_every),
+             ("fragments", args.fragments), ("delay", args.delay))
+  failed = False
+  for link in [netns.link_named(name) for name in args.links.split(",")]:
+    job = jobs_lib.Job(f"diloco_overlap@{link.name}", 2, 1, ("diloco_overlap",),
+                       options=options)
+    with network.link_namespace(link) as name:
+      result = jobs_lib.run(network.in_namespace(job, name), quick=False, timeout=600)
+    if "error" in result:
+      print(result["error"], file=sys.stderr)
+      failed = True
+    print(f"== {link.name} (load average {', '.join(f'{x:.1f}' for x in os.getloadavg())})")
+    for row in result.get("sections", {}).get("diloco_overlap", {}).get("rows", []):
+      print(f"{row['variant']:>10}: {row['step_s'] * 1e3:7.1f} ms/step, exposed "
+            f"{100 * row['exposed_share']:6.1f}% of compute, in flight at block end "
+            f"{row['in_flight_at_block_end']}, most in flight {row['most_in_flight']}, "
+            f"route {row['route']}")
+  return 1 if failed else 0
