@@ -90,6 +90,10 @@ SECTIONS: tuple[Section, ...] = (
              "PyTorch DDP over shaped links",
              shaped=Run("time_to_accuracy", "time_to_accuracy_report.markdown",
                         "docs/benchmarks/time_to_accuracy", quick=True)),
+    _section("lm_diloco", "a small transformer language model: validation loss at equal "
+             "tokens and time to a loss, DiLoCo against plain over shaped links",
+             shaped=Run("lm_diloco", "lm_diloco_report.markdown",
+                        "docs/benchmarks/lm_diloco", quick=True)),
     _section("accuracy", "test accuracy against compression, 2 processes",
              host=Run("accuracy", "accuracy.markdown", "docs/benchmarks")),
     _section("cpu_flags", "XLA:CPU flags and thread pools against PyTorch's compute step",
@@ -145,6 +149,7 @@ MEASUREMENTS = {
     "overlap": "overlap",
     "diloco_overlap": "diloco_overlap",
     "time_to_accuracy": "train_to_target",
+    "lm_diloco": "lm_train",
 }
 
 

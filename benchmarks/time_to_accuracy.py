@@ -86,8 +86,9 @@ QUICK = {"links": "shm,1gbit", "variants": "plain,ddp", "full": "", "dataset": "
 JOB_TIMEOUT = 3600  # seconds per job: DDP plain at 100 Mbit/s needs about 12 minutes
 
 
-def parse_variants(text: str, links: list[str]) -> list[tuple[str, str]]:
-  """`(variant, link)` pairs of `"NAME,NAME@LINK,..."` over `links`, in order.
+def parse_variants(text: str, links: list[str],
+                   choices: tuple[str, ...] = VARIANTS) -> list[tuple[str, str]]:
+  """`(variant, link)` pairs of `"NAME,NAME@LINK,..."` over `links`, in order (NAME in `choices`).
 
   Raises:
     ValueError: an unknown variant, or a link not in `links`.
@@ -95,15 +96,16 @@ def parse_variants(text: str, links: list[str]) -> list[tuple[str, str]]:
   pairs = []
   for entry in filter(None, (e.strip() for e in text.split(","))):
     name, _, link = entry.partition("@")
-    if name not in VARIANTS:
-      raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+    if name not in choices:
+      raise ValueError(f"unknown variant {name!r}; choose from {', '.join(choices)}")
     if link and link not in links:
       raise ValueError(f"{entry!r}: link {link!r} is not in --links ({', '.join(links)})")
     pairs += [(name, l) for l in ([link] if link else links) if (name, l) not in pairs]
   return pairs
 
 
-def parse_caps(text: str, links: list[str]) -> dict[tuple[str, str], float]:
+def parse_caps(text: str, links: list[str],
+               choices: tuple[str, ...] = VARIANTS) -> dict[tuple[str, str], float]:
   """`{(variant, link): seconds}` of `"NAME=S,NAME@LINK=S,..."` over `links`.
 
   Raises:
@@ -119,7 +121,7 @@ def parse_caps(text: str, links: list[str]) -> dict[tuple[str, str], float]:
     if value <= 0:
       raise ValueError(f"{entry!r} must be NAME=SECONDS or NAME@LINK=SECONDS with "
                        "SECONDS > 0, e.g. ddp@10mbit=120")
-    caps.update({pair: value for pair in parse_variants(name, links)})
+    caps.update({pair: value for pair in parse_variants(name, links, choices)})
   return caps
 
 

@@ -173,22 +173,29 @@ class JdistTrainer:
   framework = "jdist"
 
   def __init__(self, mode: str, model, params: Any, data, replicas):
-    self.partial = bool({"partial", "diloco", "local_sgd"} & set(accuracy.MODES[mode]))
     tx = accuracy.mode_transformation(mode)
+    self.start(mode, tx, workload.jdist_step(model, tx), params, replicas)
+    self.data = data
+    self.accuracy_of = accuracy.make_evaluate(model, data)
+
+  def start(self, mode: str, tx, train_step, params: Any, replicas) -> None:
+    """Replicates `params` and `tx`'s state; `train_step(params, opt_state, *inputs)`."""
+    self.partial = bool({"partial", "diloco", "local_sgd"} & set(accuracy.MODES[mode]))
     self.sent = []  # per step, the bytes the step sent (device scalars, read at the end)
-    self.train_step = workload.jdist_step(model, tx)
+    self.train_step = train_step
     self.params = jdist.replicate(params)
     self.opt_state = jdist.data_parallel(tx.init)(self.params)
     self.test_params = None
     self.replicas = list(replicas)
-    self.data = data
-    self.accuracy_of = accuracy.make_evaluate(model, data)
+
+  def inputs(self, rows) -> tuple:
+    """The step's batch arguments for this process's example indices `rows`."""
+    return (workload.shard(self.data.train_x[rows]), workload.shard(self.data.train_y[rows]))
 
   def step(self, indices) -> float:
     rows = indices[self.replicas]  # [local devices, batch]
     self.params, self.opt_state, loss = self.train_step(
-        self.params, self.opt_state, workload.shard(self.data.train_x[rows]),
-        workload.shard(self.data.train_y[rows]))
+        self.params, self.opt_state, *self.inputs(rows))
     jax.block_until_ready((self.params, self.opt_state, loss))
     self.sent.append(jdist.wire_bytes(self.opt_state))
     return float(loss[0])
