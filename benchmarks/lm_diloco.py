@@ -138,15 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--target-at", type=float, default=0.5,
                       help="the loss target is plain's validation loss after this fraction "
                       "of the tokens (default 0.5)")
-  parser.add_argument("--max-seconds", type=float, default=0.0,
-                      help="cap each run at this many training seconds (default 0: none)")
-  parser.add_argument("--max-seconds-of", default="", metavar="NAME[@LINK]=S,...",
-                      help="per-variant caps, over --max-seconds")
-  parser.add_argument("--timeout", type=float, default=JOB_TIMEOUT,
-                      help="seconds before a job is killed")
-  parser.add_argument("--render", metavar="JSON", help="measure nothing: re-derive the "
-                      "summary of an lm_diloco.json and rewrite its .md into --out "
-                      "(default the JSON's directory)")
+  time_to_accuracy.add_cap_arguments(parser, "lm_diloco.json", JOB_TIMEOUT)
 
 
 def check(args: argparse.Namespace) -> None:

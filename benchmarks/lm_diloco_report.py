@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks import report
+from benchmarks import time_to_accuracy_report
 from benchmarks.time_to_accuracy_targets import bounded_ratio, show_ratio
 
 REFERENCE = "plain"
@@ -197,10 +198,4 @@ def markdown(results: dict) -> str:
     lines += [f"## {link}", ""] + _link_table(rows)
     lines += ["Validation loss (training seconds) at each evaluation:", ""]
     lines += _curve_table([r for r in results["runs"] if r["link"] == link])
-  failures = [r for r in results["runs"] if r.get("error")]
-  if failures:
-    lines += ["## Failures", ""]
-    for run in failures:
-      lines += [f"- {run['variant']} on {run['link']}:", "", "```", run["error"][-1500:],
-                "```", ""]
-  return "\n".join(lines) + "\n"
+  return "\n".join(lines + time_to_accuracy_report.failures(results["runs"])) + "\n"

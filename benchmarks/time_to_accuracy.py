@@ -244,14 +244,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="auto: Fashion-MNIST where installed, else digits")
   parser.add_argument("--limit", type=int, help="use only the first N training examples")
   parser.add_argument("--batch", type=int, default=32, help="examples per replica per step")
+  add_cap_arguments(parser, "time_to_accuracy.json", JOB_TIMEOUT)
+
+
+def add_cap_arguments(parser: argparse.ArgumentParser, json_name: str, timeout: float) -> None:
+  """--max-seconds, --max-seconds-of, --timeout and --render (also `benchmarks.lm_diloco`'s)."""
   parser.add_argument("--max-seconds", type=float, default=0.0,
                       help="cap each run at this many training seconds (default 0: none)")
   parser.add_argument("--max-seconds-of", default="", metavar="NAME[@LINK]=S,...",
                       help="per-variant caps, over --max-seconds")
-  parser.add_argument("--timeout", type=float, default=JOB_TIMEOUT,
+  parser.add_argument("--timeout", type=float, default=timeout,
                       help="seconds before a job is killed")
   parser.add_argument("--render", metavar="JSON", help="measure nothing: re-derive the "
-                      "summary of a time_to_accuracy.json and rewrite its .md into --out "
+                      f"summary of a {json_name} and rewrite its .md into --out "
                       "(default the JSON's directory)")
 
 

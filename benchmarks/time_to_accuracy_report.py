@@ -135,10 +135,13 @@ def markdown(results: dict) -> str:
     lines += [f"## {link}", ""] + _link_table(rows)
     runs = [r for r in results["runs"] if r["link"] == link]
     lines += ["Test accuracy (training seconds) at each evaluation:", ""] + _curve_table(runs)
-  failures = [r for r in results["runs"] if r.get("error")]
-  if failures:
-    lines += ["## Failures", ""]
-    for run in failures:
-      lines += [f"- {run['variant']} on {run['link']}:", "", "```", run["error"][-1500:],
-                "```", ""]
-  return "\n".join(lines) + "\n"
+  return "\n".join(lines + failures(results["runs"])) + "\n"
+
+
+def failures(runs: list[dict]) -> list[str]:
+  """The "Failures" section: each failed run's error (none: no section)."""
+  failed = [r for r in runs if r.get("error")]
+  lines = ["## Failures", ""] if failed else []
+  for run in failed:
+    lines += [f"- {run['variant']} on {run['link']}:", "", "```", run["error"][-1500:], "```", ""]
+  return lines
