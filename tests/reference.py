@@ -105,3 +105,21 @@ def assert_reductions_combine_one_value_per_process(mesh, spec, size, topo):
   np.testing.assert_allclose(mean, np.full(size, processes.mean()))
   np.testing.assert_allclose(gathered, np.repeat(processes[:, None], size, axis=1))
 
+
+
+def checkpoint_round_trip(topo, tree, step=4):
+  """`tree` saved by `jdist.CheckpointManager` in a fresh directory and restored."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  from jdist.runtime import host  # pylint: disable=g-import-not-at-top
+  directory = tempfile.mkdtemp(prefix="jdist_test_ckpt_") if topo.is_primary else None
+  directory = host.allgather_object(directory)[0]
+  try:
+    manager = jdist.CheckpointManager(directory)
+    manager.save(step, tree)
+    restored, _ = manager.restore(jax.eval_shape(lambda t: t, tree))
+  finally:
+    host.barrier()
+    if topo.is_primary:
+      shutil.rmtree(directory, ignore_errors=True)
+  return restored

@@ -8,7 +8,6 @@ the fragment plan (tested on its own) with the implementation.
 """
 
 import re
-import shutil
 import tempfile
 
 import jax
@@ -18,7 +17,6 @@ import optax
 import pytest
 
 import jdist
-from jdist.runtime import host
 from jdist.transforms import diloco as diloco_lib
 from tests import reference
 
@@ -275,17 +273,7 @@ def test_state_is_checkpointable_and_resumes_exactly(topo):
   replicated, state = reference.train_jdist(model, params, tx, batches, 4, topo, PER_REPLICA)
   assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(state))
   assert any(np.abs(np.asarray(leaf)).max() > 0 for leaf in jax.tree.leaves(state.residual))
-  directory = tempfile.mkdtemp(prefix="jdist_diloco_") if topo.is_primary else None
-  directory = host.allgather_object(directory)[0]
-  try:
-    manager = jdist.CheckpointManager(directory)
-    manager.save(4, {"params": replicated, "opt_state": state})
-    restored, _ = manager.restore(jax.eval_shape(
-        lambda t: t, {"params": replicated, "opt_state": state}))
-  finally:
-    host.barrier()
-    if topo.is_primary:
-      shutil.rmtree(directory, ignore_errors=True)
+  restored = reference.checkpoint_round_trip(topo, {"params": replicated, "opt_state": state})
   step = jdist.data_parallel(reference.train_step_fn(model, tx))
   original, again = (replicated, state), (restored["params"], restored["opt_state"])
   for i in range(4, 8):  # through a sync and a delayed outer step

@@ -12,8 +12,6 @@ was dropped once the original went on, or the checkpoint names another
 run); an exchange left in flight at the end is dropped without a hang.
 """
 
-import shutil
-import tempfile
 
 import jax
 import numpy as np
@@ -21,7 +19,6 @@ import optax
 
 import jdist
 from jdist.collectives import deferred
-from jdist.runtime import host
 from tests import reference
 from tests.test_diloco import PER_REPLICA, _check_replicas, _setup, reference_diloco
 
@@ -81,17 +78,7 @@ def test_checkpoint_with_an_exchange_in_flight_resumes_exactly(topo):
   replicated, state, _ = _run(topo, tx, model, replicated, state, batches, 0, 4)
   native = jdist.collectives.route() == "native"
   assert bool(np.asarray(state.in_flight)[..., 2].all()) == native
-  directory = tempfile.mkdtemp(prefix="jdist_diloco_bg_") if topo.is_primary else None
-  directory = host.allgather_object(directory)[0]
-  try:
-    manager = jdist.CheckpointManager(directory)
-    manager.save(4, {"params": replicated, "opt_state": state})
-    restored, _ = manager.restore(jax.eval_shape(
-        lambda t: t, {"params": replicated, "opt_state": state}))
-  finally:
-    host.barrier()
-    if topo.is_primary:
-      shutil.rmtree(directory, ignore_errors=True)
+  restored = reference.checkpoint_round_trip(topo, {"params": replicated, "opt_state": state})
   # The same state as if saved by another run: its tokens name another session.
   # Each copy runs after the one before: once the original read a sum and
   # started that fragment's next exchange, the sum is dropped, so both
