@@ -59,6 +59,23 @@ def _in_flight(state) -> int:
   return int(np.count_nonzero(np.asarray(flights)[..., 2])) if np.size(flights) else 0
 
 
+def _take_trace():
+  """The native engine's exchange rows since the last call (none without its trace)."""
+  from jdist.collectives import native  # pylint: disable=import-outside-toplevel
+  return native.take_trace() if native.running() else np.zeros((0, 8), np.int64)
+
+
+def _placed(steps, rows) -> list[dict]:
+  """Each exchange's posting, MPI start and completion, as (step, ms into that step)."""
+  def where(t):
+    for index, (start, end) in enumerate(steps):
+      if t < end or index == len(steps) - 1:
+        return index, round((int(t) - start) / 1e6, 1)
+  # trace.h's columns: ordinal, seq, kind, bytes, first post, last post, MPI start, done.
+  return [{"bytes": int(r[3]), "posted": where(r[5]), "mpi": where(r[6]), "done": where(r[7])}
+          for r in rows if steps and r[5] >= steps[0][0]]
+
+
 def run(ctx):
   """Yields one row per variant: seconds per block, per step, exposed share."""
   options = ctx.options
@@ -88,12 +105,20 @@ def run(ctx):
       jax.block_until_ready(out)
       blocks[variant].append(time.perf_counter() - start)
       left[variant] = max(left[variant], _in_flight(stepper.state[1]))
-  # Untimed: one more block read step by step, to see the exchanges in flight.
+  # Untimed: one more block read step by step, to see the exchanges in flight
+  # and (with the engine's trace on) when each was on the wire.
   seen = {variant: 0 for variant in VARIANTS}
+  spans = {}
   for variant, stepper in steppers.items():
+    ctx.sync()
+    _take_trace()
+    spans[variant] = []
     for _ in range(sync_every):
+      start = time.monotonic_ns()
       stepper()
       seen[variant] = max(seen[variant], _in_flight(stepper.state[1]))
+      spans[variant].append((start, time.monotonic_ns()))
+    spans[variant] = (spans[variant], _take_trace())
   compute = blocks["compute"]
   for variant in VARIANTS:
     exposed = [(b - c) / c for b, c in zip(blocks[variant], compute)]
@@ -103,7 +128,7 @@ def run(ctx):
            "sync_every": sync_every, "fragments": fragments,
            "delay": 0 if variant != "background" else int(options["delay"]),
            "route": jdist.collectives.route(), "in_flight_at_block_end": left[variant],
-           "most_in_flight": seen[variant]}
+           "most_in_flight": seen[variant], "exchanges": _placed(*spans[variant])}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,7 +149,7 @@ def main(args: argparse.Namespace) -> int:
   failed = False
   for link in [netns.link_named(name) for name in args.links.split(",")]:
     job = jobs_lib.Job(f"diloco_overlap@{link.name}", 2, 1, ("diloco_overlap",),
-                       options=options)
+                       options=options, env=(("JDIST_NATIVE_TRACE", "1"),))
     with network.link_namespace(link) as name:
       result = jobs_lib.run(network.in_namespace(job, name), quick=False, timeout=600)
     if "error" in result:
@@ -136,4 +161,9 @@ def main(args: argparse.Namespace) -> int:
             f"{100 * row['exposed_share']:6.1f}% of compute, in flight at block end "
             f"{row['in_flight_at_block_end']}, most in flight {row['most_in_flight']}, "
             f"route {row['route']}")
+      for exchange in row["exchanges"]:
+        print(f"{'':>12}{exchange['bytes']:>9} bytes: posted in step {exchange['posted'][0]} "
+              f"(+{exchange['posted'][1]} ms), on the wire from step {exchange['mpi'][0]} "
+              f"(+{exchange['mpi'][1]} ms), done in step {exchange['done'][0]} "
+              f"(+{exchange['done'][1]} ms)")
   return 1 if failed else 0
