@@ -13,7 +13,9 @@ shuffled order every round (the same on every rank):
 
 Each round gives ratios of block means (timeline / off, off / no_recorder,
 off_again / off); the median of the ratios over the rounds is the figure,
-with its quartiles, next to the machine's load average. On a loaded machine
+with its quartiles and a bootstrap 95% interval of that median (`ci95`,
+resampled rounds), next to the machine's load average: a target is shown
+where the interval's upper end is under it. On a loaded machine
 the A/A's spread is wider than the targets, so the run also times the host
 code each adds per step directly (`host_cpu_us_per_step`, CPU time): the timeline's hooks
 (`observe` in the loop, the step listener on the watchdog's thread) and the
@@ -117,6 +119,24 @@ def _quartiles(values: list[float]) -> dict[str, float]:
                                           ("q3", q[2]), ("min", min(values)), ("max", max(values)))}
 
 
+BOOTSTRAP_RESAMPLES = 10_000
+
+
+def median_interval(values: list[float], seed: int = 0) -> tuple[float, float]:
+  """A bootstrap 95% interval of the median of `values` (rounds resampled with
+  replacement, `BOOTSTRAP_RESAMPLES` times, a fixed seed: reproducible)."""
+  rng = random.Random(seed)
+  medians = sorted(statistics.median(rng.choices(values, k=len(values)))
+                   for _ in range(BOOTSTRAP_RESAMPLES))
+  return medians[int(0.025 * len(medians))], medians[int(0.975 * len(medians)) - 1]
+
+
+def ratio_summary(values: list[float]) -> dict[str, Any]:
+  """`values`' quartiles with the bootstrap 95% interval of their median."""
+  low, high = median_interval(values)
+  return {**_quartiles(values), "ci95": [round(low, 4), round(high, 4)]}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--cpu-devices", type=int, default=2)
   parser.add_argument("--rounds", type=int, default=40)
@@ -176,7 +196,7 @@ def main(args: argparse.Namespace) -> int:
             "jax": jax.__version__, "cpus": os.cpu_count(),
             "load_average": _quartiles(loads),
             "step_ms": {v: _quartiles([t * 1e3 for t in per_step[v]]) for v in AB_VARIANTS},
-            "ratios": {name: _quartiles(values) for name, values in ratios.items()},
+            "ratios": {name: ratio_summary(values) for name, values in ratios.items()},
             "host_cpu_us_per_step": {
                 name: round(clock.ns[name] / 1e3 / max(
                     steps_timed["timeline" if "." in name else "off"], 1), 1)
