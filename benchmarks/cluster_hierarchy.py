@@ -13,7 +13,12 @@ In one job, for each float32 size, these run alternated round by round:
     native route with node-aware sums (`native.set_hierarchical(True)`);
   * `jdist_flat`: the same step with flat sums (`set_hierarchical(False)`).
 
-Each call starts after a barrier; its time is the slowest rank's. Prints
+Each call starts after a barrier; its time is the slowest rank's. With
+`--link-probe`, the rig's link is measured first for each size (`tcp_link`
+rows: `--per-node` TCP streams each way at once between two nodes, the
+size's bytes per node and direction, as a node-aware sum moves them;
+`benchmarks.cluster_link`): the floor the node-aware sum and Open MPI are
+held to, TCP's own overhead and the shaper's behaviour included. Prints
 one JSON row per variant and size (median, min, max seconds) and writes
 them to `--out`. `--mpi-yield` sets `OMPI_MCA_mpi_yield_when_idle=1`: on a
 machine with fewer cores than the rig's processes, Open MPI's busy-polling
@@ -94,6 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--mpi-yield", action="store_true",
                       help="OMPI_MCA_mpi_yield_when_idle=1: Open MPI's waits yield the CPU "
                            "(for a rig with fewer cores than processes)")
+  parser.add_argument("--link-probe", action="store_true",
+                      help="first time TCP streams between the nodes (tcp_link rows)")
   parser.add_argument("--out", default=None)
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
@@ -112,7 +119,16 @@ def main(args: argparse.Namespace) -> int:
   command = [sys.executable, "-m", "benchmarks", "hierarchy", "--worker",
              "--sizes-mb", args.sizes_mb, "--repeats", str(args.repeats)]
   env = {"OMPI_MCA_mpi_yield_when_idle": "1"} if args.mpi_yield else {}
+  link_rows = []
   with cluster.Cluster(nodes=args.nodes, rate_mbit=args.rate_mbit) as rig:
+    if args.link_probe:
+      from benchmarks import cluster_link  # pylint: disable=import-outside-toplevel
+      for size in sizes:
+        values = sorted(cluster_link.measure(rig, size / args.per_node, args.per_node)
+                        for _ in range(3))
+        link_rows.append({"variant": "tcp_link", "mbytes": size, "median_s": values[1],
+                          "min_s": values[0], "max_s": values[-1], "repeats": 3,
+                          "streams_per_direction": args.per_node})
     process = rig.popen(command, args.per_node, mpirun=launch.mpirun_binary(),
                         env=launch.clean_env(1, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                         text=True, cwd=launch.REPO)
@@ -120,15 +136,16 @@ def main(args: argparse.Namespace) -> int:
   if process.returncode != 0:
     print(stderr[-3000:], file=sys.stderr)
     return process.returncode
-  rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+  rows = link_rows + [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
   for row in rows:
     row.update(rate_mbit=args.rate_mbit, mpi_yield_when_idle=args.mpi_yield)
   by_size: dict[float, dict[str, float]] = {}
   for row in rows:
     by_size.setdefault(row["mbytes"], {})[row["variant"]] = row["median_s"]
-  print(f"{'MB':>5} " + " ".join(f"{name:>19}" for name in VARIANTS) + "   hier/mpi  hier/flat")
+  shown = (("tcp_link",) if link_rows else ()) + VARIANTS
+  print(f"{'MB':>5} " + " ".join(f"{name:>19}" for name in shown) + "   hier/mpi  hier/flat")
   for size, medians in by_size.items():
-    print(f"{size:>5g} " + " ".join(f"{medians[name] * 1e3:>16.1f} ms" for name in VARIANTS) +
+    print(f"{size:>5g} " + " ".join(f"{medians[name] * 1e3:>16.1f} ms" for name in shown) +
           f"   {medians['jdist_hierarchical'] / medians['mpi']:8.2f}"
           f"  {medians['jdist_hierarchical'] / medians['jdist_flat']:8.2f}")
   if args.out:

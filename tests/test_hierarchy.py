@@ -67,19 +67,22 @@ def test_hierarchy_mode_comes_from_the_environment(monkeypatch):
     native.hierarchy_nodes([0, 0, 1, 1])
 
 
-def _expected_segments(segment_bytes: int | None, devices: int) -> int:
-  """Segments the job's sums cross in (each a sum of its own), as test_native counts."""
-  del devices  # the wire carries one process's sum, whatever its devices
+def _expected_segments(segment_bytes: int | None, node_aware: bool = True) -> int:
+  """Segments the job's sums cross in (each a sum of its own), as test_native counts.
+
+  Whatever a process's devices, the wire carries one process's sum; by
+  default node-aware sums cross in 256 KiB segments, flat ones in 4 MiB.
+  """
   total = 0
   for dtype in hierarchy_job.DTYPES:
     for count in hierarchy_job.SIZES:
       wire = count * np.dtype(dtype).itemsize
-      per = segment_bytes or (4 << 20)
-      total += min(32, count, max(1, -(-wire // per)))
+      per = segment_bytes or ((256 << 10) if node_aware else (4 << 20))
+      total += min(64, count, max(1, -(-wire // per)))
   return total
 
 
-def _check_job(result, ranks: int, segment_bytes: int | None, devices: int = 1):
+def _check_job(result, ranks: int, segment_bytes: int | None):
   assert result.returncode == 0, result.stderr[-3000:]
   rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
   assert sorted(row["rank"] for row in rows) == list(range(ranks)), result.stdout
@@ -87,10 +90,10 @@ def _check_job(result, ranks: int, segment_bytes: int | None, devices: int = 1):
     assert row["route"] == "native", row
     assert row["hierarchical"] is True, row
     assert row["failures"] == [], row
-    assert row["segments"] == _expected_segments(segment_bytes, devices), row
+    assert row["segments"] == _expected_segments(segment_bytes), row
     assert row["flat_after_switch"] is True, row
     assert row["flat_failures"] == [], row
-    assert row["flat_segments"] == row["segments"], row
+    assert row["flat_segments"] == _expected_segments(segment_bytes, node_aware=False), row
   assert len({row["digest"] for row in rows}) == 1, "ranks got different sums"
   assert len({row["flat_digest"] for row in rows}) == 1, "ranks got different flat sums"
 
@@ -106,7 +109,7 @@ def test_subprocess_emulated_nodes_sum_like_numpy(node_map, mode, segment_bytes,
     extra["JDIST_NATIVE_SEGMENT_BYTES"] = str(segment_bytes)
   env = launch.clean_env(devices, **extra)
   result = launch.mpirun(JOB, np=4, env=env, timeout=240)
-  _check_job(result, 4, segment_bytes, devices)
+  _check_job(result, 4, segment_bytes)
 
 
 

@@ -62,9 +62,9 @@ def test_segmented_sums_equal_the_host_sum(topo, segment_bytes):
       np.testing.assert_array_equal(np.asarray(value[device], np.float64), expected[name],
                                     err_msg=name)
   if collectives.route() == "native":
-    # Wire bytes / segment_bytes pieces per sum: at least one, at most 32 and
+    # Wire bytes / segment_bytes pieces per sum: at least one, at most 64 and
     # at most one per element.
-    pieces = sum(min(32, value.shape[1],
+    pieces = sum(min(64, value.shape[1],
                      max(1, -(-value.nbytes // topo.local_device_count // segment_bytes)))
                  for value in inputs.values())
     assert native.segments_completed() - before == pieces
@@ -78,5 +78,9 @@ def test_set_segment_bytes_returns_the_previous_value():
   first = native.set_segment_bytes(12345)
   try:
     assert native.set_segment_bytes(first) == 12345
+    native.set_segment_bytes(None)  # the default (by the groups a sum crosses in)
+    assert native.set_segment_bytes(0) is None
+    assert native.set_segment_bytes(-5) == 0  # negative: the default again
+    assert native.set_segment_bytes(first) is None
   finally:
     native.set_segment_bytes(first)

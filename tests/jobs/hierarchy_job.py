@@ -25,7 +25,7 @@ import jdist
 from jdist import collectives
 from jdist.collectives import native
 
-SIZES = (1, 3, 1001, 4099, 65537)
+SIZES = (1, 3, 1001, 4099, 65537, 300001)  # the last: several default node-aware segments
 DTYPES = (np.float32, jnp.bfloat16, np.float16, np.int32)
 # One rounding per sum level (process, node, across nodes): a few 16-bit ulps.
 RTOL = {np.dtype(np.float32): 1e-5, np.dtype(jnp.bfloat16): 3 * 2.0**-8,

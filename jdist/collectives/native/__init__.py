@@ -263,23 +263,30 @@ def segments_completed() -> int:
   return int(_library.jdist_segments_completed()) if _library is not None else 0
 
 
-def set_segment_bytes(nbytes: int) -> int:
+def set_segment_bytes(nbytes: int | None) -> int | None:
   """Sets the wire bytes per segment of a native sum; returns the previous value.
 
-  A sum larger than this crosses processes in segments (32 at most), each
+  A sum larger than this crosses processes in segments (64 at most), each
   sent as soon as the local devices' parts of it are added, so that MPI moves
   one while the next is still being reduced. Starts from
-  `$JDIST_NATIVE_SEGMENT_BYTES`, else 4 MiB. Every process must set the same
+  `$JDIST_NATIVE_SEGMENT_BYTES`, else the default: 4 MiB for flat sums,
+  256 KiB for node-aware ones (their shared-memory phases then overlap the
+  other segments' bytes on the node's link). Every process must set the same
   value, between steps (a different one would pair unrelated messages; the
   engine aborts the job on a size mismatch).
 
   Args:
-    nbytes: wire bytes per segment; 0 or less sends every sum whole.
+    nbytes: wire bytes per segment; 0 sends every sum whole; None (or a
+      negative value) restores the default.
+
+  Returns:
+    The previous setting, None where it was the default.
 
   Raises:
     OSError: the native library is missing.
   """
-  return int(_load().jdist_set_segment_bytes(int(nbytes)))
+  previous = int(_load().jdist_set_segment_bytes(-1 if nbytes is None else int(nbytes)))
+  return None if previous < 0 else previous
 
 
 def join(buffers: list[jax.Array]) -> list[jax.Array]:
