@@ -13,7 +13,10 @@ In one job, for each float32 size, these run alternated round by round:
     native route with node-aware sums (`native.set_hierarchical(True)`);
   * `jdist_flat`: the same step with flat sums (`set_hierarchical(False)`).
 
-Each call starts after a barrier; its time is the slowest rank's. With
+Each call starts after a barrier; its time is the slowest rank's; rank 0
+also reads its node's link counters around each call (`link_mib_out`,
+`link_mib_in`: MiB per call that crossed the node's link, which tells which
+algorithm Open MPI ran). With
 `--link-probe`, the rig's link is measured first for each size (`tcp_link`
 rows: `--per-node` TCP streams each way at once between two nodes, the
 size's bytes per node and direction, as a node-aware sum moves them;
@@ -36,6 +39,16 @@ import sys
 import time
 
 VARIANTS = ("mpi", "jdist_hierarchical", "jdist_flat")
+_NIC = "/sys/class/net/eth0/statistics"  # the node's link, inside its namespace
+
+
+def _link_bytes() -> tuple[int, int]:
+  """Bytes this node's link sent and received so far (0, 0 off the rig)."""
+  try:
+    return tuple(int(open(f"{_NIC}/{name}_bytes", encoding="ascii").read())
+                 for name in ("tx", "rx"))
+  except OSError:
+    return 0, 0
 
 
 def _worker(sizes_mb: list[float], repeats: int) -> None:
@@ -68,15 +81,18 @@ def _worker(sizes_mb: list[float], repeats: int) -> None:
              "jdist_hierarchical": lambda: jdist_call(True),
              "jdist_flat": lambda: jdist_call(False)}
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    link = {name: np.zeros(2) for name in VARIANTS}  # node 0's bytes out, in
     results = {}
     for round_index in range(repeats + 1):  # round 0 warms up (compiles), untimed
       for name in VARIANTS:
         comm.Barrier()
+        before = _link_bytes()
         start = time.perf_counter()
         out = calls[name]()
         elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
         if round_index:
           times[name].append(elapsed)
+          link[name] += np.subtract(_link_bytes(), before)
         else:
           results[name] = np.asarray(out if name != "mpi" else dst).reshape(-1).copy()
     for name in ("jdist_hierarchical", "jdist_flat"):
@@ -86,7 +102,10 @@ def _worker(sizes_mb: list[float], repeats: int) -> None:
         values = sorted(times[name])
         print(json.dumps({"variant": name, "mbytes": size_mb, "processes": topo.process_count,
                           "nodes": topo.node_count, "median_s": values[len(values) // 2],
-                          "min_s": values[0], "max_s": values[-1], "repeats": len(values)}),
+                          "min_s": values[0], "max_s": values[-1], "repeats": len(values),
+                          # per call, headers included (a barrier's few bytes too)
+                          "link_mib_out": link[name][0] / len(values) / (1 << 20),
+                          "link_mib_in": link[name][1] / len(values) / (1 << 20)}),
               flush=True)
 
 
@@ -148,6 +167,10 @@ def main(args: argparse.Namespace) -> int:
     print(f"{size:>5g} " + " ".join(f"{medians[name] * 1e3:>16.1f} ms" for name in shown) +
           f"   {medians['jdist_hierarchical'] / medians['mpi']:8.2f}"
           f"  {medians['jdist_hierarchical'] / medians['jdist_flat']:8.2f}")
+  for row in rows:
+    if "link_mib_out" in row:
+      print(f"{row['mbytes']:>5g} MB {row['variant']}: {row['link_mib_out']:.2f} MiB out, "
+            f"{row['link_mib_in']:.2f} MiB in per call on node 0's link")
   if args.out:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as handle:
