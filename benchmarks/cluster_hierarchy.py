@@ -11,7 +11,10 @@ In one job, for each float32 size, these run alternated round by round:
     own (Open MPI's own choice of algorithm for this size and rank count);
   * `jdist_hierarchical`: `jdist.psum` in a `jdist.data_parallel` step on the
     native route with node-aware sums (`native.set_hierarchical(True)`);
-  * `jdist_flat`: the same step with flat sums (`set_hierarchical(False)`).
+  * `jdist_flat`: the same step with flat sums (`set_hierarchical(False)`);
+  * with `--segments 4194304,...`: `jdist_hierarchical_seg<bytes>`, the
+    node-aware step in segments of that many bytes (`set_segment_bytes`)
+    instead of the default (256 KiB for node-aware sums).
 
 Each call starts after a barrier; its time is the slowest rank's; rank 0
 also reads its node's link counters around each call (`link_mib_out`,
@@ -38,7 +41,6 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("mpi", "jdist_hierarchical", "jdist_flat")
 _NIC = "/sys/class/net/eth0/statistics"  # the node's link, inside its namespace
 
 
@@ -51,7 +53,7 @@ def _link_bytes() -> tuple[int, int]:
     return 0, 0
 
 
-def _worker(sizes_mb: list[float], repeats: int) -> None:
+def _worker(sizes_mb: list[float], repeats: int, segments: list[int]) -> None:
   """The job: every rank times every variant, alternated; rank 0 prints rows."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -67,24 +69,29 @@ def _worker(sizes_mb: list[float], repeats: int) -> None:
   assert collectives.route() == "native", collectives.route()
   native.set_hierarchical(True)  # raises where the engine has no node map
   step = jdist.data_parallel(jdist.psum)
+  start_segments = native.set_segment_bytes(None)  # $JDIST_NATIVE_SEGMENT_BYTES or None
+  native.set_segment_bytes(start_segments)
   for size_mb in sizes_mb:
     count = int(size_mb * (1 << 20)) // 4
     src = np.random.default_rng(topo.process_index).random(count, dtype=np.float32)
     dst = np.empty_like(src)
     buffer = jdist.replicate(jnp.asarray(src))
 
-    def jdist_call(hierarchical: bool):
+    def jdist_call(hierarchical: bool, segment_bytes: int | None = None):
       native.set_hierarchical(hierarchical)
+      native.set_segment_bytes(segment_bytes or start_segments)
       return jax.block_until_ready(step(buffer))
 
     calls = {"mpi": lambda: comm.Allreduce(src, dst, op=MPI.SUM),
              "jdist_hierarchical": lambda: jdist_call(True),
              "jdist_flat": lambda: jdist_call(False)}
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    link = {name: np.zeros(2) for name in VARIANTS}  # node 0's bytes out, in
+    for nbytes in segments:  # node-aware sums in segments of another size
+      calls[f"jdist_hierarchical_seg{nbytes}"] = lambda n=nbytes: jdist_call(True, n)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    link = {name: np.zeros(2) for name in calls}  # node 0's bytes out, in
     results = {}
     for round_index in range(repeats + 1):  # round 0 warms up (compiles), untimed
-      for name in VARIANTS:
+      for name in calls:
         comm.Barrier()
         before = _link_bytes()
         start = time.perf_counter()
@@ -95,10 +102,10 @@ def _worker(sizes_mb: list[float], repeats: int) -> None:
           link[name] += np.subtract(_link_bytes(), before)
         else:
           results[name] = np.asarray(out if name != "mpi" else dst).reshape(-1).copy()
-    for name in ("jdist_hierarchical", "jdist_flat"):
+    for name in list(calls)[1:]:
       np.testing.assert_allclose(results[name], results["mpi"], rtol=1e-5)
     if topo.process_index == 0:
-      for name in VARIANTS:
+      for name in calls:
         values = sorted(times[name])
         print(json.dumps({"variant": name, "mbytes": size_mb, "processes": topo.process_count,
                           "nodes": topo.node_count, "median_s": values[len(values) // 2],
@@ -115,6 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--nodes", type=int, default=2)
   parser.add_argument("--per-node", type=int, default=2)
   parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--segments", default="",
+                      help="comma-separated segment bytes: node-aware variants "
+                           "(jdist_hierarchical_seg<bytes>) beside the default's")
   parser.add_argument("--mpi-yield", action="store_true",
                       help="OMPI_MCA_mpi_yield_when_idle=1: Open MPI's waits yield the CPU "
                            "(for a rig with fewer cores than processes)")
@@ -127,7 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
   sizes = [float(s) for s in args.sizes_mb.split(",")]
   if args.worker:
-    _worker(sizes, args.repeats)
+    _worker(sizes, args.repeats, [int(n) for n in args.segments.split(",") if n])
     return 0
   from benchmarks import cluster  # pylint: disable=import-outside-toplevel
   from tests import launch  # pylint: disable=import-outside-toplevel
@@ -136,7 +146,8 @@ def main(args: argparse.Namespace) -> int:
     print("cluster_hierarchy: the rig cannot be built here: " + "; ".join(missing))
     return 2
   command = [sys.executable, "-m", "benchmarks", "hierarchy", "--worker",
-             "--sizes-mb", args.sizes_mb, "--repeats", str(args.repeats)]
+             "--sizes-mb", args.sizes_mb, "--repeats", str(args.repeats),
+             "--segments", args.segments]
   env = {"OMPI_MCA_mpi_yield_when_idle": "1"} if args.mpi_yield else {}
   link_rows = []
   with cluster.Cluster(nodes=args.nodes, rate_mbit=args.rate_mbit) as rig:
@@ -161,8 +172,9 @@ def main(args: argparse.Namespace) -> int:
   by_size: dict[float, dict[str, float]] = {}
   for row in rows:
     by_size.setdefault(row["mbytes"], {})[row["variant"]] = row["median_s"]
-  shown = (("tcp_link",) if link_rows else ()) + VARIANTS
-  print(f"{'MB':>5} " + " ".join(f"{name:>19}" for name in shown) + "   hier/mpi  hier/flat")
+  shown = list(dict.fromkeys(row["variant"] for row in rows))
+  print(f"{'MB':>5} " + " ".join(f"{name[-19:]:>19}" for name in shown) +
+        "   hier/mpi  hier/flat")
   for size, medians in by_size.items():
     print(f"{size:>5g} " + " ".join(f"{medians[name] * 1e3:>16.1f} ms" for name in shown) +
           f"   {medians['jdist_hierarchical'] / medians['mpi']:8.2f}"
