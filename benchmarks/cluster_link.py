@@ -1,9 +1,9 @@
 """What the rig's links give: concurrent TCP streams between two nodes, both ways.
 
-    python -m benchmarks.cluster_link serve PORT STREAMS   # on a node: sink
-    python -m benchmarks.cluster_link send HOST PORT BYTES # on a node: source
+    with cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
+      seconds = cluster_link.measure(rig, mbytes=8, streams=2)
 
-`measure` runs a sink on each of nodes 0 and 1, then `streams` sources on
+`measure` runs a sink (`serve`) on each of nodes 0 and 1, then `streams` sources on
 each node at once towards the other (node 0 -> 1 and 1 -> 0 concurrently, as
 a node-aware sum's cross-node phases send), and returns the slowest stream's
 time from its first byte to the sink's acknowledgement of its last. The
@@ -14,12 +14,14 @@ CPUs busy only with the copy.
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
 import time
 
 _CHUNK = 1 << 20
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def serve(port: int, streams: int) -> None:
@@ -62,23 +64,19 @@ def send(host: str, port: int, nbytes: int) -> None:
 def measure(rig, mbytes: float, streams: int = 1, port: int = 29701) -> float:
   """Seconds for `streams` x `mbytes` each way between nodes 0 and 1 at once (slowest stream)."""
   nbytes = int(mbytes * (1 << 20))
-  module = [sys.executable, "-m", "benchmarks.cluster_link"]
-  sinks = [subprocess.Popen(rig.node_argv(i, module + ["serve", str(port), str(streams)]),
-                            stdout=subprocess.PIPE, text=True) for i in (0, 1)]
+  env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+  def run(index: int, call: str) -> subprocess.Popen:
+    code = f"from benchmarks import cluster_link; cluster_link.{call}"
+    return subprocess.Popen(rig.node_argv(index, [sys.executable, "-c", code]), env=env,
+                            stdout=subprocess.PIPE, text=True)
+
+  sinks = [run(i, f"serve({port}, {streams})") for i in (0, 1)]
   for sink in sinks:
     sink.stdout.readline()  # "ready"
-  sources = [subprocess.Popen(rig.node_argv(i, module + ["send", rig.nodes[1 - i].address,
-                                                         str(port), str(nbytes)]),
-                              stdout=subprocess.PIPE, text=True)
+  sources = [run(i, f"send({rig.nodes[1 - i].address!r}, {port}, {nbytes})")
              for i in (0, 1) for _ in range(streams)]
   times = [float(source.communicate(timeout=120)[0]) for source in sources]
   for sink in sinks:
     sink.wait(timeout=30)
   return max(times)
-
-
-if __name__ == "__main__":
-  if sys.argv[1] == "serve":
-    serve(int(sys.argv[2]), int(sys.argv[3]))
-  else:
-    send(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
