@@ -222,3 +222,9 @@ def summarize(jobs: list[dict]) -> dict[str, Any]:
              "scaling": scaling(jobs), "backends": backends(jobs), "failures": failures(jobs)}
   summary["targets"] = targets(summary)
   return summary
+
+
+def slowest_per_round(per_process: list[list[float]]) -> list[float]:
+  """Round by round, the longest of every process's sample (rounds line up:
+  every process runs the same rounds in the same order)."""
+  return [max(rounds) for rounds in zip(*per_process)]

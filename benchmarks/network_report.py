@@ -5,7 +5,10 @@ side's compute-only step in the same round (jdist's `compute` step for jdist
 and the hand-written step, torch's bare model for DDP): the exchange a step
 exposes, compression work included. Per-round differences cancel the load
 drift of a shared machine; the difference of the two medians is kept as
-`comm_of_medians_s`. Where DDP hides its exchange behind the backward pass this
+`comm_of_medians_s`, and the step minus the slowest process's compute-only
+step of the round as `comm_slowest_s` (a synchronized step waits for the
+slowest backward pass; with more processes than cores that wait is load,
+not exchange). Where DDP hides its exchange behind the backward pass this
 comes out near zero. Raw MPI rows are all-reduces alone, their time is all
 communication.
 """
@@ -72,7 +75,9 @@ def summarize(results: dict) -> dict[str, Any]:
     else:  # per-round differences cancel load drift; medians' difference if absent
       comm = row.get("comm_paired_s", of_medians)
     out.append(dict(row, step_s=row["time_s"], compute_s=own_compute, comm_s=comm,
-                    comm_of_medians_s=of_medians))
+                    comm_of_medians_s=of_medians,
+                    comm_slowest_s=comm if row.get("kind") == "floor"
+                    else row.get("comm_vs_slowest_s")))
   by_key = {(r["link"], r["topology"], r["variant"]): r for r in out}
   for row in out:
     cell = (row["link"], row["topology"])
@@ -88,7 +93,9 @@ def summarize(results: dict) -> dict[str, Any]:
         comm_vs_plain=_ratio(row["comm_s"], plain and plain["comm_s"]),
         reference=reference and reference["variant"],
         step_vs_reference=_ratio(row["step_s"], reference and reference["step_s"]),
-        comm_vs_reference=_ratio(row["comm_s"], reference and reference["comm_s"]))
+        comm_vs_reference=_ratio(row["comm_s"], reference and reference["comm_s"]),
+        comm_slowest_vs_reference=_ratio(row["comm_slowest_s"],
+                                         reference and reference["comm_slowest_s"]))
   summary = {"rows": out, "failures": analysis.failures(results["jobs"])}
   summary["targets"] = targets(by_key)
   summary["best"] = best_modes(out)

@@ -6,7 +6,10 @@ parameters, 1.7 MB of float32 gradients) with 64 synthetic images per
 replica, these steps train interleaved round by round (`timing.interleaved`):
 
   * `compute`: the same step with no exchange (`workload.compute_step`):
-    communication time = step - compute;
+    communication time = step - compute (`comm_paired_s`: this rank's own
+    compute in the same round; `comm_vs_slowest_s`: the slowest rank's, as a
+    step that exchanges waits for the slowest rank's backward pass, and with
+    more ranks than cores that wait is the machine's load, not the link);
   * jdist's modes: `jdist.dist_opt(optax.sgd(...))` plain, fp16, bf16,
     top-K 1% (exact and block), threshold (~1%) and partial sync 4, built by
     `benchmarks.compression.transformation`;
@@ -47,6 +50,8 @@ import numpy as np
 import optax
 
 import jdist
+from jdist.runtime import host
+from benchmarks import analysis
 from benchmarks import compression
 from benchmarks import timeline
 from benchmarks import timing
@@ -117,6 +122,17 @@ def torch_steppers(ctx, variants) -> dict:
           torch_peer.Trainer(v, batch, seed=0, rank=ctx.rank) for v in variants}
 
 
+def slowest_compute(series: dict[str, timing.Series]) -> dict[str, list[float]]:
+  """Round by round, the slowest process's compute-only step (jdist's and torch's).
+
+  Every process runs the same rounds, so round i's samples line up across
+  processes; one host gather after the timed rounds (outside them).
+  """
+  mine = {name: series[name].samples for name in ("compute", "torch_compute") if name in series}
+  every = host.allgather_object(mine, "network: compute steps per round")
+  return {name: analysis.slowest_per_round([rank[name] for rank in every]) for name in mine}
+
+
 def run(ctx):
   """Yields one row per variant: median step time (`time_s`) and its spread."""
   repeats = 3 if ctx.quick else int(ctx.options.get("repeats", REPEATS))
@@ -141,21 +157,25 @@ def run(ctx):
       steppers[name] = trainer
       kinds[name] = "torch"
   series = timing.interleaved(steppers, repeats=repeats, warmup=warmup, sync=ctx.sync)
+  slowest = slowest_compute(series)
   for name, stepper in steppers.items():
-    compute = series["torch_compute" if kinds[name] == "torch" else "compute"].samples
+    own = "torch_compute" if kinds[name] == "torch" else "compute"
+    compute = series[own].samples
     wire = 0.0
     if kinds[name] == "jdist":
       wire = float(jdist.wire_bytes(jdist.unreplicate(stepper.state[1])))
     elif kinds[name] == "handwritten":
       wire = float(bench.param_count * 4)
     paired = statistics.median(s - c for s, c in zip(series[name].samples, compute))
+    vs_slowest = statistics.median(s - c for s, c in zip(series[name].samples, slowest[own]))
     extra = {"threads": stepper.threads} if kinds[name] == "torch" else {}
     for reference in PAIRED_REFERENCES:  # medians of per-round ratios: drift cancels
       if reference in series:
         extra[f"paired_vs_{reference}"] = timing.paired_ratio(series[name], series[reference])
     yield {"variant": name, "kind": kinds[name], "params": bench.param_count, **extra,
            "per_replica_batch": PER_REPLICA_BATCH, "wire_bytes": wire,
-           "comm_paired_s": paired, **series[name].as_dict()}
+           "comm_paired_s": paired, "comm_vs_slowest_s": vs_slowest,
+           **series[name].as_dict()}
   if ctx.topo.process_count > 1:  # when each exchange ran, on the native route
     yield from timeline.record(steppers, series["compute"].median, ctx.sync)
   if ctx.topo.process_count > 1 and ctx.options.get("floor", True):

@@ -18,7 +18,8 @@ the same synthetic data shape (28x28x1 images, 10 classes) and SGD. Steps
 interleaved round by round, each variant training its own copy:
 
   * `compute`: the model without DDP (no exchange): communication time =
-    step - compute;
+    step - compute (`comm_vs_slowest_s`: minus the slowest rank's compute
+    in the same round, what a synchronized step waits for);
   * `ddp`: `DistributedDataParallel`, default buckets, overlapped with
     the backward pass;
   * `ddp_fp16`: DDP with `default_hooks.fp16_compress_hook`;
@@ -49,6 +50,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
+
+from benchmarks import analysis
 
 VARIANTS = ("compute", "ddp", "ddp_fp16", "ddp_powersgd")
 LEARNING_RATE = 0.01
@@ -144,6 +147,11 @@ def measure(options: dict, rank: int):
       trainer()
       samples[variant].append(time.perf_counter() - start)
   compute = samples.get("compute")
+  slowest = None
+  if compute:  # every rank's compute-only steps, after the timed rounds
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, compute)
+    slowest = analysis.slowest_per_round(every)
   for variant in variants:
     ordered = sorted(samples[variant])
     row = {"variant": variant, "kind": "torch", "params": param_count(SingaCNN()),
@@ -152,6 +160,8 @@ def measure(options: dict, rank: int):
            "p90_s": ordered[int(0.9 * (len(ordered) - 1))], "repeats": len(ordered)}
     if compute:
       row["comm_paired_s"] = statistics.median(s - c for s, c in zip(samples[variant], compute))
+      row["comm_vs_slowest_s"] = statistics.median(
+          s - c for s, c in zip(samples[variant], slowest))
     yield row
 
 

@@ -19,6 +19,7 @@ import pytest
 
 from benchmarks import cluster
 from benchmarks import cluster_bench
+from benchmarks import cluster_report
 from benchmarks import network
 from tests import launch
 
@@ -61,11 +62,18 @@ def test_quick_run_subprocess_reports_every_row(rig_ready, tmp_path):
   for variant in expected:
     assert _positive(steps[variant]["step_s"]), steps[variant]
   assert steps["plain"]["comm_s"] is not None
+  # Net of the slowest rank's compute, round by round: never more than net of its own.
+  for variant in expected - {"compute", "torch_compute"}:
+    assert steps[variant]["comm_slowest_s"] <= steps[variant]["comm_s"] + 1e-12, steps[variant]
   if "ddp" in steps:
     assert steps["ddp"]["comm_s"] is not None
     assert steps["plain"]["comm_vs_reference"] is not None
-    (target,) = [t for t in summary["targets"] if "plain" in t["target"]]
-    assert target["measured"] == steps["plain"]["comm_vs_reference"]
+    plain_targets = {t["target"]: t["measured"] for t in summary["targets"]
+                     if "plain" in t["target"]}
+    assert plain_targets == {
+        cluster_report.TRAIN_TARGETS[0][0]: steps["plain"]["comm_vs_reference"],
+        cluster_report.TRAIN_TARGETS[0][0] + cluster_report.SLOWEST_NOTE:
+            steps["plain"]["comm_slowest_vs_reference"]}
 
   assert written == ["results.json", "results.md"]
   markdown = (tmp_path / "results.md").read_text()

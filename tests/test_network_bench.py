@@ -98,6 +98,8 @@ def test_jdist_plain_step_trains_over_the_shaped_link(link):
     assert sum(e["bytes"] for e in exchanges) >= rows["plain"]["wire_bytes"]
   assert set(rows) == {"compute", "plain"}
   plain = rows["plain"]
+  # Each round's slowest compute step is at least this rank's own.
+  assert plain["comm_vs_slowest_s"] <= plain["comm_paired_s"] + 1e-12, plain
   # The model's float32 gradients cross the 100 Mbit/s link each step.
   link_s = 2 * plain["wire_bytes"] * 8 / (RATE_MBIT * 1e6)
   assert plain["wire_bytes"] > 0 and plain["time_s"] - rows["compute"]["time_s"] >= 0.5 * link_s
