@@ -27,6 +27,13 @@ sum them again instead. A finish of a token never
 started in this process is an error (not a hang); an exchange that another
 process never starts is aborted by the engine's deadline, as any other.
 
+A started sum is a *background* exchange: the native engine sends it in
+small segments (64 KiB on the wire by default, `set_segment_bytes`), one at
+a time, on a communicator of its own, so that the exchanges of the steps
+that run meanwhile (a loss mean of 4 bytes) pass between its segments
+instead of queueing behind all of its bytes (head-of-line blocking, see
+docs/diloco.md and `jdist/collectives/native/pacing.h`).
+
 At the end of training, an exchange started and never finished still
 completes on the wire (every process posted it) and is dropped;
 `drain()` waits for such exchanges and frees their memory.
@@ -64,6 +71,9 @@ def _library() -> ctypes.CDLL:
     library.jdist_deferred_outstanding.restype = ctypes.c_int64
     library.jdist_deferred_drain.argtypes = [ctypes.c_double]
     library.jdist_deferred_drain.restype = ctypes.c_int64
+    library.jdist_set_background_segment_bytes.argtypes = [ctypes.c_int64]
+    library.jdist_set_background_segment_bytes.restype = ctypes.c_int64
+    library.jdist_segments_posted.restype = ctypes.c_int64
     for target, symbol in ((START_TARGET, library.JdistDeferredStartCpu),
                            (FINISH_TARGET, library.JdistDeferredFinishCpu),
                            (SESSION_TARGET, library.JdistDeferredSessionCpu),
@@ -166,3 +176,29 @@ def drain(timeout: float = 60.0) -> int:
   if dropped < 0:
     raise TimeoutError(f"jdist: deferred exchanges still in flight after {timeout} s")
   return dropped
+
+
+def set_segment_bytes(nbytes: int) -> int:
+  """Sets the wire bytes per segment of a started (background) sum; returns
+  the previous value.
+
+  Its segments cross one at a time, each posted once the previous one
+  crossed: at most this many bytes of it are queued ahead of a step's own
+  exchange. Starts from `$JDIST_NATIVE_BACKGROUND_SEGMENT_BYTES`, else 64 KiB.
+  Every process must set the same value, between steps.
+
+  Args:
+    nbytes: wire bytes per segment; 0 or less sends a started sum as any
+      other sum (every segment at once, `native.set_segment_bytes`'s size).
+
+  Raises:
+    OSError: the native library is missing.
+  """
+  return int(_library().jdist_set_background_segment_bytes(int(nbytes)))
+
+
+def segments_posted() -> int:
+  """Segments of native sums (in-step and started) whose messages the engine
+  handed to MPI since it started; minus `native.segments_completed()`, those
+  on the wire. 0 when the engine never started."""
+  return int(_library().jdist_segments_posted()) if native.running() else 0

@@ -104,8 +104,9 @@ ffi::Error StartOnHost(ffi::Buffer<ffi::S32> device, ffi::AnyBuffer x,
   out[0] = static_cast<int32_t>(ordinal);
   out[1] = static_cast<int32_t>(seq);
   out[2] = session;
-  // The sum runs in the copy (input and output alike), which outlives the step.
-  jdist_post(d, ordinal, JDIST_SUM, elem, x.element_count(), s->buffer.get(),
+  // The sum runs in the copy (input and output alike), which outlives the step;
+  // a background sum, it yields to the steps' own exchanges (pacing.h).
+  jdist_post(d, ordinal, JDIST_SUM | JDIST_BACKGROUND, elem, x.element_count(), s->buffer.get(),
              s->buffer.get(), &OnDone, new std::shared_ptr<Started>(s));
   return ffi::Error::Success();
 }

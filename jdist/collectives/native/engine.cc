@@ -14,6 +14,9 @@
 //  * A sum runs in device 0's buffer (XLA aliases a sum's output to its
 //    input), so one device per process needs no copy at all; device 0
 //    resumes only after the other devices copied the result out of it.
+//  * A background sum (JDIST_BACKGROUND: deferred.cc's starts) is paced
+//    (pacing.h): its segments are small and cross one at a time, on a
+//    communicator of their own, so a step's own exchanges pass between them.
 //  * Completions (copying the result to each device's output and completing
 //    its future) run on a pool of threads that grows when all are busy: the
 //    future's continuation runs the rest of the device's program on that
@@ -32,7 +35,6 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -42,7 +44,9 @@
 
 #include "exchange.h"
 #include "flight.h"
+#include "forming.h"
 #include "local.h"
+#include "pacing.h"
 #include "point_to_point.h"
 #include "pools.h"
 #include "reduce.h"
@@ -59,7 +63,7 @@ class Engine {
     if (const char* error = wire_.Open(comm_f, nodes)) return Fail(error);
     devices_ = devices;
     timeout_s_ = timeout_s;
-    next_seq_.assign(devices, {});
+    forming_.Reset(devices);
     stop_ = false;
     running_ = true;
     thread_ = std::thread([this] { Loop(); });
@@ -87,21 +91,29 @@ class Engine {
   const char* last_error() const { return error_.c_str(); }
   int64_t completed() const { return completed_.load(); }
   int64_t segments_completed() const { return segments_completed_.load(); }
+  int64_t segments_posted() const { return segments_posted_.load(); }
   int64_t TakeTrace(int64_t* rows, int64_t max_rows) { return tracer_.Take(rows, max_rows); }
   int EnableTrace(int on) { return tracer_.SetEnabled(on != 0) ? 1 : 0; }
   int64_t FlightSnapshot(int64_t* rows, int64_t max_rows) {
     return flight_.Snapshot(rows, max_rows);
   }
   PointToPoint& wire() { return wire_; }  // its settings: segments, hierarchy
+  Pacer& pacer() { return pacer_; }  // background sums' segments
 
   void Post(int device, int64_t ordinal, int kind, int elem, int64_t count, const void* in,
             void* out, JdistDone done, void* arg) {
+    const bool background = (kind & JDIST_BACKGROUND) && wire_.size() > 1 && pacer_.on();
+    kind &= ~JDIST_BACKGROUND;
     if (kind == JDIST_SUM && (elem == JDIST_F16 || elem == JDIST_BF16)) kind = JDIST_SUM16;
     std::shared_ptr<Exchange> ready;
     const char* error = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);
       error = Admit(device, ordinal, kind, elem, count, Part{in, out, done, arg}, &ready);
+      if (ready && background && kind != JDIST_GATHER) {
+        ready->background = true;
+        pacer_.Enqueue(ready);  // in the order they become ready
+      }
       if (ready) ++launching_;
     }
     // Outside the lock: completing a future runs the device's next work here,
@@ -118,43 +130,15 @@ class Engine {
   }
 
  private:
-  // Records one device's part; sets `ready` when it completes the local
-  // group. Returns an error message, or null. Called with mu_ held.
+  // Records one device's part (forming.h); sets `ready` when it completes
+  // the local group. Returns an error message, or null. Called with mu_ held.
   const char* Admit(int device, int64_t ordinal, int kind, int elem, int64_t count,
                     const Part& part, std::shared_ptr<Exchange>* ready) {
     if (!running_ || stop_) return "jdist's native exchange engine is not running";
-    if (device < 0 || device >= devices_) return "device index out of range";
     if (!wire_.TagsFit(ordinal)) {
       return "exchange ordinal beyond the MPI tag space (too many exchanges traced)";
     }
-    uint64_t seq = next_seq_[device][ordinal]++;
-    auto key = std::make_pair(ordinal, seq);
-    auto& slot = forming_[key];
-    if (!slot) {
-      slot = std::make_shared<Exchange>();
-      slot->ordinal = ordinal;
-      slot->seq = seq;
-      slot->kind = kind;
-      slot->elem = elem;
-      slot->count = count;
-      slot->parts.resize(devices_);
-      slot->present.assign(devices_, false);
-      slot->since = Clock::now();
-      const int64_t unit = kind == JDIST_SUM16 ? 2 : static_cast<int64_t>(ElemSize(elem));
-      slot->flight_id = flight_.Posted(ordinal, seq, kind, count * unit, slot->since);
-    } else if (slot->count != count || slot->elem != elem || slot->kind != kind ||
-               slot->present[device]) {
-      // The devices disagree on what exchange this is: a program error
-      // that would otherwise mix unrelated buffers.
-      return "local devices posted different exchanges under one ordinal";
-    }
-    slot->parts[device] = part;
-    slot->present[device] = true;
-    if (++slot->arrived == devices_) {
-      *ready = slot;
-      forming_.erase(key);
-    }
-    return nullptr;
+    return forming_.Admit(device, ordinal, kind, elem, count, part, &flight_, ready);
   }
 
   int Fail(const char* why) {
@@ -167,9 +151,19 @@ class Engine {
   // engine thread progresses it), so that the first segments are on the
   // wire while the last are still being added.
   void Launch(const std::shared_ptr<Exchange>& e) {
+    Prepare(*e, &pool_, wire_.rank(), wire_.size());
+    if (e->background) {  // its lane posts its segments (pacing.h)
+      ReduceLocal(*e, 0, e->count);
+      auto first = pacer_.Reduced(*e);
+      if (first) BeginSegment(*first);
+      std::lock_guard<std::mutex> lock(mu_);
+      if (first) queue_.push_back(std::move(first));
+      --launching_;
+      cv_.notify_one();
+      return;
+    }
     const int segments = wire_.SegmentCount(*e);
     e->segments_left = segments;
-    Prepare(*e, &pool_, wire_.rank(), wire_.size());
     if (wire_.size() == 1) {
       ReduceLocal(*e, 0, e->count);
       Finish(e);
@@ -186,18 +180,23 @@ class Engine {
       segment->count = std::min<int64_t>(e->count, segment->begin + per) - segment->begin;
       auto start = Clock::now();
       ReduceLocal(*e, segment->begin, segment->count);
-      auto reduced = Clock::now();
-      if (profiling) profile.local_ns += Ns(start, reduced);
-      if (index == 0) {
-        e->mpi_at = reduced;
-        flight_.Advance(e->flight_id, kFlightStateWire, reduced);
-      }
-      wire_.Begin(*segment);
+      if (profiling) profile.local_ns += Ns(start, Clock::now());
+      BeginSegment(*segment);
       std::lock_guard<std::mutex> lock(mu_);
       queue_.push_back(std::move(segment));
       if (index == segments - 1) --launching_;
       cv_.notify_one();
     }
+  }
+
+  // Hands segment `s`'s first phase to MPI (the engine thread progresses it).
+  void BeginSegment(Segment& s) {
+    if (s.index == 0) {
+      s.exchange->mpi_at = Clock::now();
+      flight_.Advance(s.exchange->flight_id, kFlightStateWire, s.exchange->mpi_at);
+    }
+    segments_posted_.fetch_add(1);
+    wire_.Begin(s);
   }
 
   // Copies the result to every device's output (in parallel) and completes.
@@ -210,34 +209,7 @@ class Engine {
     if (!error) flight_.Advance(e->flight_id, kFlightStateDone, finished);
     tracer_.Record(e->ordinal, e->seq, e->kind, static_cast<int64_t>(bytes), e->since,
                    e->ready_at, e->mpi_at, finished);
-    std::string message = error ? error : "";
-    auto complete = [e, message](int d) {
-      const Part& part = e->parts[d];
-      if (part.done == nullptr) return;  // a device that never posted (stranded)
-      part.done(part.arg, message.empty() ? nullptr : message.c_str());
-    };
-    // Where device 0's output holds the result (local.h), its program may
-    // overwrite that buffer as soon as it resumes: it resumes once every other
-    // device has copied from it, in a task of its own (a resumed device may
-    // block in an XLA collective until the others resume too).
-    const bool first_holds_result =
-        devices_ > 1 && e->acc != nullptr && e->acc.get() == e->parts[0].out;
-    auto copies_left = std::make_shared<std::atomic<int>>(devices_ - 1);
-    for (int d = first_holds_result ? 1 : 0; d < devices_; ++d) {
-      completions_.Run([this, e, d, bytes, message, complete, first_holds_result,
-                        copies_left] {
-        const Part& part = e->parts[d];
-        if (part.done != nullptr && message.empty() && part.out != e->acc.get()) {
-          auto start = Clock::now();
-          std::memcpy(part.out, e->acc.get(), bytes);
-          if (profiling) profile.copy_ns += Ns(start, Clock::now());
-        }
-        if (first_holds_result && copies_left->fetch_sub(1) == 1) {
-          completions_.Run([complete] { complete(0); });
-        }
-        complete(d);
-      });
-    }
+    Deliver(e, bytes, error, &completions_);
   }
 
   [[noreturn]] void Abort(const std::string& what) {
@@ -261,7 +233,7 @@ class Engine {
       }
     }
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [key, e] : forming_) {
+    for (auto& [key, e] : forming_.exchanges()) {
       if (too_old(*e)) {
         Abort("native exchange " + std::to_string(key.first) + " waited over " +
               std::to_string(int(timeout_s_)) + " s for " +
@@ -291,8 +263,7 @@ class Engine {
         if (stop_ && active.empty() && queue_.empty() && launching_ == 0) {
           // Exchanges some local device never posted would leave the others
           // waiting forever: complete them with an error instead.
-          for (auto& entry : forming_) stranded.push_back(entry.second);
-          forming_.clear();
+          for (auto& e : forming_.TakeAll()) stranded.push_back(e);
           break;
         }
         fresh.swap(queue_);  // segments whose MPI the launching thread posted
@@ -314,9 +285,14 @@ class Engine {
         if (!wire_.CheckReceives(s, statuses, &why)) Abort(why);
         if (wire_.Advance(s)) {
           segments_completed_.fetch_add(1);
+          auto next = s.exchange->background ? pacer_.Crossed(s) : nullptr;  // the lane's next
           if (s.exchange->segments_left.fetch_sub(1) == 1) Finish(s.exchange);
           active[i] = active.back();
           active.pop_back();
+          if (next) {
+            BeginSegment(*next);
+            active.push_back(std::move(next));
+          }
         } else {
           ++i;
         }
@@ -349,15 +325,16 @@ class Engine {
   std::string error_;
   int devices_ = 1;
   double timeout_s_ = 600;
-  std::vector<std::map<int64_t, uint64_t>> next_seq_;
-  std::map<std::pair<int64_t, uint64_t>, std::shared_ptr<Exchange>> forming_;
+  Forming forming_;  // exchanges some local device has not posted yet
   std::deque<std::shared_ptr<Segment>> queue_;
   int launching_ = 0;  // exchanges whose segments are still being posted
   std::thread thread_;
   std::atomic<int64_t> completed_{0};
   std::atomic<int64_t> segments_completed_{0};  // pieces that crossed processes
+  std::atomic<int64_t> segments_posted_{0};  // pieces handed to MPI
   BufferPool pool_;
   PointToPoint wire_{&pool_};
+  Pacer pacer_;
   Completions completions_;
   Tracer tracer_;
   FlightRecorder flight_;
@@ -392,6 +369,10 @@ int64_t jdist_flight_snapshot(int64_t* rows, int64_t max_rows) {
 }
 int64_t jdist_segments_completed(void) { return jdist::TheEngine().segments_completed(); }
 int64_t jdist_set_segment_bytes(int64_t b) { return jdist::TheEngine().wire().SetSegmentBytes(b); }
+int64_t jdist_segments_posted(void) { return jdist::TheEngine().segments_posted(); }
+int64_t jdist_set_background_segment_bytes(int64_t b) {
+  return jdist::TheEngine().pacer().SetSegmentBytes(b);
+}
 void jdist_post(int device, int64_t ordinal, int kind, int elem, int64_t count, const void* in,
                 void* out, JdistDone done, void* arg) {
   jdist::TheEngine().Post(device, ordinal, kind, elem, count, in, out, done, arg);

@@ -24,6 +24,9 @@ enum JdistKind {
   JDIST_SUM = 0,     // elementwise sum over every replica, in the input dtype
   JDIST_SUM16 = 1,   // float16/bfloat16 sum: 16 bits on the wire, float32 adds
   JDIST_GATHER = 2,  // every replica's buffer, in replica order (bytes)
+  // A flag or'ed into a sum's kind: a background sum (deferred.h's starts),
+  // which yields to the others, paced in small segments (pacing.h).
+  JDIST_BACKGROUND = 16,
 };
 
 // Element types the engine knows.
@@ -74,6 +77,10 @@ int64_t jdist_completed(void);
 // Segments (exchange.h) that crossed processes since start.
 int64_t jdist_segments_completed(void);
 
+// Segments whose messages were handed to MPI since start (the difference
+// with jdist_segments_completed is what is on the wire).
+int64_t jdist_segments_posted(void);
+
 // With JDIST_NATIVE_TRACE set, moves up to `max_rows` rows of the exchange
 // timeline (trace.h's columns, 8 int64 each) into `rows`; returns how many.
 int64_t jdist_trace_take(int64_t* rows, int64_t max_rows);
@@ -92,6 +99,12 @@ int64_t jdist_flight_snapshot(int64_t* rows, int64_t max_rows);
 // the same value for an exchange (set it between steps). Starts from
 // $JDIST_NATIVE_SEGMENT_BYTES, else 4 MiB. Returns the previous value.
 int64_t jdist_set_segment_bytes(int64_t bytes);
+
+// Sets how many wire bytes of a background sum cross as one segment, one
+// at a time per ordinal (pacing.h); <= 0 sends background sums as any other.
+// Every process must use the same value (set it between steps). Starts from
+// $JDIST_NATIVE_BACKGROUND_SEGMENT_BYTES, else 64 KiB. Returns the previous.
+int64_t jdist_set_background_segment_bytes(int64_t bytes);
 
 // Posts local device `device`'s part of an exchange: `count` elements of
 // `elem` at `in`; the result goes to `out` (count elements for sums,

@@ -71,6 +71,9 @@ struct Exchange {
   std::atomic<int> segments_left{0};
   Clock::time_point ready_at, mpi_at;  // tracing: last local post, MPI start
   uint64_t flight_id = 0;  // its row in the flight recorder (flight.h)
+  // Background sums (pacing.h): paced; reduced locally; elements per segment.
+  bool background = false, reduced = false;
+  int64_t segment_elems = 0;
 };
 
 // Bytes per element on the wire: 16-bit sums stay 16-bit.

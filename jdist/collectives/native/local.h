@@ -1,12 +1,14 @@
 // The local half of an exchange (engine.cc runs it on the last local device
-// to post): where its result is assembled, and the sum of the local devices'
-// parts, one segment at a time.
+// to post): where its result is assembled, the sum of the local devices'
+// parts, one segment at a time, and the result's delivery to every device.
 #ifndef JDIST_COLLECTIVES_NATIVE_LOCAL_H_
 #define JDIST_COLLECTIVES_NATIVE_LOCAL_H_
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "engine.h"
@@ -57,6 +59,41 @@ inline void ReduceLocal(Exchange& e, int64_t begin, int64_t n) {
     return;
   }
   SumParts(e.elem, ins, out, n);
+}
+
+// Copies the result (`bytes` of it) to every device's output, in parallel on
+// `completions`, and completes each device (with `error`, if not null).
+inline void Deliver(const std::shared_ptr<Exchange>& e, size_t bytes, const char* error,
+                    Completions* completions) {
+  const int devices = static_cast<int>(e->parts.size());
+  std::string message = error ? error : "";
+  auto complete = [e, message](int d) {
+    const Part& part = e->parts[d];
+    if (part.done == nullptr) return;  // a device that never posted (stranded)
+    part.done(part.arg, message.empty() ? nullptr : message.c_str());
+  };
+  // Where device 0's output holds the result (Prepare), its program may
+  // overwrite that buffer as soon as it resumes: it resumes once every other
+  // device has copied from it, in a task of its own (a resumed device may
+  // block in an XLA collective until the others resume too).
+  const bool first_holds_result =
+      devices > 1 && e->acc != nullptr && e->acc.get() == e->parts[0].out;
+  auto copies_left = std::make_shared<std::atomic<int>>(devices - 1);
+  for (int d = first_holds_result ? 1 : 0; d < devices; ++d) {
+    completions->Run([completions, e, d, bytes, message, complete, first_holds_result,
+                      copies_left] {
+      const Part& part = e->parts[d];
+      if (part.done != nullptr && message.empty() && part.out != e->acc.get()) {
+        auto start = Clock::now();
+        std::memcpy(part.out, e->acc.get(), bytes);
+        if (profiling) profile.copy_ns += Ns(start, Clock::now());
+      }
+      if (first_holds_result && copies_left->fetch_sub(1) == 1) {
+        completions->Run([complete] { complete(0); });
+      }
+      complete(d);
+    });
+  }
 }
 
 }  // namespace jdist

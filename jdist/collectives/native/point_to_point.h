@@ -44,6 +44,7 @@ class PointToPoint {
     MPI_Query_thread(&provided);
     if (provided != MPI_THREAD_MULTIPLE) return "MPI lacks MPI_THREAD_MULTIPLE";
     if (MPI_Comm_dup(MPI_Comm_f2c(comm_f), &comm_) != MPI_SUCCESS) return "MPI_Comm_dup failed";
+    MPI_Comm_dup(comm_, &background_comm_);  // background sums' (pacing.h)
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
     void* tag_ub = nullptr;
@@ -58,12 +59,15 @@ class PointToPoint {
     flat_ = FlatLevels(rank_, size_);
     node_levels_.clear();
     const char* error = nodes ? NodeLevels(rank_, size_, nodes, &node_levels_) : nullptr;
-    if (error) MPI_Comm_free(&comm_);
+    if (error) Close();
     use_nodes_ = !node_levels_.empty();
     return error;
   }
 
-  void Close() { MPI_Comm_free(&comm_); }
+  void Close() {
+    MPI_Comm_free(&comm_);
+    MPI_Comm_free(&background_comm_);
+  }
 
   MPI_Comm comm() const { return comm_; }
   int rank() const { return rank_; }
@@ -171,8 +175,11 @@ class PointToPoint {
   static constexpr int64_t kNodeSegmentBytes = 256 << 10;   // node-aware sums
   static constexpr int64_t kAutoSegments = -1;  // segment_bytes_: by the groups
 
+  // Background sums' segments past max_segments_ reuse tags: one at a time per
+  // ordinal (pacing.h), so MPI's message order pairs them.
   int Tag(const Segment& s, int phase) const {
-    return static_cast<int>(kPhases * (s.exchange->ordinal * max_segments_ + s.index) + phase);
+    return static_cast<int>(kPhases * (s.exchange->ordinal * max_segments_ +
+                                       s.index % max_segments_) + phase);
   }
 
   // The range of segment `s` that level `level` splits among its group: the
@@ -252,6 +259,7 @@ class PointToPoint {
     s.requests.clear();
     s.expected_bytes.clear();
     const int tag = Tag(s, phase);
+    MPI_Comm comm = s.exchange->background ? background_comm_ : comm_;
     // Receives are posted first, so a peer's send finds its buffer ready.
     for (bool receive : {true, false}) {
       for (int j = 0; j < g.size(); ++j) {
@@ -259,9 +267,9 @@ class PointToPoint {
         auto [ptr, bytes] = receive ? recv(j) : send(j);
         MPI_Request request;
         if (receive) {
-          MPI_Irecv(ptr, static_cast<int>(bytes), MPI_BYTE, g.ranks[j], tag, comm_, &request);
+          MPI_Irecv(ptr, static_cast<int>(bytes), MPI_BYTE, g.ranks[j], tag, comm, &request);
         } else {
-          MPI_Isend(ptr, static_cast<int>(bytes), MPI_BYTE, g.ranks[j], tag, comm_, &request);
+          MPI_Isend(ptr, static_cast<int>(bytes), MPI_BYTE, g.ranks[j], tag, comm, &request);
         }
         s.requests.push_back(request);
         s.expected_bytes.push_back(receive ? static_cast<int>(bytes) : -1);
@@ -271,6 +279,7 @@ class PointToPoint {
 
   BufferPool* pool_;
   MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Comm background_comm_ = MPI_COMM_NULL;  // background sums' (pacing.h)
   int rank_ = 0;
   int size_ = 1;
   int tag_ub_ = 32767;
