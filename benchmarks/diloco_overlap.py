@@ -1,7 +1,7 @@
 """Streaming DiLoCo's outer sync: in the step that starts it, or in the background.
 
     python -m benchmarks diloco_overlap [--links 1gbit,100mbit] [--rounds 8]
-        [--sync-every 32] [--fragments 4] [--delay 4]
+        [--sync-every 32] [--fragments 4] [--delay 4] [--background-segment-bytes B]
 
 Each link gets a 2x1 job in a shaped namespace (root), on SINGA's CNN
 (431,080 parameters) with 64 images per replica, inner optimizer SGD. Three
@@ -14,7 +14,11 @@ alternating block by block for `--rounds` rounds:
     a sync step waits for the wire;
   * `background`: `delay=τ`: on the native route the fragment's sum is
     started in the sync step and read τ steps later (`jdist.collectives.
-    deferred`), while the inner steps in between compute.
+    deferred`), while the inner steps in between compute. The engine paces
+    that sum (`jdist/collectives/native/pacing.h`): small segments, one at a
+    time, so each step's own exchanges pass between them;
+  * `unpaced`: the same with pacing off (`deferred.set_segment_bytes(0)`
+    for its blocks): the whole sum handed to MPI at once, as before pacing.
 
 A block is timed from its first dispatch to its last result, so a block's
 time per step is the inner step time with the outer syncs of that block
@@ -28,6 +32,7 @@ round, over `compute`'s (median over rounds).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -42,7 +47,8 @@ from benchmarks import compression
 from benchmarks import workload
 
 PER_REPLICA_BATCH = 64
-VARIANTS = ("compute", "in_step", "background")
+VARIANTS = ("compute", "in_step", "background", "unpaced")
+SMALL_BYTES = 64  # exchanges up to this size are a step's own (the loss mean)
 
 
 def _transformation(variant: str, options: dict) -> optax.GradientTransformation:
@@ -59,6 +65,21 @@ def _in_flight(state) -> int:
   return int(np.count_nonzero(np.asarray(flights)[..., 2])) if np.size(flights) else 0
 
 
+@contextlib.contextmanager
+def _paced(variant: str):
+  """Turns the engine's pacing of started sums off for the `unpaced` variant."""
+  from jdist.collectives import deferred  # pylint: disable=import-outside-toplevel
+  from jdist.collectives import native  # pylint: disable=import-outside-toplevel
+  if variant != "unpaced" or not native.running():
+    yield
+    return
+  previous = deferred.set_segment_bytes(0)
+  try:
+    yield
+  finally:
+    deferred.set_segment_bytes(previous)
+
+
 def _take_trace():
   """The native engine's exchange rows since the last call (none without its trace)."""
   from jdist.collectives import native  # pylint: disable=import-outside-toplevel
@@ -72,8 +93,14 @@ def _placed(steps, rows) -> list[dict]:
       if t < end or index == len(steps) - 1:
         return index, round((int(t) - start) / 1e6, 1)
   # trace.h's columns: ordinal, seq, kind, bytes, first post, last post, MPI start, done.
-  return [{"bytes": int(r[3]), "posted": where(r[5]), "mpi": where(r[6]), "done": where(r[7])}
+  return [{"bytes": int(r[3]), "posted": where(r[5]), "mpi": where(r[6]), "done": where(r[7]),
+           "wait_ms": round((int(r[7]) - int(r[5])) / 1e6, 1)}
           for r in rows if steps and r[5] >= steps[0][0]]
+
+
+def _small_waits(exchanges: list[dict]) -> list[float]:
+  """How long each of a step's own small exchanges took, posted to done (ms)."""
+  return [e["wait_ms"] for e in exchanges if e["bytes"] <= SMALL_BYTES]
 
 
 def run(ctx):
@@ -82,6 +109,9 @@ def run(ctx):
   sync_every, fragments = int(options["sync_every"]), int(options["fragments"])
   rounds = 2 if ctx.quick else int(options["rounds"])
   bench = workload.setup("cnn", PER_REPLICA_BATCH)
+  if options.get("background_segment_bytes") is not None:
+    from jdist.collectives import deferred  # pylint: disable=import-outside-toplevel
+    deferred.set_segment_bytes(int(options["background_segment_bytes"]))
   steppers = {}
   for variant in VARIANTS:
     tx = _transformation(variant, options)
@@ -91,19 +121,21 @@ def run(ctx):
   # Warm-up (compiles): up to just past an apply step, so a block of H steps
   # reads every exchange it starts (syncs every H / P steps, read τ later).
   warmup = sync_every // fragments + int(options["delay"]) + 1
-  for stepper in steppers.values():
-    for _ in range(warmup):
-      jax.block_until_ready(stepper())
+  for variant, stepper in steppers.items():
+    with _paced(variant):
+      for _ in range(warmup):
+        jax.block_until_ready(stepper())
   ctx.sync()
   blocks = {variant: [] for variant in VARIANTS}
   left = {variant: 0 for variant in VARIANTS}
   for _ in range(rounds):
     for variant, stepper in steppers.items():
-      start = time.perf_counter()
-      for _ in range(sync_every):
-        out = stepper()
-      jax.block_until_ready(out)
-      blocks[variant].append(time.perf_counter() - start)
+      with _paced(variant):
+        start = time.perf_counter()
+        for _ in range(sync_every):
+          out = stepper()
+        jax.block_until_ready(out)
+        blocks[variant].append(time.perf_counter() - start)
       left[variant] = max(left[variant], _in_flight(stepper.state[1]))
   # Untimed: one more block read step by step, to see the exchanges in flight
   # and (with the engine's trace on) when each was on the wire.
@@ -113,22 +145,27 @@ def run(ctx):
     ctx.sync()
     _take_trace()
     spans[variant] = []
-    for _ in range(sync_every):
-      start = time.monotonic_ns()
-      stepper()
-      seen[variant] = max(seen[variant], _in_flight(stepper.state[1]))
-      spans[variant].append((start, time.monotonic_ns()))
+    with _paced(variant):
+      for _ in range(sync_every):
+        start = time.monotonic_ns()
+        stepper()
+        seen[variant] = max(seen[variant], _in_flight(stepper.state[1]))
+        spans[variant].append((start, time.monotonic_ns()))
     spans[variant] = (spans[variant], _take_trace())
   compute = blocks["compute"]
   for variant in VARIANTS:
     exposed = [(b - c) / c for b, c in zip(blocks[variant], compute)]
+    exchanges = _placed(*spans[variant])
+    waits = _small_waits(exchanges)
     yield {"variant": variant, "block_s": statistics.median(blocks[variant]),
            "step_s": statistics.median(blocks[variant]) / sync_every,
            "exposed_share": statistics.median(exposed), "rounds": rounds,
            "sync_every": sync_every, "fragments": fragments,
-           "delay": 0 if variant != "background" else int(options["delay"]),
+           "delay": int(options["delay"]) if variant in ("background", "unpaced") else 0,
            "route": jdist.collectives.route(), "in_flight_at_block_end": left[variant],
-           "most_in_flight": seen[variant], "exchanges": _placed(*spans[variant])}
+           "most_in_flight": seen[variant], "exchanges": exchanges,
+           "small_wait_ms_median": statistics.median(waits) if waits else None,
+           "small_wait_ms_max": max(waits) if waits else None}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -137,6 +174,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--sync-every", type=int, default=32)
   parser.add_argument("--fragments", type=int, default=4)
   parser.add_argument("--delay", type=int, default=4)
+  parser.add_argument("--background-segment-bytes", type=int, default=None,
+                      help="wire bytes per segment of a started sum (the engine's "
+                      "default, 64 KiB, where not given)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -145,7 +185,8 @@ def main(args: argparse.Namespace) -> int:
   from benchmarks import network  # pylint: disable=import-outside-toplevel
   netns.terminate_on_sigterm()
   options = (("rounds", args.rounds), ("sync_every", args.sync_every),
-             ("fragments", args.fragments), ("delay", args.delay))
+             ("fragments", args.fragments), ("delay", args.delay),
+             ("background_segment_bytes", args.background_segment_bytes))
   failed = False
   for link in [netns.link_named(name) for name in args.links.split(",")]:
     job = jobs_lib.Job(f"diloco_overlap@{link.name}", 2, 1, ("diloco_overlap",),
@@ -160,7 +201,8 @@ def main(args: argparse.Namespace) -> int:
       print(f"{row['variant']:>10}: {row['step_s'] * 1e3:7.1f} ms/step, exposed "
             f"{100 * row['exposed_share']:6.1f}% of compute, in flight at block end "
             f"{row['in_flight_at_block_end']}, most in flight {row['most_in_flight']}, "
-            f"route {row['route']}")
+            f"route {row['route']}, small exchanges posted->done median "
+            f"{row['small_wait_ms_median']} ms, max {row['small_wait_ms_max']} ms")
       for exchange in row["exchanges"]:
         print(f"{'':>12}{exchange['bytes']:>9} bytes: posted in step {exchange['posted'][0]} "
               f"(+{exchange['posted'][1]} ms), on the wire from step {exchange['mpi'][0]} "
