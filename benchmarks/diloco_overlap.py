@@ -2,6 +2,7 @@
 
     python -m benchmarks diloco_overlap [--links 1gbit,100mbit] [--rounds 8]
         [--sync-every 32] [--fragments 4] [--delay 4] [--background-segment-bytes B]
+        [--background-window K]
 
 Each link gets a 2x1 job in a shaped namespace (root), on SINGA's CNN
 (431,080 parameters) with 64 images per replica, inner optimizer SGD. Three
@@ -93,14 +94,18 @@ def _placed(steps, rows) -> list[dict]:
       if t < end or index == len(steps) - 1:
         return index, round((int(t) - start) / 1e6, 1)
   # trace.h's columns: ordinal, seq, kind, bytes, first post, last post, MPI start, done.
-  return [{"bytes": int(r[3]), "posted": where(r[5]), "mpi": where(r[6]), "done": where(r[7]),
-           "wait_ms": round((int(r[7]) - int(r[5])) / 1e6, 1)}
+  return [{"bytes": int(r[3]), "posted": where(r[5]), "mpi": where(r[6]), "done": where(r[7])}
           for r in rows if steps and r[5] >= steps[0][0]]
 
 
-def _small_waits(exchanges: list[dict]) -> list[float]:
-  """How long each of a step's own small exchanges took, posted to done (ms)."""
-  return [e["wait_ms"] for e in exchanges if e["bytes"] <= SMALL_BYTES]
+def _small_waits(rows, behind: bool) -> list[float]:
+  """How long each of the steps' own small exchanges took in the timed
+  blocks, from its last local post to done (ms; the peer's lateness
+  included): those posted while a fragment's sum (over 64 KiB) was on the
+  wire (`behind`), or the others."""
+  big = [(r[6], r[7]) for r in rows if r[3] > 64 << 10]
+  return [round((int(r[7]) - int(r[5])) / 1e6, 1) for r in rows if r[3] <= SMALL_BYTES
+          and any(start <= r[5] < end for start, end in big) == behind]
 
 
 def run(ctx):
@@ -127,6 +132,8 @@ def run(ctx):
         jax.block_until_ready(stepper())
   ctx.sync()
   blocks = {variant: [] for variant in VARIANTS}
+  traced = {variant: [] for variant in VARIANTS}  # the engine's rows of the timed blocks
+  _take_trace()
   left = {variant: 0 for variant in VARIANTS}
   for _ in range(rounds):
     for variant, stepper in steppers.items():
@@ -136,6 +143,7 @@ def run(ctx):
           out = stepper()
         jax.block_until_ready(out)
         blocks[variant].append(time.perf_counter() - start)
+      traced[variant].extend(_take_trace())
       left[variant] = max(left[variant], _in_flight(stepper.state[1]))
   # Untimed: one more block read step by step, to see the exchanges in flight
   # and (with the engine's trace on) when each was on the wire.
@@ -155,17 +163,15 @@ def run(ctx):
   compute = blocks["compute"]
   for variant in VARIANTS:
     exposed = [(b - c) / c for b, c in zip(blocks[variant], compute)]
-    exchanges = _placed(*spans[variant])
-    waits = _small_waits(exchanges)
+    behind, alone = (_small_waits(traced[variant], flag) for flag in (True, False))
     yield {"variant": variant, "block_s": statistics.median(blocks[variant]),
            "step_s": statistics.median(blocks[variant]) / sync_every,
            "exposed_share": statistics.median(exposed), "rounds": rounds,
            "sync_every": sync_every, "fragments": fragments,
            "delay": int(options["delay"]) if variant in ("background", "unpaced") else 0,
            "route": jdist.collectives.route(), "in_flight_at_block_end": left[variant],
-           "most_in_flight": seen[variant], "exchanges": exchanges,
-           "small_wait_ms_median": statistics.median(waits) if waits else None,
-           "small_wait_ms_max": max(waits) if waits else None}
+           "most_in_flight": seen[variant], "exchanges": _placed(*spans[variant]),
+           "small_waits_ms_behind_fragment": behind, "small_waits_ms_alone": alone}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -177,6 +183,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--background-segment-bytes", type=int, default=None,
                       help="wire bytes per segment of a started sum (the engine's "
                       "default, 64 KiB, where not given)")
+  parser.add_argument("--background-window", type=int, default=None,
+                      help="segments of a started sum on the wire at once "
+                      "($JDIST_NATIVE_BACKGROUND_WINDOW; the engine's default, 1, where not given)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -187,10 +196,12 @@ def main(args: argparse.Namespace) -> int:
   options = (("rounds", args.rounds), ("sync_every", args.sync_every),
              ("fragments", args.fragments), ("delay", args.delay),
              ("background_segment_bytes", args.background_segment_bytes))
+  window = (() if args.background_window is None
+            else (("JDIST_NATIVE_BACKGROUND_WINDOW", str(args.background_window)),))
   failed = False
   for link in [netns.link_named(name) for name in args.links.split(",")]:
     job = jobs_lib.Job(f"diloco_overlap@{link.name}", 2, 1, ("diloco_overlap",),
-                       options=options, env=(("JDIST_NATIVE_TRACE", "1"),))
+                       options=options, env=(("JDIST_NATIVE_TRACE", "1"),) + window)
     with network.link_namespace(link) as name:
       result = jobs_lib.run(network.in_namespace(job, name), quick=False, timeout=600)
     if "error" in result:
@@ -201,8 +212,12 @@ def main(args: argparse.Namespace) -> int:
       print(f"{row['variant']:>10}: {row['step_s'] * 1e3:7.1f} ms/step, exposed "
             f"{100 * row['exposed_share']:6.1f}% of compute, in flight at block end "
             f"{row['in_flight_at_block_end']}, most in flight {row['most_in_flight']}, "
-            f"route {row['route']}, small exchanges posted->done median "
-            f"{row['small_wait_ms_median']} ms, max {row['small_wait_ms_max']} ms")
+            f"route {row['route']}")
+      for label, key in (("behind a fragment", "behind_fragment"), ("alone", "alone")):
+        waits = row[f"small_waits_ms_{key}"]
+        if waits:
+          print(f"{'':>12}small exchanges {label}: {len(waits)}, posted->done median "
+                f"{statistics.median(waits)} ms, max {max(waits)} ms")
       for exchange in row["exchanges"]:
         print(f"{'':>12}{exchange['bytes']:>9} bytes: posted in step {exchange['posted'][0]} "
               f"(+{exchange['posted'][1]} ms), on the wire from step {exchange['mpi'][0]} "

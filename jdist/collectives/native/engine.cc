@@ -155,9 +155,9 @@ class Engine {
     if (e->background) {  // its lane posts its segments (pacing.h)
       ReduceLocal(*e, 0, e->count);
       auto first = pacer_.Reduced(*e);
-      if (first) BeginSegment(*first);
+      for (auto& s : first) BeginSegment(*s);
       std::lock_guard<std::mutex> lock(mu_);
-      if (first) queue_.push_back(std::move(first));
+      for (auto& s : first) queue_.push_back(std::move(s));
       --launching_;
       cv_.notify_one();
       return;
@@ -285,13 +285,14 @@ class Engine {
         if (!wire_.CheckReceives(s, statuses, &why)) Abort(why);
         if (wire_.Advance(s)) {
           segments_completed_.fetch_add(1);
-          auto next = s.exchange->background ? pacer_.Crossed(s) : nullptr;  // the lane's next
+          std::vector<std::shared_ptr<Segment>> next;  // its lane's (pacing.h)
+          if (s.exchange->background) next = pacer_.Crossed(s);
           if (s.exchange->segments_left.fetch_sub(1) == 1) Finish(s.exchange);
           active[i] = active.back();
           active.pop_back();
-          if (next) {
-            BeginSegment(*next);
-            active.push_back(std::move(next));
+          for (auto& n : next) {
+            BeginSegment(*n);
+            active.push_back(std::move(n));
           }
         } else {
           ++i;

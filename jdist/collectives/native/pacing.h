@@ -6,18 +6,19 @@
 // queues behind them in the link's queues (MPI's TCP connection, socket
 // buffers, a shaped link's backlog) until the whole sum is through, which is
 // head-of-line blocking (docs/diloco.md). Paced, it crosses in small
-// segments ($JDIST_NATIVE_BACKGROUND_SEGMENT_BYTES, 64 KiB by default), one
-// at a time: the next is posted only when the last crossed, so at most one
-// segment's bytes are queued ahead of an urgent exchange. In-step exchanges
+// segments ($JDIST_NATIVE_BACKGROUND_SEGMENT_BYTES, 64 KiB by default), a
+// window of them at a time ($JDIST_NATIVE_BACKGROUND_WINDOW, 1 by default):
+// the next is posted only when an earlier one crossed, so at most the
+// window's bytes are queued ahead of an urgent exchange. In-step exchanges
 // are never held back.
 //
 // The protocol stays deterministic whatever the local timing: background
 // sums run on a communicator of their own (point_to_point.h), in one lane
 // per ordinal, in the order they became ready (their call order, the same
-// on every process), each segment after the previous one. Messages with the
-// same tag (segments past the tag space's count reuse tags) are then posted
-// in the same order on every process, which MPI's non-overtaking rule pairs
-// correctly; lanes of different ordinals use different tags and never wait
+// on every process), segment by segment, the next sum once the previous one
+// crossed. Segments past the tag space's count reuse tags (32 apart; the
+// window is at most 32), never while one with the same tag is in flight, so
+// MPI's non-overtaking rule pairs them; lanes of different ordinals use different tags and never wait
 // for each other, so no process waits on an order another one chose.
 #ifndef JDIST_COLLECTIVES_NATIVE_PACING_H_
 #define JDIST_COLLECTIVES_NATIVE_PACING_H_
@@ -30,6 +31,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "exchange.h"
 
@@ -40,6 +42,8 @@ class Pacer {
   Pacer() {
     const char* env = std::getenv("JDIST_NATIVE_BACKGROUND_SEGMENT_BYTES");
     segment_bytes_ = env ? std::atoll(env) : kDefaultSegmentBytes;
+    const char* window = std::getenv("JDIST_NATIVE_BACKGROUND_WINDOW");
+    window_ = std::clamp(window ? std::atoi(window) : 1, 1, 32);
   }
 
   // Whether background sums are paced; with <= 0 bytes they cross as any sum.
@@ -56,19 +60,24 @@ class Pacer {
     lanes_[e->ordinal].exchanges.push_back(e);
   }
 
-  // `e` is reduced locally: returns its lane's next segment to post, if the
-  // lane was idle (else the segment in flight's completion posts it).
-  std::shared_ptr<Segment> Reduced(Exchange& e) {
+  // `e` is reduced locally: returns its lane's segments to post now, if any
+  // (else a completion of a segment in flight posts them).
+  std::vector<std::shared_ptr<Segment>> Reduced(Exchange& e) {
     std::lock_guard<std::mutex> lock(mu_);
     e.reduced = true;
     return NextLocked(e.ordinal);
   }
 
-  // Segment `s` of a background sum crossed: the next one of its lane to
-  // post, or null.
-  std::shared_ptr<Segment> Crossed(const Segment& s) {
+  // Segment `s` of a background sum crossed: the segments of its lane to
+  // post now, if any.
+  std::vector<std::shared_ptr<Segment>> Crossed(const Segment& s) {
     std::lock_guard<std::mutex> lock(mu_);
-    lanes_[s.exchange->ordinal].busy = false;
+    Lane& lane = lanes_[s.exchange->ordinal];
+    --lane.in_flight;
+    if (lane.in_flight == 0 && lane.next < 0) {  // its last segment crossed: the next sum
+      lane.exchanges.pop_front();
+      lane.next = 0;
+    }
     return NextLocked(s.exchange->ordinal);
   }
 
@@ -76,37 +85,40 @@ class Pacer {
   static constexpr int64_t kDefaultSegmentBytes = 64 << 10;
 
   // One ordinal's background sums, oldest first; `next`: the first one's next
-  // segment; `busy`: a segment is on the wire.
+  // segment (-1: all posted); `in_flight`: its segments on the wire.
   struct Lane {
     std::deque<std::shared_ptr<Exchange>> exchanges;
     int next = 0;
-    bool busy = false;
+    int in_flight = 0;
   };
 
-  std::shared_ptr<Segment> NextLocked(int64_t ordinal) {
-    auto found = lanes_.find(ordinal);
-    if (found == lanes_.end()) return nullptr;
-    Lane& lane = found->second;
-    if (lane.busy || lane.exchanges.empty() || !lane.exchanges.front()->reduced) {
-      return nullptr;
+  // The lane's next segments, as many as its window has room for.
+  std::vector<std::shared_ptr<Segment>> NextLocked(int64_t ordinal) {
+    std::vector<std::shared_ptr<Segment>> ready;
+    Lane& lane = lanes_[ordinal];
+    while (lane.in_flight < window_ && lane.next >= 0 && !lane.exchanges.empty() &&
+           lane.exchanges.front()->reduced) {
+      ready.push_back(NextOf(lane));
     }
+    return ready;
+  }
+
+  std::shared_ptr<Segment> NextOf(Lane& lane) {
     auto segment = std::make_shared<Segment>();
     segment->exchange = lane.exchanges.front();
     const Exchange& e = *segment->exchange;
     segment->index = lane.next++;
     segment->begin = std::min<int64_t>(e.count, e.segment_elems * segment->index);
     segment->count = std::min<int64_t>(e.count, segment->begin + e.segment_elems) - segment->begin;
-    lane.busy = true;
-    if (segment->begin + segment->count == e.count) {  // its last: the lane moves on
-      lane.exchanges.pop_front();
-      lane.next = 0;
-    }
+    ++lane.in_flight;
+    if (segment->begin + segment->count == e.count) lane.next = -1;  // its last
     return segment;
   }
 
   std::mutex mu_;
   std::map<int64_t, Lane> lanes_;
   std::atomic<int64_t> segment_bytes_{kDefaultSegmentBytes};
+  int window_ = 1;  // segments of a lane on the wire at most
 };
 
 }  // namespace jdist
