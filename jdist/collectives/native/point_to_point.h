@@ -175,8 +175,8 @@ class PointToPoint {
   static constexpr int64_t kNodeSegmentBytes = 256 << 10;   // node-aware sums
   static constexpr int64_t kAutoSegments = -1;  // segment_bytes_: by the groups
 
-  // Background sums' segments past max_segments_ reuse tags: one at a time per
-  // ordinal (pacing.h), so MPI's message order pairs them.
+  // Background sums' segments past max_segments_ reuse tags, never two with
+  // one tag in flight (pacing.h), so MPI's message order pairs them.
   int Tag(const Segment& s, int phase) const {
     return static_cast<int>(kPhases * (s.exchange->ordinal * max_segments_ +
                                        s.index % max_segments_) + phase);
