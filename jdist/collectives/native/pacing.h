@@ -16,10 +16,11 @@
 // sums run on a communicator of their own (point_to_point.h), in one lane
 // per ordinal, in the order they became ready (their call order, the same
 // on every process), segment by segment, the next sum once the previous one
-// crossed. Segments past the tag space's count reuse tags (32 apart; the
-// window is at most 32), never while one with the same tag is in flight, so
-// MPI's non-overtaking rule pairs them; lanes of different ordinals use different tags and never wait
-// for each other, so no process waits on an order another one chose.
+// crossed. Segments past the tag space's count per exchange (32 or more)
+// reuse tags, that count apart; the window is at most 32, so never while
+// one with the same tag is in flight, and MPI's non-overtaking rule pairs
+// them. Lanes of different ordinals use different tags and never wait for
+// each other, so no process waits on an order another one chose.
 #ifndef JDIST_COLLECTIVES_NATIVE_PACING_H_
 #define JDIST_COLLECTIVES_NATIVE_PACING_H_
 
