@@ -13,6 +13,8 @@ run); an exchange left in flight at the end is dropped without a hang.
 """
 
 
+import tempfile
+
 import jax
 import numpy as np
 import optax
@@ -99,3 +101,37 @@ def test_checkpoint_with_an_exchange_in_flight_resumes_exactly(topo):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6,
                                  err_msg=name)
   deferred.drain()
+
+
+def test_jdist_train_diloco_delay_reaches_the_state(topo, capsys):
+  """`jdist train --diloco-delay/--diloco-mix` build `jdist.diloco(delay=, mix=)`.
+
+  H = 4, 2 fragments: fragment 1 exchanges at step 8, the last, and would be
+  applied at step 9, so the run ends with it in flight: on the native route
+  (several processes) its token is in the state's `in_flight`, in one
+  process the average sits in `pending` (the in-step path).
+  """
+  from tests.test_diloco import _train  # pylint: disable=import-outside-toplevel
+  log = tempfile.mktemp(suffix=".jsonl")
+  flags = ("--diloco", "4", "--diloco-fragments", "2")
+  plain = _train(topo, log, *flags)
+  run = _train(topo, log, *flags, "--diloco-delay", "1", "--diloco-mix", "0.5")
+  assert run["config"]["diloco_delay"] == 1 and run["config"]["diloco_mix"] == 0.5
+  assert [record["outer_syncs"] for record in run["epochs"]] == [2, 4]
+  state = run["state"]["opt_state"]
+  assert plain["state"]["opt_state"].in_flight == ()  # delay 0: no such state
+  assert np.shape(state.in_flight) == (2,) + deferred.TOKEN_SHAPE
+  flight = np.asarray(state.in_flight)
+  assert not flight[0].any()  # fragment 0's exchange (step 6) was applied at step 7
+  mixed = [np.asarray(leaf) for leaf in jax.tree.leaves(state.pending)]
+  if topo.process_count > 1:
+    assert flight[1][2] != 0  # started at step 8, a token of this run's session
+  else:
+    assert not flight.any()
+  assert any(np.any(leaf != 0) for leaf in mixed)  # the shares or the average held
+  printed = capsys.readouterr().out
+  if topo.is_primary:
+    assert "applied 1 steps later, mix 0.5" in printed
+  differ = [not np.allclose(a, b) for a, b in zip(
+      jax.tree.leaves(plain["state"]["params"]), jax.tree.leaves(run["state"]["params"]))]
+  assert any(differ)

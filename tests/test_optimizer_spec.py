@@ -39,6 +39,9 @@ FLAG_CASES = {
     "--diloco-fragments": (["--diloco", "2"], ["--diloco", "2", "--diloco-fragments", "2"]),
     "--diloco-outer-lr": (["--diloco", "2"], ["--diloco", "2", "--diloco-outer-lr", "0.5"]),
     "--diloco-payload": (["--diloco", "2"], ["--diloco", "2", "--diloco-payload", "int8"]),
+    "--diloco-delay": (["--diloco", "2"], ["--diloco", "2", "--diloco-delay", "1"]),
+    "--diloco-mix": (["--diloco", "2", "--diloco-delay", "1"],
+                     ["--diloco", "2", "--diloco-delay", "1", "--diloco-mix", "0.5"]),
     "--local-sgd": ([], ["--local-sgd", "2"]),
     "--local-sgd-warmup": (["--local-sgd", "2"], ["--local-sgd", "2", "--local-sgd-warmup", "2"]),
 }
@@ -75,7 +78,9 @@ def test_spec_defaults_and_resume_lists_derive_from_the_spec():
   for name in optimizer_spec.FIELDS:
     assert name in resume_policy.RESUME_MUST_MATCH + resume_policy.RESUME_MAY_DIFFER, name
   assert "momentum_correction" in resume_policy.RESUME_MUST_MATCH
-  assert {"lr", "momentum", "weight_decay"} == set(resume_policy.RESUME_MAY_DIFFER)
+  assert {"lr", "momentum", "weight_decay", "diloco_mix"} == set(
+      resume_policy.RESUME_MAY_DIFFER)
+  assert "diloco_delay" in resume_policy.RESUME_MUST_MATCH  # it shapes the state
   spec = OptimizerSpec(half="bf16", sparsify="topk:0.01", momentum_correction=True)
   assert spec.describe() == "half bf16, sparsify topk:0.01 with momentum correction"
   assert hash(spec) == hash(dataclasses.replace(spec))  # the cache key

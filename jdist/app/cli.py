@@ -110,6 +110,12 @@ def build_train_parser(prog: str = "jdist train") -> argparse.ArgumentParser:
                      help="what DiLoCo's pseudo-gradient travels as (default: --half's, else "
                      "float32); int8/int4: levels with a float32 scale per 256 values, with "
                      "error feedback")
+  group.add_argument("--diloco-delay", type=int, default=defaults.diloco_delay,
+                     metavar="TAU", help="apply each fragment's outer step TAU steps after its "
+                     "exchange (0 <= TAU < H), which runs in the background meanwhile")
+  group.add_argument("--diloco-mix", type=float, default=defaults.diloco_mix, metavar="M",
+                     help="on an outer step, keep the share M of the local parameters "
+                     "(0 <= M < 1; Streaming DiLoCo uses 0.5 with a delay)")
   group.add_argument("--local-sgd", type=int, metavar="H",
                      help="post-local SGD: local steps, parameters averaged every H steps")
   group.add_argument("--local-sgd-warmup", type=int, default=defaults.local_sgd_warmup,

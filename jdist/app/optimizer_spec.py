@@ -75,6 +75,12 @@ class OptimizerSpec:
     diloco_payload: None (`half`'s, else float32) or one of
       `DILOCO_PAYLOADS`: what the pseudo-gradient travels as ("int8" and
       "int4" keep an error-feedback residual in the state).
+    diloco_delay: τ, inner steps between a fragment's exchange and its outer
+      step (`jdist.diloco`'s `delay`; the exchange runs in the background
+      meanwhile on the native route, float32 payload); 0 <= τ < H. Must match
+      on resume: it shapes the state (exchanges in flight).
+    diloco_mix: on an outer step, the share of the local parameters kept
+      (`jdist.diloco`'s `mix`, 0 <= mix < 1).
     local_sgd: None or H: post-local SGD, parameters averaged every H local
       steps (`jdist.local_sgd`).
     local_sgd_warmup: fully synchronous steps before local SGD starts.
@@ -97,6 +103,8 @@ class OptimizerSpec:
   diloco_fragments: int = dataclasses.field(default=1, metadata=_STATE)
   diloco_outer_lr: float = dataclasses.field(default=0.7, metadata=_STATE)
   diloco_payload: str | None = dataclasses.field(default=None, metadata=_STATE)
+  diloco_delay: int = dataclasses.field(default=0, metadata=_STATE)
+  diloco_mix: float = dataclasses.field(default=0.0, metadata=_HYPER)
   local_sgd: int | None = dataclasses.field(default=None, metadata=_STATE)
   local_sgd_warmup: int = dataclasses.field(default=0, metadata=_STATE)
 
@@ -141,6 +149,7 @@ class OptimizerSpec:
       outer = optax.sgd(self.diloco_outer_lr, momentum=0.9, nesterov=True)
     return {"momentum_correction": correction, "diloco_fragments": self.diloco_fragments,
             "diloco_outer": outer, "diloco_payload": self.diloco_payload,
+            "diloco_delay": self.diloco_delay, "diloco_mix": self.diloco_mix,
             "local_sgd_warmup": self.local_sgd_warmup}
 
   def check(self, spell=lambda name: "--" + name.replace("_", "-")) -> None:
@@ -161,8 +170,10 @@ class OptimizerSpec:
       fragments = (f", {self.diloco_fragments} fragments" if self.diloco_fragments > 1 else "")
       payload = self.diloco_payload or self.half
       payload = f", pseudo-gradient in {payload}" if payload else ""
+      delay = (f", applied {self.diloco_delay} steps later" if self.diloco_delay else "")
+      delay += f", mix {self.diloco_mix:g}" if self.diloco_mix else ""
       return (f"diloco every {self.diloco} steps{fragments}, outer lr {self.diloco_outer_lr:g}"
-              f"{payload}" + (", skip non-finite" if self.skip_nonfinite else ""))
+              f"{payload}{delay}" + (", skip non-finite" if self.skip_nonfinite else ""))
     if self.local_sgd:
       warmup = (f" after {self.local_sgd_warmup} synchronous steps"
                 if self.local_sgd_warmup else "")

@@ -122,7 +122,7 @@ def train(config: TrainConfig, *, return_state: bool = False) -> dict[str, Any]:
   Args:
     config: the run's settings; checked with `jdist.app.config.validate`.
     return_state: add "state" to the summary: host copies of the final
-      {"params", "model_state"} of the first local replica.
+      {"params", "model_state", "opt_state"} of the first local replica.
 
   Returns:
     The summary (the log's final record): "epochs" (one record per epoch:
@@ -221,6 +221,6 @@ def train(config: TrainConfig, *, return_state: bool = False) -> dict[str, Any]:
   out.say(f"done: {len(history)} epoch(s), {run.step} steps in {total_time:.1f} s{final}")
   if return_state:
     summary["state"] = jax.device_get(jdist.unreplicate(
-        {"params": run.state["params"], "model_state": run.state["model_state"]}))
+        {key: run.state[key] for key in ("params", "model_state", "opt_state")}))
   return summary
 

@@ -369,7 +369,6 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
           outer_leaves, state.outer_states, pending)
       pending = jax.tree.unflatten(treedef, pending)
       in_flight = state.in_flight
-      in_flight = state.in_flight
     else:
       def sync(p, updates, params, outer_now, outer_states, residual):
         averaged, residual = exchange(p, updates, params, outer_now, residual)

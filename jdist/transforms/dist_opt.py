@@ -50,8 +50,10 @@ _DILOCO = protocol.Scheme(
     "diloco", "wrap", protocol.enabled,
     lambda every, o, inner, chosen: diloco_tx(
         inner, sync_every=every, outer=o.diloco_outer, fragments=o.diloco_fragments,
+        delay=o.diloco_delay, mix=o.diloco_mix,
         payload=choose_payload(chosen.get("half"), o.diloco_payload)),
-    options=("diloco_fragments", "diloco_outer", "diloco_payload"), combines_with=("half",),
+    options=("diloco_fragments", "diloco_outer", "diloco_payload", "diloco_delay",
+             "diloco_mix"), combines_with=("half",),
     does="averages pseudo-gradients every H steps")
 _LOCAL_SGD = protocol.Scheme(
     "local_sgd", "wrap", protocol.enabled,
@@ -146,6 +148,8 @@ def dist_opt(inner: optax.GradientTransformation, *,
              diloco_fragments: int = 1,
              diloco_outer: optax.GradientTransformation | None = None,
              diloco_payload: Any = None,
+             diloco_delay: int = 0,
+             diloco_mix: float = 0.0,
              local_sgd_warmup: int = 0) -> optax.GradientTransformation:
   """Wraps `inner` so its gradients are averaged over every replica.
 
@@ -189,6 +193,11 @@ def dist_opt(inner: optax.GradientTransformation, *,
     diloco_payload: diloco only: what the pseudo-gradient travels as (None:
       `half`'s dtype, else float32; or "float32", "bf16", "fp16", "int8",
       "int4": `jdist.diloco`'s `payload`).
+    diloco_delay: diloco only: τ, steps between a fragment's exchange and
+      its outer step (`jdist.diloco`'s `delay`: the exchange runs in the
+      background meanwhile on the native route).
+    diloco_mix: diloco only: the local share kept when an outer step lands
+      (`jdist.diloco`'s `mix`).
     local_sgd_warmup: local_sgd only: fully synchronous steps first.
 
   Returns:
