@@ -60,6 +60,14 @@ LOCAL_MODES = {
     "sdiloco32": {"diloco": 32, "diloco_fragments": 4},
     "diloco32_int8": {"diloco": 32, "diloco_payload": "int8"},
     "diloco128_int8": {"diloco": 128, "diloco_payload": "int8"},
+    # The outer sync in the background (float32, native route): each fragment's
+    # exchange runs across `diloco_delay` inner steps, then lands with mix 0.5.
+    "sdiloco32_bg": {"diloco": 32, "diloco_fragments": 4, "diloco_delay": 8,
+                     "diloco_mix": 0.5},
+    "diloco128_bg": {"diloco": 128, "diloco_delay": 32, "diloco_mix": 0.5},
+    # Streaming DiLoCo with 8-/4-bit pseudo-gradients (exchanged in the sync step).
+    "sdiloco32_int8": {"diloco": 32, "diloco_fragments": 4, "diloco_payload": "int8"},
+    "sdiloco32_int4": {"diloco": 32, "diloco_fragments": 4, "diloco_payload": "int4"},
     "local_sgd8": {"local_sgd": 8, "local_sgd_warmup": LOCAL_SGD_WARMUP},
     "local_sgd32": {"local_sgd": 32, "local_sgd_warmup": LOCAL_SGD_WARMUP},
 }

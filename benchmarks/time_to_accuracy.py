@@ -17,7 +17,10 @@ momentum 0.9), the same initial weights, data order and rows per rank for
 jdist's modes (`benchmarks.accuracy.MODES`: plain, fp16, topk1%, powersgd4,
 powersgd1, ..., and the modes that exchange parameters every H steps:
 diloco8/32/128, sdiloco32 (Streaming DiLoCo, 4 fragments), diloco32_int8 and
-diloco128_int8 (8-bit pseudo-gradients, `diloco_payload="int8"`), local_sgd8/32
+diloco128_int8 (8-bit pseudo-gradients, `diloco_payload="int8"`), sdiloco32_int8/_int4,
+sdiloco32_bg and diloco128_bg (the outer sync in the background: `diloco_delay`,
+`diloco_mix=0.5`; these local-update modes return each replica's own loss, so
+nothing crosses processes between syncs), local_sgd8/32
 (post-local SGD after 32 synchronous steps)), for `compute_floor` (the same
 inner SGD steps with no exchange at all) and for DDP over gloo (`ddp`,
 `ddp_fp16`, `ddp_powersgd`, `ddp_postlocal`: PyTorch's post-local SGD with

@@ -99,7 +99,9 @@ def _local_lines(results: dict) -> list[str]:
     lines.append(
         "- Low-communication modes: `dist_opt(inner, diloco=H)` (`jdist.diloco`, inner = "
         "the same SGD, outer `optax.sgd(0.7, momentum=0.9, nesterov=True)`; sdiloco32: "
-        "4 fragments, no delay; _int8: `diloco_payload=\"int8\"`), "
+        "4 fragments, no delay; _bg: `diloco_delay` (sdiloco32_bg 8, diloco128_bg 32) and "
+        "`diloco_mix=0.5`, the sync in the background; _int8/_int4: "
+        "`diloco_payload=\"int8\"`/`\"int4\"`), "
         "`dist_opt(inner, local_sgd=H, local_sgd_warmup=32)`; "
         "ddp_postlocal: PyTorch's `post_localSGD_hook` (start_localSGD_iter 32) + "
         "`PostLocalSGDOptimizer` with `PeriodicModelAverager(period=32, warmup_steps=32)`. "

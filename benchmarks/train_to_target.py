@@ -9,7 +9,9 @@ of `benchmarks.accuracy.epoch_batches` (the same order everywhere):
   * a jdist mode of `benchmarks.accuracy.MODES` (`JdistTrainer`:
     `jdist.dist_opt(optax.sgd(0.005, momentum=0.9), **mode)`; DiLoCo and
     local SGD modes test the replicas' average, which after a sync step is
-    the synced model);
+    the synced model, and their steps return the replica's own loss, so
+    nothing crosses processes between syncs: the rows' `train_loss` is
+    then rank 0's own);
   * "compute_floor" (`FloorTrainer`): the same inner SGD step on each
     rank's own rows with no exchange at all (not even the loss), so its
     training seconds after S steps are what any exchange scheme costs at
@@ -174,7 +176,9 @@ class JdistTrainer:
 
   def __init__(self, mode: str, model, params: Any, data, replicas):
     tx = accuracy.mode_transformation(mode)
-    self.start(mode, tx, workload.jdist_step(model, tx), params, replicas)
+    # Local-update modes: nothing crosses processes between syncs, not even the loss.
+    step = (workload.compute_step if mode in accuracy.LOCAL_MODES else workload.jdist_step)
+    self.start(mode, tx, step(model, tx), params, replicas)
     self.data = data
     self.accuracy_of = accuracy.make_evaluate(model, data)
 

@@ -119,7 +119,10 @@ def shard_map_step(model: nn.Module, tx: optax.GradientTransformation):
 
 
 def compute_step(model: nn.Module, tx: optax.GradientTransformation):
-  """The same step with no reduction: each replica applies its own gradients."""
+  """The same step with no reduction of its own: each replica hands `tx` its own
+  gradients and returns its own loss. With a plain optax `tx` nothing is
+  exchanged (the compute floor); with `jdist.diloco` / `jdist.local_sgd`, only
+  their syncs are (the local-update modes of `benchmarks.train_to_target`)."""
 
   @jdist.data_parallel
   def step(params, opt_state, x, y):

@@ -456,3 +456,28 @@ def test_ddp_post_local_sgd_on_one_rank_trains_like_plain_sgd(monkeypatch):
     assert 0.0 <= trainer.evaluate() <= 1.0
   finally:
     dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode, local", [("plain", False), ("sdiloco32_bg", True),
+                                         ("local_sgd32", True)])
+def test_local_update_modes_step_on_their_own_loss(topo, mode, local):
+  # DiLoCo and local SGD exchange nothing between syncs: their harness step
+  # returns each replica's own loss (no per-step mean across processes);
+  # the other modes still return the mean over every replica.
+  import types  # pylint: disable=import-outside-toplevel
+  from benchmarks import workload  # pylint: disable=import-outside-toplevel
+  shape = (8, 8, 1)
+  flax_model = models.create_model("cnn", num_classes=10, input_shape=shape)
+  params, _ = models.init_model(flax_model, jax.random.key(0), shape)
+  rng = np.random.default_rng(0)
+  replicas, batch = topo.replica_count, 4
+  data = types.SimpleNamespace(
+      train_x=rng.random((replicas * batch,) + shape, dtype=np.float32),
+      train_y=rng.integers(0, 10, replicas * batch).astype(np.int32))
+  trainer = train_to_target.JdistTrainer(mode, flax_model, params, data, topo.replica_indices)
+  indices = np.arange(replicas * batch).reshape(replicas, batch)
+  losses = [float(workload.loss_and_grads(flax_model, params, data.train_x[rows],
+                                          data.train_y[rows])[0]) for rows in indices]
+  expected = losses[topo.replica_indices[0]] if local else np.mean(losses)
+  assert trainer.step(indices) == pytest.approx(expected, rel=1e-5)
+  assert len(set(np.round(losses, 6))) == replicas  # the replicas' losses differ
