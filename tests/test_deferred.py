@@ -103,3 +103,22 @@ def test_finish_without_start_is_an_error_not_a_hang_subprocess():
     assert "asks for 12 bytes; its start sent 32" in row["wrong_size"], row
     assert row["sum"] == 4.0  # the failed finish read nothing: the sum is still there
     assert re.search(r"\(call -1\).*never started", row["none_left"]), row
+
+
+def test_an_exchange_of_another_step_passes_one_in_flight(topo):
+  # A deferred sum stays in flight while other steps run their own exchanges,
+  # whose ordinals count from 0 in every step: the deferred ones take
+  # ordinals of their own (`deferred.ORDINAL_BASE` up), or two exchanges
+  # with one MPI tag would be on the wire at once and could pair with each
+  # other's messages (seen: a DiLoCo sum in flight across an evaluation's
+  # parameter mean, "rank 0 sent 10020 bytes where 862160 were expected").
+  _native(topo)
+  deferred.drain()
+  other = jdist.data_parallel(lambda x: jdist.collectives.psum(x))
+  small = np.ones((topo.local_device_count, 7), np.float32)
+  for seed in range(4):
+    token = _start(_inputs(topo, seed))
+    assert np.all(np.asarray(token)[:, 0] >= deferred.ORDINAL_BASE)
+    np.testing.assert_array_equal(np.asarray(other(small)), topo.replica_count)
+    _check(topo, _finish(token), seed)
+  assert deferred.drain() == 0

@@ -60,6 +60,12 @@ FINISH_TARGET = "jdist_deferred_finish"
 SESSION_TARGET = "jdist_deferred_session"
 HELD_TARGET = "jdist_deferred_held"
 TOKEN_SHAPE = (3,)  # [ordinal, seq, session]; session 0: nothing in flight
+# A started sum stays on the wire while later steps run exchanges of their
+# own, whose ordinals count from 0 in every step; the engine tags messages by
+# ordinal and segment, so deferred sums take ordinals above any step's
+# (and below the unscoped ones, `steps._UNSCOPED_FIRST`): no two exchanges
+# in flight share a tag.
+ORDINAL_BASE = 1 << 19
 _registered = False
 
 
@@ -120,7 +126,7 @@ def start(buffer: jax.Array, axis: str = DATA_AXIS) -> jax.Array:
   _library()
   return jax.ffi.ffi_call(START_TARGET, jax.ShapeDtypeStruct(TOKEN_SHAPE, np.int32),
                           has_side_effect=True)(
-      _device(axis), buffer, ordinal=np.int64(steps.next_ordinal()))
+      _device(axis), buffer, ordinal=np.int64(ORDINAL_BASE + steps.next_ordinal()))
 
 
 def finish(token: jax.Array, like: jax.ShapeDtypeStruct, axis: str = DATA_AXIS) -> jax.Array:
