@@ -26,7 +26,10 @@ rank 0 measures the test accuracy and every rank takes rank 0's figure
 (`jdist.runtime.host.allgather_object`), so all ranks decide alike whether
 the target is reached; with `stop_at_target` the run ends there. With `max_seconds` a run also
 ends once its training seconds reach it (after an evaluation there, if the
-step had none): its final row says `capped`. Rows: one
+step had none): its final row says `capped`. Rank 0's seconds decide, shared
+after every step outside the clock, so every rank stops after the same step
+(decided apart, one rank evaluated while the other stepped on: seen as
+DDP post-local SGD's all-reduce failing at its cap). Rows: one
 per evaluation (`kind` "eval": step, epoch fraction, training seconds so
 far, test accuracy, mean training loss since the previous one), then one
 `kind` "final" row (time and steps to target, None if never reached; the
@@ -130,7 +133,9 @@ def run_to_target(trainer, schedule: Schedule, batches: Callable[[int], Any], *,
       step_times.append(clock() - start)
       step += 1
       trained += step_times[-1]
-      capped = bool(schedule.max_seconds) and trained >= schedule.max_seconds
+      # Rank 0's clock decides (shared outside the clock): ranks that decide
+      # apart would run different exchanges (one evaluating, one stepping).
+      capped = bool(schedule.max_seconds) and bool(share(trained >= schedule.max_seconds))
       if not (schedule.evaluates_after(step) or capped):
         continue
       trainer.sync()

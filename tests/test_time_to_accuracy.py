@@ -304,6 +304,21 @@ def test_a_capped_run_stops_at_max_seconds_with_an_evaluation_there():
   assert final["stopped_at_target"] and not final["capped"]
 
 
+def test_every_rank_stops_at_the_cap_rank_0_decides():
+  # This rank's clock is behind rank 0's: it stops where rank 0 reached the
+  # cap (step 3 here), not at its own step 6, so both run the same exchanges.
+  schedule = train_to_target.Schedule(epochs=2, steps_per_epoch=10, eval_every=4,
+                                      target=0.9, max_seconds=6)
+  decisions = iter([False, False, True])
+
+  def share(value):  # rank 0's value: its cap decisions, then its accuracy
+    return next(decisions) if isinstance(value, bool) else 0.4
+
+  curve, final = _run(FakeTrainer([]), schedule, is_root=False, share=share)
+  assert final["capped"] and final["steps"] == 3
+  assert [(p["step"], p["test_accuracy"]) for p in curve] == [(3, 0.4)]
+
+
 def test_caps_are_name_or_name_at_link_equals_seconds():
   links = ["10mbit", "100mbit"]
   assert time_to_accuracy.parse_caps("plain@10mbit=120,ddp=60", links) == {
