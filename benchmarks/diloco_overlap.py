@@ -10,6 +10,9 @@ variants train in blocks of `--sync-every` consecutive steps, the variants
 alternating block by block for `--rounds` rounds:
 
   * `compute`: the same step with no exchange at all (the compute floor);
+  * `no_sync`: the DiLoCo step of the other variants (its bookkeeping, the
+    loss mean every step) with a sync period longer than the run, so it
+    never syncs: the reference for the outer sync's own cost;
   * `in_step`: `jdist.diloco(..., fragments=P, delay=0)`: each fragment's
     averaged pseudo-gradient is exchanged inside the step that starts it, so
     a sync step waits for the wire;
@@ -27,7 +30,8 @@ included. Blocks start after `τ + 1` warm-up steps past a multiple of H / P,
 so every exchange a block starts is also read inside it (checked: the row
 says how many were still in flight at the block's end). Each variant's
 exposed sync time is its block time minus the `compute` block of the same
-round, over `compute`'s (median over rounds).
+round, over `compute`'s (median over rounds); its outer sync's share
+(`sync_share`) is the same against the `no_sync` block of the round.
 """
 
 from __future__ import annotations
@@ -44,11 +48,13 @@ import numpy as np
 import optax
 
 import jdist
+from jdist.transforms import diloco
 from benchmarks import compression
 from benchmarks import workload
 
 PER_REPLICA_BATCH = 64
-VARIANTS = ("compute", "in_step", "background", "unpaced")
+VARIANTS = ("compute", "no_sync", "in_step", "background", "unpaced")
+NEVER = 1 << 30  # `no_sync`'s period: longer than any run
 SMALL_BYTES = 64  # exchanges up to this size are a step's own (the loss mean)
 
 
@@ -56,8 +62,9 @@ def _transformation(variant: str, options: dict) -> optax.GradientTransformation
   inner = optax.sgd(compression.LEARNING_RATE)
   if variant == "compute":
     return inner
-  delay = 0 if variant == "in_step" else int(options["delay"])
-  return jdist.diloco(inner, sync_every=int(options["sync_every"]),
+  delay = 0 if variant in ("in_step", "no_sync") else int(options["delay"])
+  sync_every = NEVER if variant == "no_sync" else int(options["sync_every"])
+  return jdist.diloco(inner, sync_every=sync_every,
                       fragments=int(options["fragments"]), delay=delay)
 
 
@@ -160,17 +167,22 @@ def run(ctx):
         seen[variant] = max(seen[variant], _in_flight(stepper.state[1]))
         spans[variant].append((start, time.monotonic_ns()))
     spans[variant] = (spans[variant], _take_trace())
-  compute = blocks["compute"]
+  compute, no_sync = blocks["compute"], blocks["no_sync"]
   for variant in VARIANTS:
     exposed = [(b - c) / c for b, c in zip(blocks[variant], compute)]
+    sync_share = [(b - n) / n for b, n in zip(blocks[variant], no_sync)]
     behind, alone = (_small_waits(traced[variant], flag) for flag in (True, False))
     yield {"variant": variant, "block_s": statistics.median(blocks[variant]),
            "step_s": statistics.median(blocks[variant]) / sync_every,
-           "exposed_share": statistics.median(exposed), "rounds": rounds,
+           "exposed_share": statistics.median(exposed),
+           "sync_share": None if variant == "compute" else statistics.median(sync_share),
+           "rounds": rounds,
            "sync_every": sync_every, "fragments": fragments,
            "delay": int(options["delay"]) if variant in ("background", "unpaced") else 0,
            "route": jdist.collectives.route(), "in_flight_at_block_end": left[variant],
            "most_in_flight": seen[variant], "exchanges": _placed(*spans[variant]),
+           "outer_syncs": None if variant == "compute" else int(
+               jax.numpy.ravel(diloco.outer_syncs(steppers[variant].state[1]))[0]),
            "small_waits_ms_behind_fragment": behind, "small_waits_ms_alone": alone}
 
 
@@ -210,7 +222,10 @@ def main(args: argparse.Namespace) -> int:
     print(f"== {link.name} (load average {', '.join(f'{x:.1f}' for x in os.getloadavg())})")
     for row in result.get("sections", {}).get("diloco_overlap", {}).get("rows", []):
       print(f"{row['variant']:>10}: {row['step_s'] * 1e3:7.1f} ms/step, exposed "
-            f"{100 * row['exposed_share']:6.1f}% of compute, in flight at block end "
+            f"{100 * row['exposed_share']:6.1f}% of compute"
+            + ("" if row["sync_share"] is None else
+               f", outer sync {100 * row['sync_share']:5.1f}% of no_sync") +
+            f", in flight at block end "
             f"{row['in_flight_at_block_end']}, most in flight {row['most_in_flight']}, "
             f"route {row['route']}")
       for label, key in (("behind a fragment", "behind_fragment"), ("alone", "alone")):
