@@ -48,6 +48,9 @@ def check_mapped_inputs(args: Sequence[Any], positions: Sequence[int], devices: 
                         name: str) -> None:
   """Raises ShapeError unless every mapped leaf has leading size `devices`."""
   for position in positions:
+    # Runs before every step: the message (paths, text) is built only for a bad leaf.
+    if all(np.shape(leaf)[:1] == (devices,) for leaf in jax.tree.leaves(args[position])):
+      continue
     for path, leaf in jax.tree_util.tree_leaves_with_path(args[position]):
       problem = batches.leading_axis_error(
           f"{name}: argument {position}{jax.tree_util.keystr(path)}", np.shape(leaf), devices,
