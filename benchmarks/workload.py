@@ -19,6 +19,7 @@ Three steps on the same model and data:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -161,7 +162,13 @@ def setup(name: str, per_replica: int, seed: int = 0) -> Setup:
                models.param_count(params))
 
 
+@functools.cache
+def local_sharding() -> NamedSharding:
+  """Axis 0 split over this process's devices (built once: a step's inputs use it)."""
+  return NamedSharding(Mesh(np.array(jax.local_devices()), ("devices",)),
+                       PartitionSpec("devices"))
+
+
 def shard(array: np.ndarray) -> jax.Array:
   """A host array [local_devices, ...] split over the local devices along axis 0."""
-  mesh = Mesh(np.array(jax.local_devices()), ("devices",))
-  return jax.device_put(array, NamedSharding(mesh, PartitionSpec("devices")))
+  return jax.device_put(array, local_sharding())
