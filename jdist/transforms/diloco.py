@@ -31,9 +31,8 @@ DiLoCo, OpenDiLoCo and INTELLECT-1): what a replica's encoding missed
 pseudo-gradient, so the error does not build up over the outer steps.
 
 Steps are counted by the state, the same on every replica, so every replica
-takes the same branch of the switch that holds a fragment's exchange
-(`jdist.transforms.gated`: a step that syncs nothing copies nothing): only
-sync steps send bytes (`DiLoCoState.wire_bytes`, by the collective
+takes the same branch of the `lax.switch` that holds a fragment's exchange:
+only sync steps send bytes (`DiLoCoState.wire_bytes`, by the collective
 layer's ledger).
 
 The updates returned move `params` to the new local parameters (on a
@@ -52,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 
 from jdist import collectives
 from jdist import fusion
@@ -60,7 +60,6 @@ from jdist.compression import protocol
 from jdist.compression import qsgd as qsgd_lib
 from jdist.runtime import topology as topology_lib
 from jdist.transforms import diloco_background as background
-from jdist.transforms import gated
 
 PAYLOADS = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
 QUANTIZED = {"int8": 8, "int4": 4}  # payload -> bits per value on the wire
@@ -322,62 +321,64 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
       return updates, outer_now, tuple(outer_states)
 
     pending, in_flight = (), ()
-    index = due(step, offsets, sync_every)
-    applying = due(step - delay, offsets, sync_every)
     if background.applies(delay, codec):  # on the native route: across the delay
-      def start(p, carry, updates, params, outer_now):
-        pending, flight = carry
+      def start(p, pending, flight, updates, params, outer_now):
         delta = [outer_now[i] - (params[i] + updates[i]).astype(params[i].dtype)
                  for i in plan[p]]
         pending, token, sent[p + 1] = background.start(delta, pending, plan[p])
         return pending, flight.at[p].set(token)
 
-      pending, in_flight = gated.switch_or_keep(
-          index, [functools.partial(start, p) for p in range(fragments)],
-          (treedef.flatten_up_to(state.pending), state.in_flight), updates, param_leaves,
+      index = due(step, offsets, sync_every)
+      pending, in_flight = lax.switch(index, [lambda pend, flight, *_: (pend, flight)] + [
+          functools.partial(start, p) for p in range(fragments)],
+          treedef.flatten_up_to(state.pending), state.in_flight, updates, param_leaves,
           outer_leaves)
 
-      def finish(p, carry, params, pending):
-        updates, outer_now, outer_states, flight = carry
+      def finish(p, updates, params, outer_now, outer_states, pending, flight):
         averaged = background.average([pending[i] for i in plan[p]], flight[p])
         return apply(p, averaged, updates, params, outer_now, outer_states) + (
             flight.at[p].set(0),)
 
-      updates, outer_leaves, outer_states, in_flight = gated.switch_or_keep(
-          applying, [functools.partial(finish, p) for p in range(fragments)],
-          (updates, outer_leaves, state.outer_states, in_flight), param_leaves, pending)
+      branches = [lambda u, pa, o, s, pend, flight: (u, o, s, flight)] + [
+          functools.partial(finish, p) for p in range(fragments)]
+      updates, outer_leaves, outer_states, in_flight = lax.switch(
+          due(step - delay, offsets, sync_every), branches, updates, param_leaves,
+          outer_leaves, state.outer_states, pending, in_flight)
       pending = jax.tree.unflatten(treedef, pending)
     elif delay:
-      def stash(p, carry, updates, params, outer_now):
-        pending, residual = list(carry[0]), carry[1]
+      def stash(p, pending, residual, updates, params, outer_now):
+        pending = list(pending)
         averaged, residual = exchange(p, updates, params, outer_now, residual)
         for i, value in zip(plan[p], averaged):
           pending[i] = value
         return pending, residual
 
-      pending, residual = gated.switch_or_keep(
-          index, [functools.partial(stash, p) for p in range(fragments)],
-          (treedef.flatten_up_to(state.pending), residual), updates, param_leaves, outer_leaves)
+      index = due(step, offsets, sync_every)
+      pending, residual = lax.switch(index, [lambda pend, res, *_: (pend, res)] + [
+          functools.partial(stash, p) for p in range(fragments)],
+          treedef.flatten_up_to(state.pending), residual, updates, param_leaves, outer_leaves)
 
-      def apply_pending(p, carry, params, pending):
-        updates, outer_now, outer_states = carry
+      def apply_pending(p, updates, params, outer_now, outer_states, pending):
         return apply(p, [pending[i] for i in plan[p]], updates, params, outer_now,
                      outer_states)
 
-      updates, outer_leaves, outer_states = gated.switch_or_keep(
-          applying, [functools.partial(apply_pending, p) for p in range(fragments)],
-          (updates, outer_leaves, state.outer_states), param_leaves, pending)
+      branches = [lambda u, pa, o, s, pend: (u, o, s)] + [
+          functools.partial(apply_pending, p) for p in range(fragments)]
+      updates, outer_leaves, outer_states = lax.switch(
+          due(step - delay, offsets, sync_every), branches, updates, param_leaves,
+          outer_leaves, state.outer_states, pending)
       pending = jax.tree.unflatten(treedef, pending)
       in_flight = state.in_flight
     else:
-      def sync(p, carry, params):
-        updates, outer_now, outer_states, residual = carry
+      def sync(p, updates, params, outer_now, outer_states, residual):
         averaged, residual = exchange(p, updates, params, outer_now, residual)
         return apply(p, averaged, updates, params, outer_now, outer_states) + (residual,)
 
-      updates, outer_leaves, outer_states, residual = gated.switch_or_keep(
-          index, [functools.partial(sync, p) for p in range(fragments)],
-          (updates, outer_leaves, state.outer_states, residual), param_leaves)
+      index = due(step, offsets, sync_every)
+      branches = [lambda u, pa, o, s, res: (u, o, s, res)] + [
+          functools.partial(sync, p) for p in range(fragments)]
+      updates, outer_leaves, outer_states, residual = lax.switch(
+          index, branches, updates, param_leaves, outer_leaves, state.outer_states, residual)
     new_state = DiLoCoState(
         step=step, inner_state=inner_state,
         outer_params=jax.tree.unflatten(treedef, outer_leaves), outer_states=outer_states,

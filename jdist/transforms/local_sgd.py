@@ -8,8 +8,8 @@ gradients, and after every `sync_every` such local steps the parameters are
 averaged over every replica. The inner optimizer's state stays per replica.
 
 As in `jdist.diloco`, the step counter in the state decides, the same on
-every replica, whether a step exchanges (`jdist.transforms.gated`), so
-local steps send no bytes. Local SGD is DiLoCo with the outer optimizer `optax.sgd(1.0)`,
+every replica, whether a step exchanges (inside `lax.cond`), so local steps
+send no bytes. Local SGD is DiLoCo with the outer optimizer `optax.sgd(1.0)`,
 without keeping outer parameters.
 """
 
@@ -20,11 +20,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from jdist import collectives
 from jdist.compression import protocol
 from jdist.transforms import diloco as diloco_lib
-from jdist.transforms import gated
 
 
 @protocol.register_wire_state
@@ -81,8 +81,8 @@ def local_sgd(inner: optax.GradientTransformation, *, sync_every: int,
     if warmup_steps:
       warm = t < warmup_steps
       with collectives.measure() as ledger:
-        grads = gated.switch_or_keep(warm.astype(jnp.int32), [
-            lambda g: collectives.reduce_payload(g, mean=True)], grads)
+        grads = lax.cond(warm, lambda g: collectives.reduce_payload(g, mean=True),
+                         lambda g: g, grads)
       sent = jnp.where(warm, float(ledger.bytes), 0.0)
     updates, inner_state = inner.update(grads, state.inner_state, params)
 
@@ -93,7 +93,7 @@ def local_sgd(inner: optax.GradientTransformation, *, sync_every: int,
 
     sync = (t >= warmup_steps) & ((t + 1 - warmup_steps) % sync_every == 0)
     with collectives.measure() as ledger:
-      updates = gated.switch_or_keep(sync.astype(jnp.int32), [average], updates, params)
+      updates = lax.cond(sync, average, lambda u, p: u, updates, params)
     sent = sent + jnp.where(sync, float(ledger.bytes), 0.0)
     return updates, LocalSGDState(t + 1, inner_state, state.syncs + sync.astype(jnp.int32),
                                   sent.astype(jnp.float32))
