@@ -71,7 +71,18 @@ LOCAL_MODES = {
     "local_sgd8": {"local_sgd": 8, "local_sgd_warmup": LOCAL_SGD_WARMUP},
     "local_sgd32": {"local_sgd": 32, "local_sgd_warmup": LOCAL_SGD_WARMUP},
 }
+# Each DiLoCo mode's own compute floor: the same step (state, switch, payload
+# code) with a sync period longer than any run, so nothing crosses processes.
+NEVER = 1 << 30  # inner steps
+NO_SYNC = "_nosync"
+LOCAL_MODES.update({name + NO_SYNC: dict(options, diloco=NEVER)
+                    for name, options in list(LOCAL_MODES.items()) if "diloco" in options})
 MODES.update(LOCAL_MODES)
+
+
+def never_syncs(mode: str) -> bool:
+  """Whether `mode` is a DiLoCo mode's own compute floor (it exchanges nothing)."""
+  return mode.endswith(NO_SYNC) and mode in LOCAL_MODES
 LEARNING_RATE = 0.005  # SINGA's MNIST example: SGD(lr=0.005, momentum=0.9)
 MOMENTUM = 0.9
 SEED = 0

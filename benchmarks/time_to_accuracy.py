@@ -129,7 +129,9 @@ def parse_caps(text: str, links: list[str],
 
 
 def is_diloco(variant: str) -> bool:
-  return variant in accuracy.MODES and "diloco" in accuracy.MODES[variant]
+  """A DiLoCo mode that syncs (not a `*_nosync` floor)."""
+  return (variant in accuracy.MODES and "diloco" in accuracy.MODES[variant]
+          and not accuracy.never_syncs(variant))
 
 
 def resolve_best_diloco(runs: list[dict]) -> str | None:

@@ -40,6 +40,7 @@ ACCURACY_BOUND = 0.01
 REFERENCE = "ddp"  # DDP plain
 PLAIN = "plain"
 FLOOR = "compute_floor"
+NO_SYNC = "_nosync"  # benchmarks.accuracy.NO_SYNC: a DiLoCo mode's own floor, never syncing
 STATUS = {True: "met", False: "MISSED", None: "not measured"}
 
 
@@ -53,7 +54,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def is_diloco(variant: str) -> bool:
-  return "diloco" in variant
+  """A DiLoCo mode that syncs (its `*_nosync` floor is not one)."""
+  return "diloco" in variant and not variant.endswith(NO_SYNC)
 
 
 def is_local(variant: str) -> bool:
@@ -227,6 +229,28 @@ def at_step(runs: list[dict], variant: str, step: int) -> tuple[float | None, st
   return None, None
 
 
+def _own_floor(diloco: dict, runs: list[dict]) -> dict:
+  """DiLoCo at `TARGET_LINK` against the same DiLoCo step never syncing (its
+  `*_nosync` run there), at the same step: what the exchanges cost, without
+  the per-step cost of DiLoCo's own state, which the compute floor also counts."""
+  name = diloco["variant"] + NO_SYNC
+  row = {"target": "time to target: DiLoCo / the same DiLoCo step never syncing (same steps)",
+         "where": f"{TARGET_LINK} ({diloco['variant']})", "bound": f"<= {SLOW_BOUNDS['floor']}",
+         "measured": None, "kind": "", "met": None, "note": ""}
+  own = next((r for r in runs if r["link"] == TARGET_LINK and r["variant"] == name), None)
+  point = own and next((p for p in own.get("curve", [])
+                        if p["step"] == diloco["reached_step"]), None)
+  if point is None:
+    row["note"] = (f"{name} did not run there" if own is None
+                   else f"{name} has no evaluation at step {diloco['reached_step']}")
+    return row
+  value = diloco["time_to_target_s"] / point["train_s"]
+  row.update(measured=value, kind="=", met=value <= SLOW_BOUNDS["floor"],
+             note=f"{diloco['time_to_target_s']:.0f} s / {point['train_s']:.0f} s at step "
+             f"{point['step']}")
+  return row
+
+
 def slow_targets(runs: list[dict]) -> list[dict]:
   """Issue 28's targets: DiLoCo at `SLOW_LINK` and against its floor at `TARGET_LINK`."""
   rows = link_rows(runs, SLOW_LINK)
@@ -266,6 +290,8 @@ def slow_targets(runs: list[dict]) -> list[dict]:
                    note=f"{diloco['time_to_target_s']:.0f} s / {point['train_s']:.0f} s "
                    f"at step {point['step']}")
   found.append(floor)
+  if fast:
+    found.append(_own_floor(min(fast, key=lambda r: r["time_to_target_s"]), runs))
   accuracy = {"target": "test accuracy at equal steps: fastest DiLoCo - jdist plain",
               "where": best["variant"], "bound": f">= -{ACCURACY_BOUND} (at most one point "
               "below)",

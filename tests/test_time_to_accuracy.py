@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from benchmarks import __main__ as entry
+from benchmarks import accuracy
 from benchmarks import time_to_accuracy
 from benchmarks import time_to_accuracy_report as tta_report
 from benchmarks import train_to_target
@@ -360,9 +361,12 @@ def test_slow_targets_bound_a_capped_ddp_plain_and_compare_diloco_with_its_floor
         _slow_record("10mbit", "ddp_powersgd", reached=400.0),
         _slow_record("100mbit", "diloco128", reached=130.0, step=2816),
         _slow_record("100mbit", "compute_floor", train_s=160.0,
-                     curve=[(2816, 125.0, 0.85), (3072, 137.0, 0.85)])]
+                     curve=[(2816, 125.0, 0.85), (3072, 137.0, 0.85)]),
+        # Its own floor reached the target sooner, but it is no DiLoCo run to rank.
+        _slow_record("100mbit", "diloco128_nosync", reached=120.0, step=2816,
+                     curve=[(2816, 120.0, 0.881)])]
 
-  current, ddp, ddp_best, floor, accuracy = _results(runs(120.0))["summary"]["targets"]
+  current, ddp, ddp_best, floor, own, accuracy = _results(runs(120.0))["summary"]["targets"]
   assert current["measured"] == pytest.approx(0.5) and current["met"] is True
   assert "diloco128 / powersgd1" in current["where"]
   # DDP plain capped at 120 s: 150 / 120 bounds the ratio from above, too loosely.
@@ -371,6 +375,9 @@ def test_slow_targets_bound_a_capped_ddp_plain_and_compare_diloco_with_its_floor
   assert "projected 7040 s (2816 steps" in ddp["note"]  # 3 s + 2815 x 2.5 s
   assert ddp_best["measured"] == pytest.approx(150 / 400) and ddp_best["met"] is True
   assert floor["measured"] == pytest.approx(130 / 125) and floor["met"] is True
+  assert "diloco128" in floor["where"] and "nosync" not in floor["where"]
+  assert own["measured"] == pytest.approx(130 / 120) and own["met"] is True
+  assert "never syncing" in own["target"] and "at step 2816" in own["note"]
   assert accuracy["measured"] == pytest.approx(0.881 - 0.886) and accuracy["met"] is True
   assert "step 2816" in accuracy["note"]
   results = _results(runs(2000.0))
@@ -428,7 +435,6 @@ def test_ddp_post_local_sgd_on_one_rank_trains_like_plain_sgd(monkeypatch):
   # and two averaging periods) and that sync/evaluate test the averaged model.
   torch = _torch_or_skip()
   import types  # pylint: disable=import-outside-toplevel
-  from benchmarks import accuracy  # pylint: disable=import-outside-toplevel
   from benchmarks import torch_accuracy  # pylint: disable=import-outside-toplevel
   dist = torch.distributed
   if dist.is_initialized():  # another test left one up: under CI that is a bug to fix
@@ -496,3 +502,14 @@ def test_local_update_modes_step_on_their_own_loss(topo, mode, local):
   expected = losses[topo.replica_indices[0]] if local else np.mean(losses)
   assert trainer.step(indices) == pytest.approx(expected, rel=1e-5)
   assert len(set(np.round(losses, 6))) == replicas  # the replicas' losses differ
+
+
+def test_each_diloco_mode_has_its_own_floor_that_never_syncs():
+  for name, options in accuracy.LOCAL_MODES.items():
+    if "diloco" not in options or accuracy.never_syncs(name):
+      continue
+    floor = name + accuracy.NO_SYNC
+    assert accuracy.MODES[floor] == dict(options, diloco=accuracy.NEVER)
+    assert accuracy.never_syncs(floor) and not accuracy.never_syncs(name)
+    assert time_to_accuracy.is_diloco(name) and not time_to_accuracy.is_diloco(floor)
+  assert "local_sgd32" + accuracy.NO_SYNC not in accuracy.MODES
