@@ -108,8 +108,10 @@ def _local_lines(results: dict) -> list[str]:
         "Their replicas differ between syncs: an evaluation tests the replicas' average "
         "(an exchange outside the clock; on a sync step, the synced model). "
         f"{FLOOR}: the same SGD steps with `jax.jit` on each rank's own rows and nothing "
-        "exchanged (not even the loss); its accuracy is rank 0's own model. Sent per "
-        "step: the mean over the steps trained.")
+        "exchanged (not even the loss); its accuracy is rank 0's own model. "
+        "<mode>_nosync: that DiLoCo mode's own floor, the same step with a sync period "
+        "longer than the run (nothing exchanged; an evaluation averages the replicas "
+        "outside the clock). Sent per step: the mean over the steps trained.")
   caps = ", ".join(f"{k} {v:g} s" for k, v in options.get("caps", {}).items())
   if options.get("max_seconds") or caps:
     lines.append(f"- Caps (training seconds): {options.get('max_seconds') or 'none'} s "

@@ -251,6 +251,40 @@ def _own_floor(diloco: dict, runs: list[dict]) -> dict:
   return row
 
 
+def floor_targets(runs: list[dict]) -> list[dict]:
+  """The fastest DiLoCo mode at `TARGET_LINK` against the compute floor and against
+  its own (`*_nosync`), at the same step; [] without a DiLoCo run there."""
+  fast = [r for r in link_rows(runs, TARGET_LINK) if is_diloco(r["variant"])
+          and r.get("reached_step")]
+  floor_run = next((r for r in runs if r["link"] == TARGET_LINK
+                    and r["variant"] == FLOOR), None)
+  floor = {"target": "time to target: DiLoCo / its compute floor (same steps, no exchange)",
+           "where": TARGET_LINK, "bound": f"<= {SLOW_BOUNDS['floor']}", "measured": None,
+           "kind": "", "met": None, "note": ""}
+  if not fast and not any(is_diloco(r["variant"]) for r in runs
+                          if r["link"] == TARGET_LINK):
+    return []
+  if not fast or floor_run is None:
+    floor["note"] = ("no DiLoCo mode reached the target there" if not fast
+                     else f"{FLOOR} did not run there")
+  else:
+    diloco = min(fast, key=lambda r: r["time_to_target_s"])
+    point = next((p for p in floor_run.get("curve", [])
+                  if p["step"] == diloco["reached_step"]), None)
+    floor["where"] = f"{TARGET_LINK} ({diloco['variant']})"
+    if point is None:
+      floor["note"] = f"{FLOOR} has no evaluation at step {diloco['reached_step']}"
+    else:
+      value = diloco["time_to_target_s"] / point["train_s"]
+      floor.update(measured=value, kind="=", met=value <= SLOW_BOUNDS["floor"],
+                   note=f"{diloco['time_to_target_s']:.0f} s / {point['train_s']:.0f} s "
+                   f"at step {point['step']}")
+  found = [floor]
+  if fast:
+    found.append(_own_floor(min(fast, key=lambda r: r["time_to_target_s"]), runs))
+  return found
+
+
 def slow_targets(runs: list[dict]) -> list[dict]:
   """Issue 28's targets: DiLoCo at `SLOW_LINK` and against its floor at `TARGET_LINK`."""
   rows = link_rows(runs, SLOW_LINK)
@@ -267,31 +301,7 @@ def slow_targets(runs: list[dict]) -> list[dict]:
       _slow_ratio("fastest DDP variant", best, fastest(
           rows, lambda r: r["variant"] in DDP_VARIANTS), SLOW_BOUNDS["ddp_best"], SLOW_LINK,
                   runs)]
-  fast = [r for r in link_rows(runs, TARGET_LINK) if is_diloco(r["variant"])
-          and r.get("reached_step")]
-  floor_run = next((r for r in runs if r["link"] == TARGET_LINK
-                    and r["variant"] == FLOOR), None)
-  floor = {"target": "time to target: DiLoCo / its compute floor (same steps, no exchange)",
-           "where": TARGET_LINK, "bound": f"<= {SLOW_BOUNDS['floor']}", "measured": None,
-           "kind": "", "met": None, "note": ""}
-  if not fast or floor_run is None:
-    floor["note"] = ("no DiLoCo mode reached the target there" if not fast
-                     else f"{FLOOR} did not run there")
-  else:
-    diloco = min(fast, key=lambda r: r["time_to_target_s"])
-    point = next((p for p in floor_run.get("curve", [])
-                  if p["step"] == diloco["reached_step"]), None)
-    floor["where"] = f"{TARGET_LINK} ({diloco['variant']})"
-    if point is None:
-      floor["note"] = f"{FLOOR} has no evaluation at step {diloco['reached_step']}"
-    else:
-      value = diloco["time_to_target_s"] / point["train_s"]
-      floor.update(measured=value, kind="=", met=value <= SLOW_BOUNDS["floor"],
-                   note=f"{diloco['time_to_target_s']:.0f} s / {point['train_s']:.0f} s "
-                   f"at step {point['step']}")
-  found.append(floor)
-  if fast:
-    found.append(_own_floor(min(fast, key=lambda r: r["time_to_target_s"]), runs))
+  found += floor_targets(runs)
   accuracy = {"target": "test accuracy at equal steps: fastest DiLoCo - jdist plain",
               "where": best["variant"], "bound": f">= -{ACCURACY_BOUND} (at most one point "
               "below)",
@@ -321,4 +331,5 @@ def summarize(results: dict) -> dict[str, Any]:
           "fastest_jdist": {link: (fastest_jdist(rows) or {}).get("variant")
                             for link, rows in per_link.items()},
           "targets": (slow_targets(runs) if SLOW_LINK in links
-                      else targets(runs, int(results["options"]["epochs"])))}
+                      else targets(runs, int(results["options"]["epochs"]))
+                      + floor_targets(runs))}
