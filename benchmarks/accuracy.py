@@ -80,6 +80,10 @@ LOCAL_MODES.update({name + NO_SYNC: dict(options, diloco=NEVER)
 MODES.update(LOCAL_MODES)
 
 
+# `<mode>_paired` (benchmarks.paired_floor): a DiLoCo mode with its floors in the same job.
+PAIRED = "_paired"
+
+
 def never_syncs(mode: str) -> bool:
   """Whether `mode` is a DiLoCo mode's own compute floor (it exchanges nothing)."""
   return mode.endswith(NO_SYNC) and mode in LOCAL_MODES

@@ -80,6 +80,8 @@ from benchmarks import train_to_target
 SECTION = "time_to_accuracy"
 BEST_DILOCO = "diloco_best"  # resolved when its link comes: see resolve_best_diloco
 VARIANTS = (tuple(accuracy.MODES) + (train_to_target.FLOOR,) + train_to_target.TORCH_VARIANTS
+            + tuple(mode + accuracy.PAIRED for mode, options in accuracy.MODES.items()
+                    if "diloco" in options and not accuracy.never_syncs(mode))
             + (BEST_DILOCO,))
 DEFAULTS = {"links": "1gbit,100mbit", "variants": "ddp,plain@1gbit,powersgd4,powersgd1",
             "full": "plain,powersgd4,powersgd1", "dataset": "auto", "epochs": 4,

@@ -41,6 +41,7 @@ REFERENCE = "ddp"  # DDP plain
 PLAIN = "plain"
 FLOOR = "compute_floor"
 NO_SYNC = "_nosync"  # benchmarks.accuracy.NO_SYNC: a DiLoCo mode's own floor, never syncing
+PAIRED = "_paired"  # benchmarks.accuracy.PAIRED: a DiLoCo mode and its floors in one job
 STATUS = {True: "met", False: "MISSED", None: "not measured"}
 
 
@@ -254,10 +255,14 @@ def _own_floor(diloco: dict, runs: list[dict]) -> dict:
 def floor_targets(runs: list[dict]) -> list[dict]:
   """The fastest DiLoCo mode at `TARGET_LINK` against the compute floor and against
   its own (`*_nosync`), at the same step; [] without a DiLoCo run there."""
+  paired = [row for run in runs if run["link"] == TARGET_LINK
+            for row in _paired_floors(run)]
   fast = [r for r in link_rows(runs, TARGET_LINK) if is_diloco(r["variant"])
-          and r.get("reached_step")]
+          and not r["variant"].endswith(PAIRED) and r.get("reached_step")]
   floor_run = next((r for r in runs if r["link"] == TARGET_LINK
                     and r["variant"] == FLOOR), None)
+  if paired and not fast:
+    return paired
   floor = {"target": "time to target: DiLoCo / its compute floor (same steps, no exchange)",
            "where": TARGET_LINK, "bound": f"<= {SLOW_BOUNDS['floor']}", "measured": None,
            "kind": "", "met": None, "note": ""}
@@ -282,7 +287,29 @@ def floor_targets(runs: list[dict]) -> list[dict]:
   found = [floor]
   if fast:
     found.append(_own_floor(min(fast, key=lambda r: r["time_to_target_s"]), runs))
-  return found
+  return found + paired
+
+
+def _paired_floors(run: dict) -> list[dict]:
+  """A `<mode>_paired` run (`benchmarks.paired_floor`) that reached the target:
+  its time against each floor's seconds for the same steps, in the same job."""
+  final = run.get("final") or {}
+  floors, step = final.get("paired_floors"), final.get("reached_step")
+  if not floors or not step or final.get("time_to_target_s") is None:
+    return []
+  names = {FLOOR: "the compute floor", final["paired_mode"] + NO_SYNC:
+           "the same DiLoCo step never syncing"}
+  rows = []
+  for name, totals in floors.items():
+    value = final["time_to_target_s"] / totals[step - 1]
+    rows.append({"target": f"time to target: DiLoCo / {names.get(name, name)}, "
+                           "step by step in the same job",
+                 "where": f"{TARGET_LINK} ({run['variant']})",
+                 "bound": f"<= {SLOW_BOUNDS['floor']}", "measured": value, "kind": "=",
+                 "met": value <= SLOW_BOUNDS["floor"],
+                 "note": f"{final['time_to_target_s']:.1f} s / {totals[step - 1]:.1f} s "
+                         f"at step {step}"})
+  return rows
 
 
 def slow_targets(runs: list[dict]) -> list[dict]:

@@ -513,3 +513,53 @@ def test_each_diloco_mode_has_its_own_floor_that_never_syncs():
     assert accuracy.never_syncs(floor) and not accuracy.never_syncs(name)
     assert time_to_accuracy.is_diloco(name) and not time_to_accuracy.is_diloco(floor)
   assert "local_sgd32" + accuracy.NO_SYNC not in accuracy.MODES
+
+
+class _Steps:
+  """A trainer whose steps take `seconds` on a fake clock and log who ran."""
+
+  def __init__(self, name, seconds, log, clock):
+    self.name, self.seconds, self.log, self.clock = name, seconds, log, clock
+
+  def step(self, indices):
+    del indices
+    self.log.append(self.name)
+    self.clock.now += self.seconds
+    return 0.5
+
+
+def test_paired_trainer_times_each_program_on_its_own_and_rotates_the_order():
+  from benchmarks import paired_floor  # pylint: disable=import-outside-toplevel
+  clock = type("Clock", (), {"now": 0.0, "__call__": lambda self: self.now})()
+  log = []
+  trainer = paired_floor.PairedTrainer.__new__(paired_floor.PairedTrainer)
+  trainer.mode, trainer.clock, trainer.turn = "sdiloco32_int4", clock, 0
+  trainer.main = _Steps("main", 0.03, log, clock)
+  trainer.floors = {"compute_floor": _Steps("floor", 0.02, log, clock),
+                    "sdiloco32_int4_nosync": _Steps("own", 0.025, log, clock)}
+  trainer.floor_seconds = {name: [] for name in trainer.floors}
+  results = [trainer.step(None) for _ in range(3)]
+  assert [r[1] for r in results] == pytest.approx([0.03] * 3)
+  assert log == ["main", "floor", "own", "floor", "own", "main", "own", "main", "floor"]
+  details = trainer.details()
+  assert details["paired_floors"]["compute_floor"] == pytest.approx([0.02, 0.04, 0.06])
+  assert details["paired_floors"]["sdiloco32_int4_nosync"] == pytest.approx(
+      [0.025, 0.05, 0.075])
+  with pytest.raises(ValueError, match="pairs a DiLoCo mode"):
+    paired_floor.PairedTrainer("powersgd1_paired", None, None, None, [0])
+
+
+def test_paired_runs_give_the_floor_rows_of_their_own_job():
+  from benchmarks import time_to_accuracy_targets as targets  # pylint: disable=import-outside-toplevel
+  run = _slow_record("100mbit", "sdiloco32_int4_paired", reached=26.0, step=4,
+                     curve=[(4, 26.0, 0.89)])
+  run["final"].update(paired_mode="sdiloco32_int4", paired_floors={
+      "compute_floor": [5.0, 10.0, 15.0, 20.0],
+      "sdiloco32_int4_nosync": [6.0, 12.0, 18.0, 25.0]})
+  rows = targets.floor_targets([run])
+  paired = [r for r in rows if "same job" in r["target"]]
+  assert [r["measured"] for r in paired] == pytest.approx([26 / 20, 26 / 25])
+  assert [r["met"] for r in paired] == [False, True]
+  assert "never syncing" in paired[1]["target"] and "at step 4" in paired[1]["note"]
+  assert "sdiloco32_int4_paired" in time_to_accuracy.VARIANTS
+  assert "powersgd1_paired" not in time_to_accuracy.VARIANTS
