@@ -22,7 +22,11 @@ sdiloco32_bg and diloco128_bg (the outer sync in the background: `diloco_delay`,
 `diloco_mix=0.5`; these local-update modes return each replica's own loss, so
 nothing crosses processes between syncs), local_sgd8/32
 (post-local SGD after 32 synchronous steps)), for `compute_floor` (the same
-inner SGD steps with no exchange at all) and for DDP over gloo (`ddp`,
+inner SGD steps with no exchange at all), for `<mode>_nosync` (a DiLoCo
+mode's own floor: its step with a sync period longer than the run), for
+`<mode>_paired` (a DiLoCo mode, `compute_floor` and `<mode>_nosync` a step of
+each in turn in one job, `benchmarks.paired_floor`: the floor ratios on the
+same machine) and for DDP over gloo (`ddp`,
 `ddp_fp16`, `ddp_powersgd`, `ddp_postlocal`: PyTorch's post-local SGD with
 local_sgd32's warm-up and period; `benchmarks.torch_accuracy`), so DDP
 plain follows jdist plain's accuracy curve and only the wall time differs.
