@@ -88,8 +88,7 @@ def dense_wire_bytes(params: Any, processes: int) -> float:
 
 
 def _wire_leaves(opt_state: Any) -> list[jax.Array]:
-  return [s.wire_bytes for s in jax.tree.leaves(opt_state, is_leaf=protocol.is_wire_state)
-          if protocol.is_wire_state(s)]
+  return [state.wire_bytes for state in protocol.wire_states(opt_state)]
 
 
 @jax.jit

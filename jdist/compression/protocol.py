@@ -154,3 +154,9 @@ def register_wire_state(cls: type) -> type:
 def is_wire_state(node: Any) -> bool:
   """True for an instance of a registered wire state type."""
   return type(node) in _WIRE_STATES
+
+
+def wire_states(tree: Any) -> list[Any]:
+  """The registered wire states in `tree` (e.g. an optimizer state), in leaf order."""
+  return [node for node in jax.tree.leaves(tree, is_leaf=is_wire_state)
+          if is_wire_state(node)]

@@ -70,6 +70,5 @@ def wire_bytes(opt_state: Any) -> jax.Array:
   `PartialSyncState`, `PowerSGDState`), wherever they sit in the state.
   """
   found = [jnp.asarray(state.wire_bytes, jnp.float32)
-           for state in jax.tree.leaves(opt_state, is_leaf=protocol.is_wire_state)
-           if protocol.is_wire_state(state)]
+           for state in protocol.wire_states(opt_state)]
   return sum(found, jnp.zeros([], jnp.float32))

@@ -394,6 +394,5 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
 def outer_syncs(opt_state: Any) -> jax.Array:
   """Outer syncs (fragment exchanges) so far, of every `diloco`/`local_sgd` state in `opt_state`."""
   found = [jnp.asarray(state.syncs, jnp.int32)
-           for state in jax.tree.leaves(opt_state, is_leaf=protocol.is_wire_state)
-           if protocol.is_wire_state(state) and hasattr(state, "syncs")]
+           for state in protocol.wire_states(opt_state) if hasattr(state, "syncs")]
   return sum(found, jnp.zeros([], jnp.int32))
