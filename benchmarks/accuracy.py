@@ -78,15 +78,8 @@ NO_SYNC = "_nosync"
 LOCAL_MODES.update({name + NO_SYNC: dict(options, diloco=NEVER)
                     for name, options in list(LOCAL_MODES.items()) if "diloco" in options})
 MODES.update(LOCAL_MODES)
-
-
 # `<mode>_paired` (benchmarks.paired_floor): a DiLoCo mode with its floors in the same job.
 PAIRED = "_paired"
-
-
-def never_syncs(mode: str) -> bool:
-  """Whether `mode` is a DiLoCo mode's own compute floor (it exchanges nothing)."""
-  return mode.endswith(NO_SYNC) and mode in LOCAL_MODES
 LEARNING_RATE = 0.005  # SINGA's MNIST example: SGD(lr=0.005, momentum=0.9)
 MOMENTUM = 0.9
 SEED = 0
@@ -94,6 +87,11 @@ SEED = 0
 
 # ----------------------------------------------------------------------------
 # The section, run by benchmarks.worker in each rank.
+
+
+def never_syncs(mode: str) -> bool:
+  """Whether `mode` is a DiLoCo mode's own compute floor (it exchanges nothing)."""
+  return mode.endswith(NO_SYNC) and mode in LOCAL_MODES
 
 
 def load_data(name: str, limit: int | None):

@@ -49,12 +49,12 @@ import optax
 
 import jdist
 from jdist.transforms import diloco
+from benchmarks import accuracy
 from benchmarks import compression
 from benchmarks import workload
 
 PER_REPLICA_BATCH = 64
 VARIANTS = ("compute", "no_sync", "in_step", "background", "unpaced")
-NEVER = 1 << 30  # `no_sync`'s period: longer than any run
 SMALL_BYTES = 64  # exchanges up to this size are a step's own (the loss mean)
 
 
@@ -63,7 +63,7 @@ def _transformation(variant: str, options: dict) -> optax.GradientTransformation
   if variant == "compute":
     return inner
   delay = 0 if variant in ("in_step", "no_sync") else int(options["delay"])
-  sync_every = NEVER if variant == "no_sync" else int(options["sync_every"])
+  sync_every = accuracy.NEVER if variant == "no_sync" else int(options["sync_every"])
   return jdist.diloco(inner, sync_every=sync_every,
                       fragments=int(options["fragments"]), delay=delay)
 

@@ -230,64 +230,49 @@ def at_step(runs: list[dict], variant: str, step: int) -> tuple[float | None, st
   return None, None
 
 
-def _own_floor(diloco: dict, runs: list[dict]) -> dict:
-  """DiLoCo at `TARGET_LINK` against the same DiLoCo step never syncing (its
-  `*_nosync` run there), at the same step: what the exchanges cost, without
-  the per-step cost of DiLoCo's own state, which the compute floor also counts."""
-  name = diloco["variant"] + NO_SYNC
-  row = {"target": "time to target: DiLoCo / the same DiLoCo step never syncing (same steps)",
-         "where": f"{TARGET_LINK} ({diloco['variant']})", "bound": f"<= {SLOW_BOUNDS['floor']}",
-         "measured": None, "kind": "", "met": None, "note": ""}
-  own = next((r for r in runs if r["link"] == TARGET_LINK and r["variant"] == name), None)
-  point = own and next((p for p in own.get("curve", [])
+FLOOR_TARGET = "time to target: DiLoCo / its compute floor (same steps, no exchange)"
+OWN_FLOOR_TARGET = "time to target: DiLoCo / the same DiLoCo step never syncing (same steps)"
+
+
+def _floor_row(target: str, diloco: dict | None = None, floor: str = "",
+               runs: tuple = ()) -> dict:
+  """`diloco`'s time to target over run `floor`'s training seconds at the same
+  step, both at `TARGET_LINK`; without `diloco`, the row saying none reached it."""
+  row = {"target": target, "where": TARGET_LINK, "bound": f"<= {SLOW_BOUNDS['floor']}",
+         "measured": None, "kind": "", "met": None,
+         "note": "no DiLoCo mode reached the target there"}
+  if diloco is None:
+    return row
+  row["where"] = f"{TARGET_LINK} ({diloco['variant']})"
+  run = next((r for r in runs if r["link"] == TARGET_LINK and r["variant"] == floor), None)
+  point = run and next((p for p in run.get("curve", [])
                         if p["step"] == diloco["reached_step"]), None)
   if point is None:
-    row["note"] = (f"{name} did not run there" if own is None
-                   else f"{name} has no evaluation at step {diloco['reached_step']}")
+    row["note"] = (f"{floor} did not run there" if run is None
+                   else f"{floor} has no evaluation at step {diloco['reached_step']}")
     return row
   value = diloco["time_to_target_s"] / point["train_s"]
   row.update(measured=value, kind="=", met=value <= SLOW_BOUNDS["floor"],
-             note=f"{diloco['time_to_target_s']:.0f} s / {point['train_s']:.0f} s at step "
-             f"{point['step']}")
+             note=f"{diloco['time_to_target_s']:.0f} s / {point['train_s']:.0f} s "
+             f"at step {point['step']}")
   return row
 
 
 def floor_targets(runs: list[dict]) -> list[dict]:
-  """The fastest DiLoCo mode at `TARGET_LINK` against the compute floor and against
-  its own (`*_nosync`), at the same step; [] without a DiLoCo run there."""
+  """At `TARGET_LINK`: the fastest DiLoCo mode against the compute floor and
+  against its own never-syncing step (`*_nosync`), each a run of its own, at
+  the same step; then every `*_paired` run's floors from its own job. [] without
+  a DiLoCo run there."""
   paired = [row for run in runs if run["link"] == TARGET_LINK
             for row in _paired_floors(run)]
-  fast = [r for r in link_rows(runs, TARGET_LINK) if is_diloco(r["variant"])
-          and not r["variant"].endswith(PAIRED) and r.get("reached_step")]
-  floor_run = next((r for r in runs if r["link"] == TARGET_LINK
-                    and r["variant"] == FLOOR), None)
-  if paired and not fast:
-    return paired
-  floor = {"target": "time to target: DiLoCo / its compute floor (same steps, no exchange)",
-           "where": TARGET_LINK, "bound": f"<= {SLOW_BOUNDS['floor']}", "measured": None,
-           "kind": "", "met": None, "note": ""}
-  if not fast and not any(is_diloco(r["variant"]) for r in runs
-                          if r["link"] == TARGET_LINK):
-    return []
-  if not fast or floor_run is None:
-    floor["note"] = ("no DiLoCo mode reached the target there" if not fast
-                     else f"{FLOOR} did not run there")
-  else:
-    diloco = min(fast, key=lambda r: r["time_to_target_s"])
-    point = next((p for p in floor_run.get("curve", [])
-                  if p["step"] == diloco["reached_step"]), None)
-    floor["where"] = f"{TARGET_LINK} ({diloco['variant']})"
-    if point is None:
-      floor["note"] = f"{FLOOR} has no evaluation at step {diloco['reached_step']}"
-    else:
-      value = diloco["time_to_target_s"] / point["train_s"]
-      floor.update(measured=value, kind="=", met=value <= SLOW_BOUNDS["floor"],
-                   note=f"{diloco['time_to_target_s']:.0f} s / {point['train_s']:.0f} s "
-                   f"at step {point['step']}")
-  found = [floor]
-  if fast:
-    found.append(_own_floor(min(fast, key=lambda r: r["time_to_target_s"]), runs))
-  return found + paired
+  separate = [r for r in link_rows(runs, TARGET_LINK) if is_diloco(r["variant"])
+              and not r["variant"].endswith(PAIRED)]
+  fast = [r for r in separate if r.get("reached_step")]
+  if not fast:
+    return paired if paired or not separate else [_floor_row(FLOOR_TARGET)]
+  diloco = min(fast, key=lambda r: r["time_to_target_s"])
+  return [_floor_row(FLOOR_TARGET, diloco, FLOOR, runs),
+          _floor_row(OWN_FLOOR_TARGET, diloco, diloco["variant"] + NO_SYNC, runs)] + paired
 
 
 def _paired_floors(run: dict) -> list[dict]:
@@ -328,7 +313,7 @@ def slow_targets(runs: list[dict]) -> list[dict]:
       _slow_ratio("fastest DDP variant", best, fastest(
           rows, lambda r: r["variant"] in DDP_VARIANTS), SLOW_BOUNDS["ddp_best"], SLOW_LINK,
                   runs)]
-  found += floor_targets(runs)
+  found += floor_targets(runs) or [_floor_row(FLOOR_TARGET)]
   accuracy = {"target": "test accuracy at equal steps: fastest DiLoCo - jdist plain",
               "where": best["variant"], "bound": f">= -{ACCURACY_BOUND} (at most one point "
               "below)",

@@ -111,8 +111,9 @@ def run_to_target(trainer, schedule: Schedule, batches: Callable[[int], Any], *,
   """Trains `trainer` on `schedule`; yields each evaluation's row, then the final row.
 
   Args:
-    trainer: has `step(indices) -> loss` (returns once the step is done),
-      `sync()` (collective: makes the parameters testable), `evaluate() ->
+    trainer: has `step(indices) -> loss` (returns once the step is done; a
+      trainer that runs other steps beside its own returns `(loss, its own
+      step's seconds)`), `sync()` (collective: makes the parameters testable), `evaluate() ->
       accuracy` (called on the root rank only) and `wire_bytes()`.
     schedule: the epochs, evaluations and target.
     batches: epoch -> its steps' example indices, [steps, replicas, batch].
@@ -132,7 +133,6 @@ def run_to_target(trainer, schedule: Schedule, batches: Callable[[int], Any], *,
     for indices in batches(epoch):
       start = clock()
       loss = trainer.step(indices)
-      # A trainer that runs other steps beside its own times its own: (loss, seconds).
       loss, seconds = loss if isinstance(loss, tuple) else (loss, clock() - start)
       losses.append(loss)
       step_times.append(seconds)
@@ -169,13 +169,6 @@ def run_to_target(trainer, schedule: Schedule, batches: Callable[[int], Any], *,
          "epochs_to_target": reached and reached["epoch"],
          "time_to_target_s": reached and reached["train_s"],
          "wire_bytes_per_step": trainer.wire_bytes()}
-
-
-def wire_counters(opt_state: Any) -> list[jax.Array]:
-  """The `wire_bytes` arrays of the jdist states in `opt_state` (`jdist.wire_bytes`
-  sums them, an op per call; these are only references)."""
-  return [state.wire_bytes for state in jax.tree.leaves(opt_state, is_leaf=protocol.is_wire_state)
-          if protocol.is_wire_state(state)]
 
 
 class JdistTrainer:
@@ -228,8 +221,9 @@ class JdistTrainer:
     # One execution makes every output ready at once: waiting on the loss is
     # waiting on the step, without a call per state leaf.
     jax.block_until_ready(loss)
-    # The state's byte counters, summed after the run: no op dispatched in the step's time.
-    self.sent.append(wire_counters(self.opt_state))
+    # The state's byte counters, added up after the run (`jdist.wire_bytes`
+    # would dispatch ops inside the step's time).
+    self.sent.append([state.wire_bytes for state in protocol.wire_states(self.opt_state)])
     return float(np.asarray(loss).reshape(-1)[0])
 
   def sync(self) -> None:
