@@ -9,6 +9,7 @@ They launch their own mpirun jobs, so they run only in the plain session
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -80,6 +81,27 @@ def test_rig_subprocess_train_across_nodes_matches_one_process(rig_ready, tmp_pa
   assert len(one) == len(rig_losses) == 2
   # The same math; only the order of float32 sums differs across processes.
   np.testing.assert_allclose(rig_losses, one, rtol=2e-5)
+
+
+def test_rig_subprocess_trains_where_host_names_do_not_resolve(rig_ready, tmp_path):
+  """Nodes without DNS entries for each other start and train, as MPI does.
+
+  JAX's Gloo collectives resolved the host name and failed on every rank
+  there ("Unable to initialize backend 'cpu' ... device.cc:99"); jdist gives
+  XLA no cross-process collectives, and its coordinator is reached by address.
+  """
+  probe = "import socket; socket.gethostbyname(socket.gethostname())"
+  with cluster.Cluster(nodes=2) as rig:
+    for node in rig.nodes:  # back to the machine's own /etc/hosts: nodeA, nodeB unknown
+      os.remove(os.path.join(cluster.NETNS_ETC, node.namespace, "hosts"))
+    code, _, stderr = _run_on_rig(rig, [sys.executable, "-c", probe], timeout=120)
+    assert code != 0 and "gaierror" in stderr  # the names really do not resolve
+    code, stdout, stderr = _run_on_rig(
+        rig, [cluster.tool("jdist"), "train", *TRAIN, "--epochs", "1", "--cpu-devices", "2",
+              "--log-file", str(tmp_path / "rig.jsonl")])
+  assert code == 0, stderr[-3000:]
+  assert "on 2 nodes" in stdout and len(_losses(tmp_path / "rig.jsonl")) == 1
+  assert "Gloo" not in stdout + stderr
 
 
 @pytest.mark.parametrize("fault", cluster_faults.FAULTS)

@@ -61,6 +61,34 @@ def test_multihost_utils_work(topo):
   np.testing.assert_array_equal(np.asarray(everyone)[:, 0], np.arange(topo.process_count))
 
 
+def test_multihost_broadcast_and_global_arrays(topo):
+  tree = {"a": np.full((2, 3), float(topo.process_index + 1), np.float32),
+          "b": np.int32(10 * topo.process_index + 5)}
+  out = multihost_utils.broadcast_one_to_all(tree)  # from process 0
+  np.testing.assert_array_equal(out["a"], np.ones((2, 3), np.float32))
+  assert int(out["b"]) == 5
+  last = topo.process_count - 1
+  out = multihost_utils.broadcast_one_to_all(tree, is_source=topo.process_index == last)
+  np.testing.assert_array_equal(out["a"], np.full((2, 3), float(last + 1), np.float32))
+  # A global array over every process's devices, one row per device.
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+  rows = [jax.device_put(np.full((1, 2), float(d.id), np.float32), d) for d in jax.local_devices()]
+  global_array = jax.make_array_from_single_device_arrays((len(jax.devices()), 2), sharding, rows)
+  gathered = multihost_utils.process_allgather(global_array, tiled=True)
+  expected = np.repeat(np.array([float(d.id) for d in jax.devices()], np.float32)[:, None], 2, 1)
+  np.testing.assert_array_equal(gathered, expected)
+
+
+def test_xla_cpu_collectives_stay_inside_each_process(topo):
+  # Gloo would carry every XLA sum over TCP, a sum inside one process included.
+  expected = None if topo.process_count > 1 else jax.config.jax_cpu_collectives_implementation
+  assert jax.config.jax_cpu_collectives_implementation == expected
+  if topo.process_count > 1:
+    with pytest.raises(ValueError, match="rank 1"):
+      multihost_utils.process_allgather(np.zeros(topo.process_index + 1))
+
+
 def test_grain_shard_by_jax_process_gives_each_rank_its_own_shard(topo):
   records = list(range(12))
   sampler = grain.IndexSampler(num_records=len(records), shard_options=grain.ShardByJaxProcess(),
@@ -93,6 +121,7 @@ def test_jax_distributed_can_be_turned_off_subprocess(value, expected):
                        env=launch.clean_env(2, JDIST_JAX_DISTRIBUTED=value))
   assert done.returncode == 0, done.stderr[-3000:]
   assert {line for line in done.stdout.splitlines() if line.startswith("IDENTITY")} == expected
+  assert "Gloo" not in done.stdout + done.stderr  # no foreign banner lines
 
 
 def test_an_unreachable_coordinator_is_a_clear_error_not_a_hang_subprocess():

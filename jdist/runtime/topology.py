@@ -212,9 +212,11 @@ def _mpi_processes(backend: str):
   def start(timeout: float, bind_gpu: bool | None, jax_distributed: bool) -> Topology:
     xla_cpu.reserve_host_threads()
     # Raises MissingMPIError if mpi4py is absent. Backend "jax" runs its
-    # collectives on JAX's runtime, so it always starts it.
+    # collectives on JAX's runtime and XLA's cross-process collectives, so it
+    # always starts it with them.
     mpi_world = world.start(timeout, resolve_init_timeout(timeout), launcher_rank(),
-                            jax_distributed_runtime=jax_distributed or backend == "jax")
+                            jax_distributed_runtime=jax_distributed or backend == "jax",
+                            xla_collectives=backend == "jax")
     local_rank = _launcher_local_rank()
     if local_rank is None:
       local_rank = mpi_world.local_rank

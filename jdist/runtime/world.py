@@ -283,7 +283,7 @@ class MpiWorld:
 _world: MpiWorld | None = None
 _lock = threading.Lock()
 def start(timeout: float, init_timeout: float, launcher_rank: int = 0, *,
-          jax_distributed_runtime: bool = True) -> MpiWorld:
+          jax_distributed_runtime: bool = True, xla_collectives: bool = False) -> MpiWorld:
   """Initializes MPI once and returns the world.
 
   Then, with `jax_distributed_runtime`, JAX's distributed runtime, so that
@@ -295,6 +295,9 @@ def start(timeout: float, init_timeout: float, launcher_rank: int = 0, *,
     launcher_rank: this process's rank as the launcher set it, for messages
       printed before MPI knows it.
     jax_distributed_runtime: whether to start JAX's distributed runtime.
+    xla_collectives: whether XLA's CPU client gets JAX's cross-process
+      collectives (Gloo) with it; by default it gets none
+      (`jax_distributed.keep_cpu_collectives_local`).
 
   Raises:
     jdist.errors.InitOrderError: JAX's backends exist already, so its
@@ -306,7 +309,7 @@ def start(timeout: float, init_timeout: float, launcher_rank: int = 0, *,
     if _world is None:
       _world = MpiWorld(_import_mpi_within(init_timeout, launcher_rank), timeout, init_timeout)
       if jax_distributed_runtime:
-        jax_distributed.start(_world)
+        jax_distributed.start(_world, xla_collectives=xla_collectives)
     return _world
 
 
