@@ -9,6 +9,13 @@ cd "$(dirname "$0")/.."
 venv=${JDIST_VENV:-.venv}
 export PATH="$PWD/$venv/bin:$PATH"
 python="$venv/bin/python"
+# One JAX compilation cache for the three sessions and every job their tests
+# launch (fresh each run): the same steps compile once, not once per job.
+if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
+  JAX_COMPILATION_CACHE_DIR=$(mktemp -d -t jdist-jax-cache.XXXXXX)
+  trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+fi
+export JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 
 # Tests that involve no cross-process exchange run once, in the plain session;
 # jobs that end a whole MPI job (fault injection) or launch their own mpirun

@@ -9,6 +9,7 @@ the same assertions check all three topologies.
 """
 
 import os
+import tempfile
 
 _devices = int(os.environ.get("JDIST_TEST_DEVICES", "4"))
 os.environ["XLA_FLAGS"] = " ".join(
@@ -16,6 +17,13 @@ os.environ["XLA_FLAGS"] = " ".join(
      if not f.startswith("--xla_force_host_platform_device_count")]
     + [f"--xla_force_host_platform_device_count={_devices}"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the whole run, the jobs tests launch
+# included (they inherit the environment): the three sessions and dozens of
+# `jdist train` jobs compile the same steps again and again. scripts/test.sh
+# gives each run a fresh directory; a plain `pytest` uses this one.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"jdist-tests-jax-cache-{os.getuid()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # A stalled peer must fail the test run, not hang it.
 os.environ.setdefault("JDIST_TIMEOUT", "120")
 
