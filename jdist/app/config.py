@@ -19,7 +19,7 @@ from jdist.app.optimizer_spec import DILOCO_PAYLOADS
 from jdist.app.optimizer_spec import HALF_CHOICES
 from jdist.app.optimizer_spec import OPTIMIZERS
 from jdist.app.optimizer_spec import OptimizerSpec
-from jdist.transforms.dist_opt import parse_sparsify
+from jdist.compression.sparse import parse_sparsify
 
 BACKENDS = ("auto", "mpi", "jax", "none")
 ON_NONFINITE = ("stop", "rollback")
