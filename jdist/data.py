@@ -24,7 +24,6 @@ from jax.sharding import NamedSharding
 
 from jdist import errors
 from jdist.collectives import context
-from jdist.batches import shard_batch  # noqa: F401  (re-exported: jdist.data.shard_batch)
 # Re-exported: the epoch order and partition are part of this module's API.
 from jdist.epoch_order import batches_per_epoch
 from jdist.epoch_order import check_int

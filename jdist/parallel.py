@@ -158,64 +158,15 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
         out_axes=out_axes, check_inputs=check_inputs)
   static = ((static_broadcasted_argnums,) if isinstance(static_broadcasted_argnums, int)
             else tuple(static_broadcasted_argnums))
-  if not (out_axes in (0, None) or (isinstance(out_axes, tuple)
-                                    and all(axis in (0, None) for axis in out_axes))):
-    raise ValueError(f"out_axes={out_axes!r}: use 0 (per-device outputs), None (outputs "
-                     f"identical on every device, e.g. a pmean'd loss) or a tuple of 0/None "
-                     f"per element of a tuple output.")
+  _check_out_axes(out_axes)
   _axis_flags(in_axes, [])  # checks in_axes now, not at the first call
   name = getattr(fn, "__name__", "step")
-
-  def per_device(layout: tuple, *dynamic):
-    # layout: per argument, ("static", value), ("mapped", i) or ("replicated", i).
-    args = []
-    for kind, item in layout:
-      if kind == "static":
-        args.append(item)
-      elif kind == "mapped":  # this device's slice, without pmap's device axis
-        args.append(jax.tree.map(lambda x: x[0], dynamic[item]))
-      else:
-        args.append(dynamic[item])
-    host.note_step_trace(name, args)
-    with steps.step_scope(name):  # numbers the step's exchanges (the native route's names)
-      out = fn(*args)
-    if isinstance(out_axes, tuple):
-      if not isinstance(out, tuple) or len(out) != len(out_axes):
-        raise ValueError(f"{name}: out_axes={out_axes!r} needs a tuple of {len(out_axes)} "
-                         f"outputs; the step returned {type(out).__name__}.")
-      out = tuple(_with_device_axis(x) if axis == 0 else x for x, axis in zip(out, out_axes))
-    elif out_axes == 0:
-      out = _with_device_axis(out)
-    # A tiny extra output whose readiness tells the watchdog the step ended;
-    # the user's own outputs may be donated to the next step.
-    return out, jnp.zeros((1,), jnp.int8)
-
-  @functools.partial(jax.jit, static_argnums=static, donate_argnums=donate_argnums)
-  def compiled(*args):
-    positions = [i for i in range(len(args)) if i not in static]
-    flags = _axis_flags(in_axes, positions)
-    index = {position: i for i, position in enumerate(positions)}  # among dynamic args
-    layout = tuple(("static", args[p]) if p in static else
-                   ("mapped" if flags[index[p]] else "replicated", index[p])
-                   for p in range(len(args)))
-    mapped_out = (tuple(_spec(axis == 0) for axis in out_axes) if isinstance(out_axes, tuple)
-                  else _spec(out_axes == 0))
-    return jax.shard_map(
-        functools.partial(per_device, layout), mesh=_local_mesh(),
-        in_specs=tuple(_spec(mapped) for mapped in flags),
-        out_specs=(mapped_out, PartitionSpec(DATA_AXIS)),
-        check_vma=False)(*[args[i] for i in positions])
-
-  def with_marker(*args):
-    host.note_step_trace(name, args)
-    with steps.step_scope(name):
-      return fn(*args), jnp.zeros((), jnp.int8)
-
+  compiled = _compile_on_local_mesh(_per_device_step(fn, name, out_axes), static,
+                                    donate_argnums, in_axes, out_axes)
   # With the "jax" backend the step spans every process's devices; pmap
   # builds those global arrays from each process's slices, so it stays there.
-  multi_process_pmap = functools.cache(lambda: jax.pmap(
-      with_marker, axis_name=DATA_AXIS, in_axes=in_axes, out_axes=(out_axes, 0),
-      static_broadcasted_argnums=static, donate_argnums=donate_argnums))
+  multi_process_pmap = functools.cache(lambda: _pmap_over_processes(
+      fn, name, static, donate_argnums, in_axes, out_axes))
 
   @functools.wraps(fn)
   def step(*args):
@@ -240,6 +191,97 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
   step.compiled = compiled
   step.pmapped = compiled  # the name older code and tests use
   return step
+
+
+def _check_out_axes(out_axes: Any) -> None:
+  """Raises ValueError unless `out_axes` is 0, None or a tuple of 0/None."""
+  if not (out_axes in (0, None) or (isinstance(out_axes, tuple)
+                                    and all(axis in (0, None) for axis in out_axes))):
+    raise ValueError(f"out_axes={out_axes!r}: use 0 (per-device outputs), None (outputs "
+                     f"identical on every device, e.g. a pmean'd loss) or a tuple of 0/None "
+                     f"per element of a tuple output.")
+
+
+def _with_out_axes(out: Any, out_axes: Any, name: str) -> Any:
+  """`out` with pmap's device axis added to each output `out_axes` maps (0).
+
+  Raises:
+    ValueError: a tuple `out_axes` and an output that is not a tuple of that length.
+  """
+  if isinstance(out_axes, tuple):
+    if not isinstance(out, tuple) or len(out) != len(out_axes):
+      raise ValueError(f"{name}: out_axes={out_axes!r} needs a tuple of {len(out_axes)} "
+                       f"outputs; the step returned {type(out).__name__}.")
+    return tuple(_with_device_axis(x) if axis == 0 else x for x, axis in zip(out, out_axes))
+  if out_axes == 0:
+    return _with_device_axis(out)
+  return out
+
+
+def _per_device_step(fn: Callable, name: str, out_axes: Any) -> Callable:
+  """The shard_map body: `fn` on one device's arguments, pmap's output axes, an end marker.
+
+  The body takes a layout (per argument, ("static", value), ("mapped", i) or
+  ("replicated", i), i among the dynamic arguments) and the dynamic
+  arguments, and returns `fn`'s outputs with a tiny extra output whose
+  readiness tells the watchdog the step ended (the user's own outputs may be
+  donated to the next step).
+  """
+  def per_device(layout: tuple, *dynamic):
+    args = []
+    for kind, item in layout:
+      if kind == "static":
+        args.append(item)
+      elif kind == "mapped":  # this device's slice, without pmap's device axis
+        args.append(jax.tree.map(lambda x: x[0], dynamic[item]))
+      else:
+        args.append(dynamic[item])
+    host.note_step_trace(name, args)
+    with steps.step_scope(name):  # numbers the step's exchanges (the native route's names)
+      out = fn(*args)
+    return _with_out_axes(out, out_axes, name), jnp.zeros((1,), jnp.int8)
+
+  return per_device
+
+
+def _compile_on_local_mesh(per_device: Callable, static: tuple[int, ...],
+                           donate_argnums: int | Sequence[int], in_axes: Any,
+                           out_axes: Any) -> Callable:
+  """`jax.jit(jax.shard_map(per_device))` over this process's devices.
+
+  Takes the step's arguments as pmap would (static ones as Python values)
+  and returns (outputs, end marker).
+  """
+  @functools.partial(jax.jit, static_argnums=static, donate_argnums=donate_argnums)
+  def compiled(*args):
+    positions = [i for i in range(len(args)) if i not in static]
+    flags = _axis_flags(in_axes, positions)
+    index = {position: i for i, position in enumerate(positions)}  # among dynamic args
+    layout = tuple(("static", args[p]) if p in static else
+                   ("mapped" if flags[index[p]] else "replicated", index[p])
+                   for p in range(len(args)))
+    mapped_out = (tuple(_spec(axis == 0) for axis in out_axes) if isinstance(out_axes, tuple)
+                  else _spec(out_axes == 0))
+    return jax.shard_map(
+        functools.partial(per_device, layout), mesh=_local_mesh(),
+        in_specs=tuple(_spec(mapped) for mapped in flags),
+        out_specs=(mapped_out, PartitionSpec(DATA_AXIS)),
+        check_vma=False)(*[args[i] for i in positions])
+
+  return compiled
+
+
+def _pmap_over_processes(fn: Callable, name: str, static: tuple[int, ...],
+                         donate_argnums: int | Sequence[int], in_axes: Any,
+                         out_axes: Any) -> Callable:
+  """`jax.pmap(fn)` over every process's devices, returning (outputs, end marker)."""
+  def with_marker(*args):
+    host.note_step_trace(name, args)
+    with steps.step_scope(name):
+      return fn(*args), jnp.zeros((), jnp.int8)
+
+  return jax.pmap(with_marker, axis_name=DATA_AXIS, in_axes=in_axes, out_axes=(out_axes, 0),
+                  static_broadcasted_argnums=static, donate_argnums=donate_argnums)
 
 
 def _local_mesh() -> Mesh:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
+from jdist import batches as batches_lib
 from jdist import data
 from jdist import errors
 from jdist.runtime.topology import Topology
@@ -319,16 +320,16 @@ def test_prefetch_thread_stops_when_iterator_is_dropped(local_topology):
 
 def test_shard_batch_splits_the_leading_axis():
   batch = {"x": np.arange(24).reshape(8, 3), "y": np.arange(8)}
-  sharded = data.shard_batch(batch, 4)
+  sharded = batches_lib.shard_batch(batch, 4)
   assert sharded["x"].shape == (4, 2, 3)
   np.testing.assert_array_equal(sharded["y"], [[0, 1], [2, 3], [4, 5], [6, 7]])
 
 
 def test_shard_batch_names_size_devices_and_fix():
   with pytest.raises(errors.ShapeError) as info:
-    data.shard_batch({"x": np.zeros((30, 2))}, 4)
+    batches_lib.shard_batch({"x": np.zeros((30, 2))}, 4)
   message = str(info.value)
   assert "30" in message and "4 local devices" in message
   assert "multiple of 4, e.g. 28 or 32" in message
   with pytest.raises(errors.ShapeError, match="same leading batch dimension"):
-    data.shard_batch({"x": np.zeros(8), "y": np.zeros(4)}, 4)
+    batches_lib.shard_batch({"x": np.zeros(8), "y": np.zeros(4)}, 4)

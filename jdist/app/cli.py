@@ -54,6 +54,16 @@ def build_train_parser(prog: str = "jdist train") -> argparse.ArgumentParser:
                    description="Train a model data-parallel on every local device and, "
                    "under mpirun, every process.",
                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  _add_data_flags(parser, defaults)
+  _add_optimization_flags(parser, defaults)
+  _add_communication_flags(parser, defaults)
+  _add_checkpoint_flags(parser, defaults)
+  _add_runtime_flags(parser, defaults)
+  return parser
+
+
+def _add_data_flags(parser: argparse.ArgumentParser, defaults: config_lib.TrainConfig) -> None:
+  """Adds the "data and model" flags: which model, which dataset, how much of it."""
   group = parser.add_argument_group("data and model")
   group.add_argument("--model", default=defaults.model,
                      help="cnn (SINGA's MNIST CNN), mlp, resnet8/20/32/56 (BatchNorm), "
@@ -65,6 +75,11 @@ def build_train_parser(prog: str = "jdist train") -> argparse.ArgumentParser:
                      help="fail instead of downloading a dataset that is not found")
   group.add_argument("--train-limit", type=int, help="use only the first N training examples")
   group.add_argument("--test-limit", type=int, help="use only the first N test examples")
+
+
+def _add_optimization_flags(parser: argparse.ArgumentParser,
+                            defaults: config_lib.TrainConfig) -> None:
+  """Adds the "optimization" flags: epochs, batch sizes, the optimizer, the seed."""
   group = parser.add_argument_group("optimization")
   group.add_argument("--epochs", type=int, default=defaults.epochs)
   group.add_argument("--batch-size", type=int, default=defaults.batch_size,
@@ -81,6 +96,16 @@ def build_train_parser(prog: str = "jdist train") -> argparse.ArgumentParser:
                      help="seed of the initial parameters and the data order")
   group.add_argument("--max-steps", type=int,
                      help="stop after this many steps in all (with a checkpoint)")
+
+
+def _add_communication_flags(parser: argparse.ArgumentParser,
+                             defaults: config_lib.TrainConfig) -> None:
+  """Adds the "communication" group: jdist.dist_opt's modes, then the step guards.
+
+  The modes say how gradients (or parameters) cross replicas; the guards
+  cover non-finite steps and replica checks. One group, in this order, as
+  `--help` shows it.
+  """
   group = parser.add_argument_group("communication (jdist.dist_opt modes)")
   group.add_argument("--half", choices=config_lib.HALF_CHOICES,
                      help="gradients cross replicas as 16-bit floats")
@@ -97,6 +122,16 @@ def build_train_parser(prog: str = "jdist train") -> argparse.ArgumentParser:
   group.add_argument("--powersgd", type=int, metavar="RANK",
                      help="PowerSGD: gradient matrices cross replicas as rank-RANK factors, "
                      "with error feedback (not with --half/--sparsify/--partial)")
+  _add_periodic_sync_flags(group, defaults)
+  for field in dataclasses.fields(OptimizerSpec):  # schemes whose spec field declares its flag
+    if "flag" in field.metadata:
+      group.add_argument("--" + field.name.replace("_", "-"), **field.metadata["flag"])
+  _add_step_guard_flags(group, defaults)
+
+
+def _add_periodic_sync_flags(group: argparse._ArgumentGroup,
+                             defaults: config_lib.TrainConfig) -> None:
+  """Adds DiLoCo's and post-local SGD's flags to `group`: local steps, then a sync."""
   group.add_argument("--diloco", type=int, metavar="H",
                      help="DiLoCo: H local inner steps, then the averaged pseudo-gradient "
                      "takes an outer SGD step (Nesterov); with --half it travels in 16 bits")
@@ -120,9 +155,11 @@ def build_train_parser(prog: str = "jdist train") -> argparse.ArgumentParser:
                      help="post-local SGD: local steps, parameters averaged every H steps")
   group.add_argument("--local-sgd-warmup", type=int, default=defaults.local_sgd_warmup,
                      metavar="STEPS", help="fully synchronous steps before --local-sgd starts")
-  for field in dataclasses.fields(OptimizerSpec):  # schemes whose spec field declares its flag
-    if "flag" in field.metadata:
-      group.add_argument("--" + field.name.replace("_", "-"), **field.metadata["flag"])
+
+
+def _add_step_guard_flags(group: argparse._ArgumentGroup,
+                          defaults: config_lib.TrainConfig) -> None:
+  """Adds the step guards to `group`: non-finite gradients or parameters, replica checks."""
   group.add_argument("--skip-nonfinite", action="store_true",
                      help="every replica skips steps whose gradients hold NaN or Inf")
   group.add_argument("--check-replicas-every", type=int,
@@ -133,6 +170,11 @@ def build_train_parser(prog: str = "jdist train") -> argparse.ArgumentParser:
                      choices=config_lib.ON_NONFINITE,
                      help="when the parameters hold NaN/Inf (never checkpointed): stop with "
                      "an error, or roll back to the last checkpoint and go on")
+
+
+def _add_checkpoint_flags(parser: argparse.ArgumentParser,
+                          defaults: config_lib.TrainConfig) -> None:
+  """Adds the "checkpoints and logs" flags: saving, resuming, the log, evaluation."""
   group = parser.add_argument_group("checkpoints and logs")
   group.add_argument("--checkpoint-dir", help="write checkpoints here (rank 0 writes)")
   group.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
@@ -150,6 +192,11 @@ def build_train_parser(prog: str = "jdist train") -> argparse.ArgumentParser:
                      "the temp dir)")
   group.add_argument("--no-progress", dest="progress", action="store_false",
                      help="no progress bar (per-epoch lines are printed either way)")
+
+
+def _add_runtime_flags(parser: argparse.ArgumentParser,
+                       defaults: config_lib.TrainConfig) -> None:
+  """Adds the "runtime" flags: timeout, backend, CPU devices, timeline, `--debug`."""
   group = parser.add_argument_group("runtime")
   group.add_argument("--timeout", type=float, metavar="SECONDS",
                      help="how long a cross-process exchange may wait before the job is "
@@ -166,7 +213,6 @@ def build_train_parser(prog: str = "jdist train") -> argparse.ArgumentParser:
                      help="with --timeline: record train steps A to B-1 only")
   group.add_argument("--debug", action="store_true",
                      help="show the full traceback when the run fails")
-  return parser
 
 
 def parse_train_args(argv, prog: str = "jdist train") -> tuple[config_lib.TrainConfig, bool]:

@@ -19,7 +19,7 @@ from jdist.app.optimizer_spec import DILOCO_PAYLOADS
 from jdist.app.optimizer_spec import HALF_CHOICES
 from jdist.app.optimizer_spec import OPTIMIZERS
 from jdist.app.optimizer_spec import OptimizerSpec
-from jdist.transforms.dist_opt import parse_sparsify
+from jdist.compression.sparse import parse_sparsify
 
 BACKENDS = ("auto", "mpi", "jax", "none")
 ON_NONFINITE = ("stop", "rollback")
@@ -163,6 +163,15 @@ def validate(config: TrainConfig) -> TrainConfig:
   Raises:
     ConfigError: the first bad setting, named with its flag and the fix.
   """
+  _check_names(config)
+  _check_ranges(config)
+  _check_communication(config)
+  _check_checkpoints_and_recovery(config)
+  return config
+
+
+def _check_names(config: TrainConfig) -> None:
+  """Raises ConfigError unless the model, dataset and optimizer are ones jdist train knows."""
   # Imported here: the models pull in Flax, which `jdist --help` need not load.
   from jdist.app import models  # pylint: disable=g-import-not-at-top
 
@@ -175,6 +184,10 @@ def validate(config: TrainConfig) -> TrainConfig:
   if config.optimizer not in OPTIMIZERS:
     raise ConfigError(f"optimizer (--optimizer)={config.optimizer!r} is unknown; choose "
                       f"one of {', '.join(OPTIMIZERS)}.")
+
+
+def _check_ranges(config: TrainConfig) -> None:
+  """Raises ConfigError for the first count or number out of range, or bad --timeline-steps."""
   _int(config, "epochs", 1)
   _int(config, "batch_size", 1)
   _int(config, "eval_batch_size", 0)
@@ -208,6 +221,10 @@ def validate(config: TrainConfig) -> TrainConfig:
   if config.timeout is not None:
     _number(config, "timeout", 0.0, math.inf, low_open=True, high_open=True,
             hint="seconds a cross-process exchange may wait, e.g. 300")
+
+
+def _check_communication(config: TrainConfig) -> None:
+  """Raises ConfigError for a bad exchange setting: format, backend, mode or combination."""
   if config.half is not None and config.half not in HALF_CHOICES:
     raise ConfigError(f"half (--half)={config.half!r} is unknown; choose one of "
                       f"{', '.join(HALF_CHOICES)} (or leave it out for 32-bit gradients).")
@@ -229,6 +246,10 @@ def validate(config: TrainConfig) -> TrainConfig:
     config.optimizer_spec.check()
   except ValueError as err:
     raise ConfigError(str(err)) from None
+
+
+def _check_checkpoints_and_recovery(config: TrainConfig) -> None:
+  """Raises ConfigError for a bad --on-nonfinite, or a checkpoint setting lacking its needs."""
   if config.on_nonfinite not in ON_NONFINITE:
     raise ConfigError(f"on_nonfinite (--on-nonfinite)={config.on_nonfinite!r} is unknown; "
                       f"choose one of {', '.join(ON_NONFINITE)}.")
@@ -244,7 +265,6 @@ def validate(config: TrainConfig) -> TrainConfig:
                       "tier the local one backs up.")
   if config.local_checkpoint_dir and not config.local_checkpoint_every:
     raise ConfigError("--local-checkpoint-dir needs --local-checkpoint-every STEPS.")
-  return config
 
 
 def _check_timeline(config: TrainConfig) -> None:

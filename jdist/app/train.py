@@ -144,6 +144,31 @@ def train(config: TrainConfig, *, return_state: bool = False) -> dict[str, Any]:
     force_cpu_devices(config.cpu_devices)
 
   started = time.perf_counter()
+  config, topo, out = _start(config)
+  run, param_count = _prepare_run(config, topo, out)
+  resumed_from = run.open_checkpoints() if config.checkpoint_dir else None
+  _agree(lambda: out.open_log(append=resumed_from is not None), f"log file {config.log_file!r}")
+  stopped_early = _train_epochs(run, config, out)
+
+  # The state handed back (and the last checkpoint) must be finite and agree everywhere.
+  run.sync_for_use(final=True)
+  run.finite("at the end of training")
+  if config.check_replicas_every and not config.partial:
+    run.check_replicas()
+  summary = _summarize(run, out, started=started, stopped_early=stopped_early,
+                       resumed_from=resumed_from, param_count=param_count)
+  if return_state:
+    summary["state"] = jax.device_get(jdist.unreplicate(
+        {key: run.state[key] for key in ("params", "model_state", "opt_state")}))
+  return summary
+
+
+def _start(config: TrainConfig) -> tuple[TrainConfig, Any, runlog.RunOutput]:
+  """Starts jdist and the run's output; returns (config, topology, output).
+
+  The config comes back with the batch size a restart on another replica
+  count needs to keep the checkpoint's global batch (`elastic`).
+  """
   topo = jdist.init(timeout=config.timeout,
                     backend=None if config.backend == "auto" else config.backend)
   # Restarted by `jdist launch` on fewer or more replicas: keep the checkpoint's global batch.
@@ -153,6 +178,20 @@ def train(config: TrainConfig, *, return_state: bool = False) -> dict[str, Any]:
   out = runlog.RunOutput(config, topo.is_primary)
   if restart_note:
     out.say(f"note: {restart_note}.")
+  return config, topo, out
+
+
+def _prepare_run(config: TrainConfig, topo, out: runlog.RunOutput) -> tuple[_Run, int]:
+  """The run, from its data, program, identical initial state and loaders; and its size.
+
+  Every rank agrees on each part (a failure on one is a failure on all),
+  checks that the settings are the same everywhere before any exchange
+  they could make differ, and starts from rank 0's parameters. Prints the
+  run's one-line description.
+
+  Returns:
+    (the run, its parameter count).
+  """
   data = _agree(lambda: _load_data(config), f"dataset {config.dataset!r}")
   input_shape = tuple(data.train_x.shape[1:])
   program = _agree(
@@ -176,31 +215,32 @@ def train(config: TrainConfig, *, return_state: bool = False) -> dict[str, Any]:
                           topology=topo, shuffle=False, drop_last=False,
                           pad_with_weights=True)), "data loader")
   run = _Run(config, topo, program, state, loaders, out)
-  out.say(f"jdist train: {config.model} ({models.param_count(params):,} parameters) on "
+  param_count = models.param_count(params)
+  out.say(f"jdist train: {config.model} ({param_count:,} parameters) on "
           f"{data.name} ({len(data.train_x)} train / {len(data.test_x)} test); {topo}; "
           f"batch {config.batch_size} per replica = {config.batch_size * topo.replica_count} "
           f"per step, {run.steps_per_epoch} steps/epoch; {config.optimizer} lr {config.lr:g}; "
           f"{config.optimizer_spec.describe()}")
-  resumed_from = run.open_checkpoints() if config.checkpoint_dir else None
-  _agree(lambda: out.open_log(append=resumed_from is not None), f"log file {config.log_file!r}")
+  return run, param_count
 
-  stopped_early = False
+
+def _train_epochs(run: _Run, config: TrainConfig, out: runlog.RunOutput) -> bool:
+  """Trains the remaining epochs, logging each; returns whether --max-steps stopped it early."""
   for epoch in range(run.position["epoch"], config.epochs):
     record = None if reached(config.max_steps, run.step) else run.run_epoch(epoch)
     if record is None:
-      stopped_early = True
-      break
+      return True
     out.record(record)
     out.say(runlog.epoch_line(record, config.epochs))
     if reached(config.max_steps, run.step):
-      stopped_early = epoch + 1 < config.epochs
-      break
+      return epoch + 1 < config.epochs
+  return False
 
-  # The state handed back (and the last checkpoint) must be finite and agree everywhere.
-  run.sync_for_use(final=True)
-  run.finite("at the end of training")
-  if config.check_replicas_every and not config.partial:
-    run.check_replicas()
+
+def _summarize(run: _Run, out: runlog.RunOutput, *, started: float, stopped_early: bool,
+               resumed_from: int | None, param_count: int) -> dict[str, Any]:
+  """Writes the run's summary record, closes the log, prints the last line; returns the summary."""
+  config, topo = run.config, run.topo
   history = run.position["history"]
   evaluated = [r["test_accuracy"] for r in history if "test_accuracy" in r]
   total_time = time.perf_counter() - started
@@ -209,7 +249,7 @@ def train(config: TrainConfig, *, return_state: bool = False) -> dict[str, Any]:
       "final_test_accuracy": evaluated[-1] if evaluated else None,
       "best_test_accuracy": max(evaluated) if evaluated else None,
       "total_time_s": total_time, "stopped_early": stopped_early,
-      "resumed_from_step": resumed_from, "param_count": models.param_count(params),
+      "resumed_from_step": resumed_from, "param_count": param_count,
       "topology": {"processes": topo.process_count, "local_devices": topo.local_device_count,
                    "replicas": topo.replica_count, "backend": topo.backend},
       "config": config.to_dict(), "epochs": history,
@@ -219,8 +259,4 @@ def train(config: TrainConfig, *, return_state: bool = False) -> dict[str, Any]:
   final = (f"; final test accuracy {evaluated[-1]:.2%} (best {max(evaluated):.2%})"
            if evaluated else "")
   out.say(f"done: {len(history)} epoch(s), {run.step} steps in {total_time:.1f} s{final}")
-  if return_state:
-    summary["state"] = jax.device_get(jdist.unreplicate(
-        {key: run.state[key] for key in ("params", "model_state", "opt_state")}))
   return summary
-

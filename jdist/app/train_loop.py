@@ -325,9 +325,25 @@ class Run:
     if not self.finite("at the end of the epoch"):
       tally.restart(self.skipped_total())
       done = tally.position(0.0)
+    record = self._epoch_record(epoch, tally, done, self.steps_per_epoch - first_batch,
+                                epoch_start)
+    self._evaluate_into(record, epoch)
+    self.position["history"].append(record)
+    if self.manager:
+      self.save(epoch, self.steps_per_epoch, {})
+    return record
+
+  def _epoch_record(self, epoch: int, tally: EpochTally, done: dict, steps_timed: int,
+                    epoch_start: float) -> dict:
+    """The finished epoch's training record, without evaluation.
+
+    The tally's record plus throughput (over the `steps_timed` steps since
+    `epoch_start`), bytes on the wire per step, and where they apply: outer
+    syncs so far, skipped steps, rollbacks.
+    """
+    config = self.config
     record = tally.record(epoch, self.step, done)
-    record["samples_per_s"] = ((self.steps_per_epoch - first_batch) * config.batch_size
-                               * self.topo.replica_count
+    record["samples_per_s"] = (steps_timed * config.batch_size * self.topo.replica_count
                                / max(time.perf_counter() - epoch_start, 1e-9))
     record["wire_bytes_per_step"] = done["epoch_wire"] / self.steps_per_epoch
     if config.diloco or config.local_sgd:  # syncs so far (fragment exchanges, averagings)
@@ -339,6 +355,14 @@ class Run:
       record["skipped_steps_total"] = total
     if self.rollbacks:
       record["rollbacks_total"] = self.rollbacks
+    return record
+
+  def _evaluate_into(self, record: dict, epoch: int) -> None:
+    """Adds the test metrics to `record` if `epoch` is due (every --eval-every, and the last).
+
+    Sets `eval_time_s` and `epoch_time_s` (training plus evaluation) either way.
+    """
+    config = self.config
     eval_start = time.perf_counter()
     last = epoch + 1 == config.epochs or reached(config.max_steps, self.step)
     if config.eval_every and ((epoch + 1) % config.eval_every == 0 or last):
@@ -347,10 +371,6 @@ class Run:
                     test_examples=result["count"])
     record["eval_time_s"] = time.perf_counter() - eval_start
     record["epoch_time_s"] = record["train_time_s"] + record["eval_time_s"]
-    self.position["history"].append(record)
-    if self.manager:
-      self.save(epoch, self.steps_per_epoch, {})
-    return record
 
   def _take(self, tally: EpochTally, sums, bar) -> bool:
     """Adds one step's sums to the epoch (False, and left out, if its loss is not finite)."""

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jdist.collectives import context
 from jdist import fusion
 from jdist.collectives import routes
+from jdist.collectives.route_base import HALF_DTYPES
 from jdist.collectives import transport
 from jdist.runtime import host
 
@@ -220,7 +221,7 @@ class ReplicaExchange:
       return tree
 
     def reduce_buffer(buffer, on, axis):
-      if buffer.dtype in routes.HALF_DTYPES:
+      if buffer.dtype in HALF_DTYPES:
         return transport.sum_all_16bit(buffer, on, axis)
       return transport.sum_all(buffer, on, axis)
 

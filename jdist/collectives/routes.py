@@ -48,7 +48,7 @@ import numpy as np
 from jdist.collectives import autodiff
 from jdist.collectives import native
 from jdist.collectives.route_base import (  # pylint: disable=unused-import
-    HALF_DTYPES, Route, add_rows, bits, from_bits, local_sum16, pad_to)
+    Route, add_rows, bits, from_bits, local_sum16, pad_to)
 from jdist.collectives import steps
 from jdist.collectives import wire
 from jdist.collectives.wire import DATA_AXIS

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jdist.collectives.route_base import HALF_DTYPES
 from jdist.compression import protocol
 from jdist.runtime import topology as topology_lib
 
@@ -77,7 +78,7 @@ def _check_dtype(dtype) -> np.dtype:
     dtype = np.dtype(dtype)
   except TypeError:
     dtype = None
-  if dtype not in protocol.HALF_DTYPES:
+  if dtype not in HALF_DTYPES:
     raise ValueError(f"dtype={dtype!r} is not a 16-bit float; use jnp.float16 or jnp.bfloat16.")
   return dtype
 

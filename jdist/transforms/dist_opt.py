@@ -38,8 +38,6 @@ from jdist.compression import powersgd as powersgd_lib
 from jdist.compression import protocol
 from jdist.compression import qsgd as qsgd_lib
 from jdist.compression import sparse as sparse_lib
-from jdist.compression.sparse import SPARSIFY_KINDS  # noqa: F401  (the CLI's reader)
-from jdist.compression.sparse import parse_sparsify  # noqa: F401  (the CLI's reader)
 from jdist.transforms import partial as partial_lib
 from jdist.transforms.allreduce import allreduce
 from jdist.transforms.diloco import choose_payload
