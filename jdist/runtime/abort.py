@@ -10,6 +10,15 @@ still waits for the lost node (see `jdist.app.launch`).
 
 Every abort report ends with a line starting with `ABORT_MARKER`, which
 `jdist launch` reads to know the job is over.
+
+After the report, what the job prints while it dies is not jdist's: when a
+rank ends, JAX's coordination client on every other rank sees its service
+go away and aborts with a C++ stack trace ("Terminating process because
+the JAX distributed service detected fatal errors", `grpc_status:14 ...
+Socket closed`), measured 0.14 s before the launcher's SIGTERM arrived.
+So the aborting rank tells its peers first (`QUIET_TAG`, answered by
+their watchdogs) and every rank sends its own standard error to
+/dev/null from then on, unless `JDIST_DEBUG` is set.
 """
 
 from __future__ import annotations
@@ -17,9 +26,58 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 ABORT_MARKER = "jdist: aborting the MPI job"
 EXIT_AFTER_ABORT_S = 5.0
+DEBUG_ENV = "JDIST_DEBUG"  # set: keep every library's output while the job ends
+# "The job ends" and its answer, on the watchdog's communicator (7401-7403:
+# the watchdog's queries, replies and departures).
+QUIET_TAG, QUIET_ACK_TAG = 7404, 7405
+_acks_sent: list = []  # kept until the process ends: MPI may still read them
+_QUIET_WAIT_S = 2.0  # the peers' watchdogs poll every 0.1 s, even while their main thread stalls
+
+
+def debugging() -> bool:
+  """Whether `JDIST_DEBUG` asks for every library's output (any value but 0/empty)."""
+  return os.environ.get(DEBUG_ENV, "").strip() not in ("", "0")
+
+
+def silence_stderr() -> None:
+  """Sends this process's standard error to /dev/null (not with `JDIST_DEBUG`).
+
+  For the moments after an abort report: what follows is other libraries'
+  noise about the job ending, and it would bury the report.
+  """
+  if debugging():
+    return
+  sys.stderr.flush()
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 2)
+  os.close(devnull)
+
+
+def _tell_peers_the_job_ends(comm, rank: int) -> None:
+  """Asks every other rank's watchdog to go quiet; waits (briefly) until they have."""
+  peers = [peer for peer in range(comm.Get_size()) if peer != rank]
+  sends = [comm.isend(rank, dest=peer, tag=QUIET_TAG) for peer in peers]
+  acks = [comm.irecv(source=peer, tag=QUIET_ACK_TAG) for peer in peers]
+  deadline = time.monotonic() + _QUIET_WAIT_S  # a lost peer must not hold up the abort
+  while (sends or acks) and time.monotonic() < deadline:
+    sends = [request for request in sends if not request.Test()]
+    acks = [request for request in acks if not request.Test()]
+    time.sleep(0.01)
+
+
+def quiet_if_told(comm, mpi) -> None:
+  """Silences this rank once a peer said the job ends, and says it did (watchdog thread)."""
+  status = mpi.Status()
+  told = []
+  while comm.Iprobe(source=mpi.ANY_SOURCE, tag=QUIET_TAG, status=status):
+    told.append(comm.recv(source=status.Get_source(), tag=QUIET_TAG))
+  if told:
+    silence_stderr()
+    _acks_sent.extend(comm.isend(True, dest=peer, tag=QUIET_ACK_TAG) for peer in told)
 
 
 def abort_job(comm, message: str, rank: int, code: int = 1) -> None:
@@ -33,6 +91,9 @@ def abort_job(comm, message: str, rank: int, code: int = 1) -> None:
   timer = threading.Timer(EXIT_AFTER_ABORT_S, os._exit, (code,))  # pylint: disable=protected-access
   timer.daemon = True
   timer.start()
+  if comm.Get_size() > 1:
+    _tell_peers_the_job_ends(comm, rank)
+  silence_stderr()
   comm.Abort(code)
 
 

@@ -340,6 +340,7 @@ class Watchdog:
 
   def _serve_once(self) -> bool:
     """Answers queries and checks the deadline; True once the job was aborted."""
+    abort.quiet_if_told(self.comm, self._mpi)  # a peer reported and ends the job
     self._answer_queries()
     report = self._departure_stall() or self._divergence()
     if report is not None:
