@@ -17,7 +17,12 @@ Communicators:
   * the watchdog's own duplicate, for progress queries.
 
 Host-side exchanges use non-blocking MPI and poll with short sleeps, so a rank
-waiting for a slow peer does not spin a CPU core the peer may need.
+waiting for a slow peer does not spin a CPU core the peer may need. Each
+begins with one fixed-size gather of every rank's call (a digest of its kind
+and label), its step count and its payload size: two different exchanges
+that meet (a collective called on one rank only) are told apart there, and
+the job ends with a report naming each rank's call and line, instead of
+pairing one's payload with the other's.
 
 A rank that never calls `jdist.init` (stalled or failed before it) would
 leave the others blocked in `MPI_Init`, which Open MPI completes only once
@@ -43,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from jdist import errors
+from jdist.runtime import abort
 from jdist.runtime import flight_recorder
 from jdist.runtime import flight_report
 from jdist.runtime import jax_distributed
@@ -113,7 +119,7 @@ def meet(comm, limit: float) -> list[int]:
   return []
 
 
-_REPORTER_GRACE_S = 10.0  # how long the other ranks leave the lowest one to report
+_REPORTER_GRACE_S = 10.0  # how long the other ranks leave rank 0 to report
 
 
 def _call_digest(kind: str, label: str) -> int:
@@ -282,9 +288,9 @@ class MpiWorld:
 
     Every rank gets here from the same header exchange, so they can still
     exchange what each one is calling, and where (a plain gather every rank
-    enters alike). The lowest rank reports and aborts the job through the
-    watchdog (which lets the peers' abort hooks run first); the others wait
-    for it, and report themselves if it does not end the job.
+    enters alike). Every rank runs its abort hooks (`jdist.timeline` writes
+    its part), then rank 0 reports and aborts the job; the others wait for
+    it, and report themselves if it does not end the job.
 
     Raises:
       jdist.errors.WorldMismatchError: only if the abort returns (tests).
@@ -305,9 +311,12 @@ class MpiWorld:
              for rank, (d, s) in enumerate(zip(displacements, sizes))}
     report = flight_report.with_section(stall_report.describe_diverged_calls(self.rank, calls),
                                         calls, self.rank, self.size)
-    if self.rank != min(calls):
-      time.sleep(_REPORTER_GRACE_S)  # the lowest rank reports and ends the job
-    self.watchdog.on_timeout(report)
+    flight_recorder.run_abort_hooks()  # e.g. jdist.timeline: every rank writes its part...
+    ends = np.zeros(self.size, np.int64)
+    self._wait(self.comm.Iallgather(np.zeros(1, np.int64), ends), what)  # ...before any abort
+    if self.rank != 0:
+      time.sleep(_REPORTER_GRACE_S)  # rank 0 reports and ends the job
+    abort.abort_job(self.comm, report, self.rank)
     raise errors.WorldMismatchError(report)
 
   def barrier(self, label: str = "barrier") -> None:
