@@ -204,6 +204,27 @@ def test_topk_one_percent_sends_one_percent_per_process_of_dense_bytes(topo):
     assert sparse_bytes[0] <= 0.0101 * processes * dense_bytes[0]
 
 
+@pytest.mark.parametrize("name, dtype", [("fp16", jnp.float16), ("bf16", jnp.bfloat16),
+                                         ("float16", jnp.float16), ("bfloat16", jnp.bfloat16)])
+def test_half_takes_the_clis_names_as_well_as_dtypes(topo, name, dtype):
+  """dist_opt(half="bf16") is dist_opt(half=jnp.bfloat16), bit for bit."""
+  grads, _ = _replica_grads(topo, shape=(8, 5))
+  by_name = jdist.dist_opt(optax.sgd(0.1), half=name)
+  by_dtype = jdist.dist_opt(optax.sgd(0.1), half=dtype)
+  np.testing.assert_array_equal(_reduce(by_name, grads)[0]["w"], _reduce(by_dtype, grads)[0]["w"])
+  cast = _reduce(optax.chain(jdist.cast(name), jdist.allreduce()), grads)[0]["w"]
+  np.testing.assert_array_equal(
+      cast, _reduce(optax.chain(jdist.cast(dtype), jdist.allreduce()), grads)[0]["w"])
+
+
+@pytest.mark.parametrize("half", ["bf8", "float32", jnp.float32, 16, "int16"])
+def test_a_bad_half_is_named_as_given(half):
+  with pytest.raises(ValueError, match=r"half=.* is not a 16-bit float") as info:
+    jdist.dist_opt(optax.sgd(0.1), half=half)
+  assert f"half={half!r}" in str(info.value)
+  assert "'fp16', 'float16', 'bf16', 'bfloat16'" in str(info.value)
+
+
 def test_compressor_arguments_are_checked():
   with pytest.raises(ValueError, match="16-bit float"):
     jdist.cast(jnp.float32)

@@ -48,6 +48,22 @@ def test_late_init_with_nproc_set_works_subprocess():
   assert done.stdout.count("OK rank") == 2, done.stdout
 
 
+def test_late_init_in_2x2_with_jax_distributed_on_gives_advice_that_works_subprocess():
+  """The default under mpirun: NPROC alone would only meet the distributed
+  runtime's refusal, so the advice names both variables (the test above runs
+  them, as written)."""
+  done = _run(2, 2)
+  assert done.returncode != 0 and "OK rank" not in done.stdout, done.stdout
+  assert "InitOrderError" in done.stderr, done.stderr[-4000:]
+  assert "call jdist.init() before any other JAX call" in done.stderr
+  assert "mpirun -x NPROC=16 -x JDIST_JAX_DISTRIBUTED=0" in done.stderr
+  # NPROC alone: the runtime's own refusal, whose advice (JDIST_JAX_DISTRIBUTED=0) completes it.
+  nproc_only = _run(2, 2, NPROC="16")
+  assert nproc_only.returncode != 0 and "OK rank" not in nproc_only.stdout, nproc_only.stdout
+  assert "JAX's distributed runtime can no longer start" in nproc_only.stderr
+  assert "JDIST_JAX_DISTRIBUTED=0" in nproc_only.stderr
+
+
 def test_late_init_with_jax_distributed_on_stops_at_once_subprocess():
   """JAX's distributed runtime (on by default under mpirun) cannot start after its backends."""
   done = _run(2, 1)

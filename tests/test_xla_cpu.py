@@ -66,6 +66,18 @@ def test_host_threads_after_backends_exist_refuse_several_devices_on_a_small_poo
   assert "NPROC" not in os.environ  # too late to matter: not set
 
 
+def test_late_init_advice_names_every_variable_the_fix_needs():
+  """NPROC alone would only lead to JAX's distributed runtime refusing to start."""
+  on = xla_cpu.late_init_advice(jax_distributed=True)
+  assert "call jdist.init() before any other JAX call" in on and "only fix" in on
+  assert f"mpirun -x NPROC={xla_cpu.MIN_HOST_THREADS} -x JDIST_JAX_DISTRIBUTED=0" in on
+  off = xla_cpu.late_init_advice(jax_distributed=False)
+  assert f"mpirun -x NPROC={xla_cpu.MIN_HOST_THREADS} ...)" in off
+  assert "JDIST_JAX_DISTRIBUTED" not in off
+  jax_backend = xla_cpu.late_init_advice(jax_distributed=True, backend="jax")
+  assert "only fix with backend='jax'" in jax_backend and "NPROC" not in jax_backend
+
+
 def test_init_sets_the_flag_and_this_xla_accepts_it_in_a_subprocess():
   # XLA stops a process at an XLA_FLAGS entry it does not know: a computation
   # after jdist.init() proves the installed XLA takes the flag.

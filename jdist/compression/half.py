@@ -73,14 +73,29 @@ def from_half(tree16: Any, ctx: HalfCtx, factor: float) -> Any:
   return jax.tree.unflatten(treedef, out)
 
 
-def _check_dtype(dtype) -> np.dtype:
+# The names `jdist train --half` and DiLoCo's payload take, and numpy's own.
+HALF_NAMES = {"fp16": jnp.float16, "float16": jnp.float16, "bf16": jnp.bfloat16,
+              "bfloat16": jnp.bfloat16}
+
+
+def _check_dtype(dtype, name: str = "dtype") -> np.dtype:
+  """`dtype` (a jnp dtype or one of `HALF_NAMES`) as a numpy 16-bit float dtype.
+
+  Raises:
+    ValueError: naming the value given as `name=...`, when it is not a 16-bit float.
+  """
+  given = dtype
+  if isinstance(dtype, str):
+    dtype = HALF_NAMES.get(dtype.strip().lower())
   try:
-    dtype = np.dtype(dtype)
-  except TypeError:
-    dtype = None
-  if dtype not in HALF_DTYPES:
-    raise ValueError(f"dtype={dtype!r} is not a 16-bit float; use jnp.float16 or jnp.bfloat16.")
-  return dtype
+    found = None if dtype is None or isinstance(dtype, bool) else np.dtype(dtype)
+  except (TypeError, ValueError):
+    found = None
+  if found not in HALF_DTYPES:
+    raise ValueError(f"{name}={given!r} is not a 16-bit float; use jnp.float16 or "
+                     f"jnp.bfloat16, or one of the names "
+                     f"{', '.join(repr(n) for n in HALF_NAMES)}.")
+  return found
 
 
 def cast(dtype: Any = jnp.float16) -> optax.GradientTransformation:
@@ -91,7 +106,8 @@ def cast(dtype: Any = jnp.float16) -> optax.GradientTransformation:
   are accumulated in float32.
 
   Args:
-    dtype: jnp.float16 or jnp.bfloat16.
+    dtype: jnp.float16 or jnp.bfloat16, or a name: "fp16", "bf16",
+      "float16", "bfloat16".
 
   Returns:
     An `optax.GradientTransformation` (stateless).
@@ -112,10 +128,10 @@ def cast(dtype: Any = jnp.float16) -> optax.GradientTransformation:
 
 
 def _half_setting(half: Any):
-  """dist_opt's `half`: True is float16; a 16-bit dtype is itself."""
+  """dist_opt's `half`: True is float16; a 16-bit dtype (or its name) is itself."""
   if half is None or half is False:
     return None
-  return _check_dtype(jnp.float16 if half is True else half)
+  return _check_dtype(jnp.float16 if half is True else half, "half")
 
 
 SCHEME = protocol.Scheme(

@@ -44,8 +44,9 @@ def first_divergence(recorders: dict[int, dict[str, Any]]) -> dict[str, Any] | N
 
   Returns:
     {"key", "ordinal", "call", "kind", "label", "nbytes", "states": {rank:
-    standing}, "never": [ranks], "age_s"}, or None when every recorded
-    exchange finished everywhere.
+    standing}, "never": [ranks], "age_s", "labels": {rank: its call} where
+    the ranks' host exchange of that count were different calls, else {}},
+    or None when every recorded exchange finished everywhere.
   """
   tables = {rank: {_key(row): row for row in summary.get("entries", ())}
             for rank, summary in recorders.items()}
@@ -58,16 +59,21 @@ def first_divergence(recorders: dict[int, dict[str, Any]]) -> dict[str, Any] | N
   for key, row in seen.items():
     states = {rank: _standing(recorders[rank], key, tables[rank]) for rank in sorted(recorders)}
     never = [rank for rank, state in states.items() if state == "never"]
-    if never:
-      diverged.append((row["age_s"], key, row, states, never))
+    # Host exchange N of one rank met another call on another rank.
+    labels = ({rank: tables[rank][key].get("label") for rank in sorted(tables)
+               if key in tables[rank]} if key[0] == "host" else {})
+    if len(set(labels.values())) > 1:
+      diverged.append((row["age_s"], key, row, states, never, labels))
+    elif never:
+      diverged.append((row["age_s"], key, row, states, never, {}))
     elif any(state in ("posted", "wire") for state in states.values()):
-      stuck.append((row["age_s"], key, row, states, never))
+      stuck.append((row["age_s"], key, row, states, never, {}))
   for found in (diverged, stuck):
     if found:
-      age, key, row, states, never = max(found, key=lambda item: item[0])
+      age, key, row, states, never, labels = max(found, key=lambda item: item[0])
       return {"key": key, "ordinal": row["ordinal"], "call": row["call"], "kind": row["kind"],
               "label": row.get("label") or row["kind"], "nbytes": row["nbytes"],
-              "states": states, "never": never, "age_s": age}
+              "states": states, "never": never, "age_s": age, "labels": labels}
   return None
 
 
@@ -100,6 +106,11 @@ def describe(recorders: dict[int, dict[str, Any]], size: int | None = None,
   found = first_divergence(recorders)
   if found is None:
     lines.append("Flight recorder: every recorded exchange finished on every rank.")
+  elif len(set(found.get("labels", {}).values())) > 1:
+    calls = ", ".join(f"rank {rank} posted {label}" for rank, label in found["labels"].items())
+    lines.append(f"Flight recorder: the ranks first disagree at host exchange {found['ordinal']}, "
+                 f"first posted {found['age_s']:.1f} s ago, a different call on each side: "
+                 f"{calls}.")
   else:
     posted = [f"rank {rank} ({state})" for rank, state in found["states"].items()
               if state not in ("never", "unknown")]

@@ -247,7 +247,7 @@ def start(world, *, xla_collectives: bool = False) -> None:
         f"after the imports), or run without JAX's process identity: "
         f"jdist.init(jax_distributed=False) or {ENV}=0 in the environment.")
   if not xla_collectives:
-    keep_cpu_collectives_local()
+    keep_cpu_collectives_local(world)
   candidates = coordinator_candidates(world)
   timeout = _timeout()
   try:
@@ -261,7 +261,7 @@ def start(world, *, xla_collectives: bool = False) -> None:
   _started_s = time.perf_counter() - began
 
 
-def keep_cpu_collectives_local() -> str | None:
+def keep_cpu_collectives_local(world) -> str | None:
   """Gives XLA's CPU client no cross-process collectives, unless the user chose some.
 
   Measured with Gloo (JAX's default), 2 processes x 2 devices, SINGA CNN jit
@@ -281,7 +281,7 @@ def keep_cpu_collectives_local() -> str | None:
     jax.config.update("jax_cpu_collectives_implementation", None)
     chosen = None
   if chosen is None:
-    multihost.install()
+    multihost.install(world)
   return chosen
 
 

@@ -28,17 +28,15 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jdist.runtime import world as world_lib
-
 _originals: dict[str, Any] = {}
+_world = None  # the MPI world `install` was given
 
 
 def _world_for_cpu():
   """The MPI world when this job's default backend is the CPU, else None."""
-  world = world_lib.get()
-  if world is None or world.size == 1 or jax.default_backend() != "cpu":
+  if _world is None or _world.size == 1 or jax.default_backend() != "cpu":
     return None
-  return world
+  return _world
 
 
 def _global_value(array: jax.Array, world) -> np.ndarray:
@@ -127,8 +125,14 @@ def broadcast_one_to_all(in_tree: Any, is_source: bool | None = None) -> Any:
   return jax.tree.unflatten(treedef, summed)
 
 
-def install() -> None:
-  """Puts the MPI versions in `jax.experimental.multihost_utils` (idempotent)."""
+def install(world) -> None:
+  """Puts the MPI versions in `jax.experimental.multihost_utils` (idempotent).
+
+  Args:
+    world: the started `jdist.runtime.world.MpiWorld` they exchange over.
+  """
+  global _world
+  _world = world
   for name, replacement in (("process_allgather", process_allgather),
                             ("broadcast_one_to_all", broadcast_one_to_all)):
     current = getattr(multihost_utils, name)

@@ -173,6 +173,40 @@ def describe_departure(rank: int, label: str, number: int, host: bool,
           f"Aborting the job so no rank hangs until the deadline.")
 
 
+def describe_diverged_calls(rank: int, calls: dict[int, dict[str, Any]]) -> str:
+  """The report when the ranks met in different host exchanges.
+
+  Every host exchange starts with one gather of each rank's call
+  (`jdist.runtime.world`), so different exchanges meet there instead of
+  pairing their payloads wrongly.
+
+  Args:
+    rank: the reporting rank.
+    calls: each rank's {"label": its exchange, "where": its line, "host":
+      its host exchange count, "steps": its steps dispatched}.
+  """
+  groups: dict[tuple, list[int]] = {}
+  for peer in sorted(calls):
+    call = calls[peer]
+    groups.setdefault((call["label"], call.get("where")), []).append(peer)
+  parts = []
+  for (label, where), ranks in groups.items():
+    noun = "rank" if len(ranks) == 1 else "ranks"
+    verb = "is" if len(ranks) == 1 else "are"
+    at = f" at {where}" if where else ""
+    parts.append(f"{noun} {', '.join(map(str, ranks))} {verb} in {label}{at}")
+  numbers = sorted({call.get("host", 0) for call in calls.values()})
+  which = (f"host exchange {numbers[0]}" if len(numbers) == 1 else
+           "host exchanges " + ", ".join(map(str, numbers)))
+  return "\n".join([
+      f"jdist watchdog: rank {rank}: the ranks called different host collectives ({which}), "
+      f"which can never complete together: {'; '.join(parts)}.",
+      "The ranks' control flow diverged: a collective ran on some ranks only (for example "
+      "inside `if topo.is_primary:`) or in another order. Every rank must call jdist's "
+      "collectives (barrier, broadcast_params, host_allreduce, every CheckpointManager "
+      "method...) in the same order. Aborting the job."])
+
+
 def trace_signature(args: Any) -> list[tuple[str, str]]:
   """[(argument path, "dtype[shape]"), ...] of a traced step's array arguments."""
   import jax  # pylint: disable=g-import-not-at-top

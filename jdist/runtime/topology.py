@@ -210,7 +210,7 @@ def _mpi_processes(backend: str):
   """The starter of a job of several processes launched by MPI, for `backend`."""
 
   def start(timeout: float, bind_gpu: bool | None, jax_distributed: bool) -> Topology:
-    xla_cpu.reserve_host_threads()
+    xla_cpu.reserve_host_threads(jax_distributed or backend == "jax", backend)
     # Raises MissingMPIError if mpi4py is absent. Backend "jax" runs its
     # collectives on JAX's runtime and XLA's cross-process collectives, so it
     # always starts it with them.

@@ -152,6 +152,11 @@ class Watchdog:
     """Steps dispatched so far (the step a waiting rank is in is `step`)."""
     return self._dispatched
 
+  @property
+  def host_exchanges(self) -> int:
+    """Host exchanges begun so far (the one a rank waits in included)."""
+    return self._host_count
+
   def _new_wait(self, label: str, since: float, number: int, host: bool) -> _Wait:
     return _Wait(label, since, since + self.timeout, number=number, host=host)
 

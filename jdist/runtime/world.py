@@ -17,7 +17,12 @@ Communicators:
   * the watchdog's own duplicate, for progress queries.
 
 Host-side exchanges use non-blocking MPI and poll with short sleeps, so a rank
-waiting for a slow peer does not spin a CPU core the peer may need.
+waiting for a slow peer does not spin a CPU core the peer may need. Each
+begins with one fixed-size gather of every rank's call (a digest of its kind
+and label), its step count and its payload size: two different exchanges
+that meet (a collective called on one rank only) are told apart there, and
+the job ends with a report naming each rank's call and line, instead of
+pairing one's payload with the other's.
 
 A rank that never calls `jdist.init` (stalled or failed before it) would
 leave the others blocked in `MPI_Init`, which Open MPI completes only once
@@ -33,6 +38,7 @@ job is aborted.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import pickle
 import sys
 import threading
@@ -42,7 +48,11 @@ from typing import Any
 import numpy as np
 
 from jdist import errors
+from jdist.runtime import abort
+from jdist.runtime import flight_recorder
+from jdist.runtime import flight_report
 from jdist.runtime import jax_distributed
+from jdist.runtime import stall_report
 from jdist.runtime import watchdog as watchdog_lib
 
 _MISSING_MPI_HELP = (
@@ -107,6 +117,15 @@ def meet(comm, limit: float) -> list[int]:
   for request in sends:
     request.Wait()  # received by now: every peer posted its receive before sending
   return []
+
+
+_REPORTER_GRACE_S = 10.0  # how long the other ranks leave rank 0 to report
+
+
+def _call_digest(kind: str, label: str) -> int:
+  """A host exchange's call ("allgather", "jdist.barrier"...) as one int64, alike on every rank."""
+  digest = hashlib.blake2b(f"{kind}:{label}".encode(), digest_size=8).digest()
+  return int.from_bytes(digest, "little", signed=True)
 
 
 def import_mpi4jax():
@@ -244,18 +263,69 @@ class MpiWorld:
           f"number of batches (jdist.ShardedLoader does, from data of the same size), and "
           f"stop every rank's loop alike.")
 
+  def _header(self, kind: str, label: str, size: int = 0) -> np.ndarray:
+    """The first message of every host exchange: each rank's (call, steps, size).
+
+    Every host exchange begins with this one fixed-size gather, so two
+    different exchanges that meet (control flow diverged: a collective called
+    on one rank only) pair up here and compare their calls, instead of
+    pairing their payloads wrongly. Then every rank sees the mismatch alike
+    and the job ends with a report naming each rank's call (`_diverged`).
+
+    Returns:
+      [ranks, 3] int64: each rank's call digest, steps dispatched and `size`.
+    """
+    header = np.zeros((self.size, 3), np.int64)
+    mine = np.array([_call_digest(kind, label), self.watchdog.step, size], np.int64)
+    self._wait(self.comm.Iallgather(mine, header), label)
+    if len(set(header[:, 0].tolist())) > 1:
+      self._diverged(label)
+    self._check_steps(header[:, 1], label)
+    return header
+
+  def _diverged(self, label: str) -> None:
+    """Ends the job with a report: the ranks are in different host exchanges.
+
+    Every rank gets here from the same header exchange, so they can still
+    exchange what each one is calling, and where (a plain gather every rank
+    enters alike). Every rank runs its abort hooks (`jdist.timeline` writes
+    its part), then rank 0 reports and aborts the job; the others wait for
+    it, and report themselves if it does not end the job.
+
+    Raises:
+      jdist.errors.WorldMismatchError: only if the abort returns (tests).
+    """
+    frame = sys._getframe(1)  # pylint: disable=protected-access
+    mine = {"rank": self.rank, "label": label, "where": stall_report.user_location(frame),
+            "steps": self.watchdog.step, "host": self.watchdog.host_exchanges,
+            "flight": flight_recorder.summary()}
+    sizes = np.zeros(self.size, np.int64)
+    payload = pickle.dumps(mine)
+    what = "jdist: comparing the ranks' diverged calls"
+    self._wait(self.comm.Iallgather(np.array([len(payload)], np.int64), sizes), what)
+    out = np.empty(int(sizes.sum()), np.uint8)
+    displacements = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    self._wait(self.comm.Iallgatherv(np.frombuffer(payload, np.uint8),
+                                     [out, sizes, displacements, self.MPI.BYTE]), what)
+    calls = {rank: pickle.loads(out[d:d + s].tobytes())
+             for rank, (d, s) in enumerate(zip(displacements, sizes))}
+    report = flight_report.with_section(stall_report.describe_diverged_calls(self.rank, calls),
+                                        calls, self.rank, self.size)
+    flight_recorder.run_abort_hooks()  # e.g. jdist.timeline: every rank writes its part...
+    ends = np.zeros(self.size, np.int64)
+    self._wait(self.comm.Iallgather(np.zeros(1, np.int64), ends), what)  # ...before any abort
+    if self.rank != 0:
+      time.sleep(_REPORTER_GRACE_S)  # rank 0 reports and ends the job
+    abort.abort_job(self.comm, report, self.rank)
+    raise errors.WorldMismatchError(report)
+
   def barrier(self, label: str = "barrier") -> None:
-    steps = np.zeros(self.size, np.int64)
-    self._wait(self.comm.Iallgather(np.array([self.watchdog.step], np.int64), steps), label)
-    self._check_steps(steps, label)
+    self._header("barrier", label)
 
   def allgather_bytes(self, payload: bytes, label: str) -> list[bytes]:
-    # One exchange for the sizes and the ranks' step counts (checked alike everywhere).
-    header = np.zeros((self.size, 2), np.int64)
-    self._wait(self.comm.Iallgather(np.array([len(payload), self.watchdog.step], np.int64),
-                                    header), label)
-    self._check_steps(header[:, 1], label)
-    sizes = np.ascontiguousarray(header[:, 0])
+    # One exchange for the calls, the ranks' step counts (checked alike everywhere) and sizes.
+    header = self._header("allgather", label, len(payload))
+    sizes = np.ascontiguousarray(header[:, 2])
     out = np.empty(int(sizes.sum()), np.uint8)
     displacements = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     self._wait(self.comm.Iallgatherv(np.frombuffer(payload, np.uint8),
@@ -266,11 +336,13 @@ class MpiWorld:
     return [pickle.loads(b) for b in self.allgather_bytes(pickle.dumps(obj), label)]
 
   def bcast_array(self, array: np.ndarray, root: int, label: str) -> np.ndarray:
+    self._header("bcast", label, array.nbytes)
     buffer = np.ascontiguousarray(array) if self.rank == root else np.empty_like(array)
     self._wait(self.comm.Ibcast(buffer, root=root), label)
     return buffer
 
   def allreduce_array(self, array: np.ndarray, label: str) -> np.ndarray:
+    self._header("allreduce", label, array.nbytes)
     out = np.empty_like(array)
     self._wait(self.comm.Iallreduce(np.ascontiguousarray(array), out,
                                     op=self.MPI.SUM), label)

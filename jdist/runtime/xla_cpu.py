@@ -28,7 +28,7 @@ FUSION_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters"
 _FUSION_EMITTERS_RELEASES = ((0, 10),)
 
 
-def reserve_host_threads() -> None:
+def reserve_host_threads(jax_distributed: bool = True, backend: str = "mpi") -> None:
   """Gives XLA's CPU client enough threads for blocking cross-process calls.
 
   The callback route needs it (the native route's custom calls return at
@@ -42,6 +42,12 @@ def reserve_host_threads() -> None:
   threads) is then full and the work the other device still needs never
   runs: a deadlock on both processes (measured: 2 processes x 2 devices,
   buffers >= 64K floats). Extra pool threads cost nothing while idle.
+
+  Args:
+    jax_distributed: whether `jdist.init` starts JAX's distributed runtime
+      next (it cannot start after JAX's backends either): the error's advice
+      then says how to turn it off too.
+    backend: `jdist.init`'s backend ("jax" always needs the runtime).
 
   Raises:
     jdist.errors.InitOrderError: JAX created its backends before this call
@@ -61,12 +67,32 @@ def reserve_host_threads() -> None:
           f"jdist.init() ran after JAX started its backends (a jax.devices() call, an "
           f"array or a computation came first), so XLA's CPU thread pool kept its "
           f"{pool} threads, too few for {devices} devices per process exchanging across "
-          f"processes: the first step would deadlock. Fix: call jdist.init() before any "
-          f"other JAX call (right after the imports), or start the job with "
-          f"NPROC={MIN_HOST_THREADS} in the environment (mpirun -x "
-          f"NPROC={MIN_HOST_THREADS} ...).")
+          f"processes: the first step would deadlock. "
+          + late_init_advice(jax_distributed, backend))
     return
   os.environ["NPROC"] = str(max(os.cpu_count() or 1, MIN_HOST_THREADS))
+
+
+def late_init_advice(jax_distributed: bool, backend: str = "mpi") -> str:
+  """How to fix a `jdist.init()` that came after JAX's backends with several CPU devices.
+
+  Each fix works as written in its case: with JAX's distributed runtime on
+  (the default under mpirun), `NPROC` alone only leads to the runtime's own
+  `InitOrderError`, so the advice names both variables.
+  """
+  first = "Fix: call jdist.init() before any other JAX call (right after the imports)"
+  if backend == "jax":
+    return (f"{first}: that is the only fix with backend='jax', whose collectives need "
+            f"JAX's distributed runtime, which cannot start after JAX's backends either.")
+  if jax_distributed:
+    return (f"{first}. That is the only fix while JAX's distributed runtime is on (the "
+            f"default under mpirun): it cannot start after JAX's backends either. To keep "
+            f"this order instead, enlarge the pool and turn the runtime off together: start "
+            f"the job with NPROC={MIN_HOST_THREADS} and JDIST_JAX_DISTRIBUTED=0 in the "
+            f"environment (mpirun -x NPROC={MIN_HOST_THREADS} -x JDIST_JAX_DISTRIBUTED=0 ...; "
+            f"jax.process_index() is then 0 on every rank).")
+  return (f"{first}, or start the job with NPROC={MIN_HOST_THREADS} in the environment "
+          f"(mpirun -x NPROC={MIN_HOST_THREADS} ...).")
 
 
 def _release(version: str) -> tuple[int, int]:

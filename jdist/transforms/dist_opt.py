@@ -6,7 +6,7 @@ the schemes added since:
 | mode (SINGA)                   | dist_opt(...)                 | chain                                   |
 | ------------------------------ | ----------------------------- | --------------------------------------- |
 | backward_and_update            | (default)                     | allreduce, inner                        |
-| backward_and_update_half       | half=True / half=jnp.bfloat16 | cast, allreduce, inner                  |
+| backward_and_update_half       | half=True / half="bf16"       | cast, allreduce, inner                  |
 | backward_and_spars_update      | sparsify="topk:0.01"          | topk, [cast], allreduce, inner          |
 |   (block-approximate top-K)    | sparsify="topk_block:0.01"    | topk(method="block"), ...               |
 |   (threshold)                  | sparsify="threshold:1e-3"     | threshold, [cast], allreduce, inner     |
@@ -155,7 +155,8 @@ def dist_opt(inner: optax.GradientTransformation, *,
 
   Args:
     inner: any optax optimizer (sgd, adam, ...).
-    half: True (float16) or a 16-bit dtype: gradients travel in 16 bits
+    half: True (float16), a 16-bit dtype or its name ("fp16", "bf16",
+      "float16", "bfloat16", as `jdist train --half`): gradients travel in 16 bits
       (`jdist.cast`); with `sparsify`, the selected values; with `diloco`,
       the pseudo-gradient.
     sparsify: "topk:RATIO", "topk_block:RATIO" or "threshold:VALUE" (or a
