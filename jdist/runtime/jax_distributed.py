@@ -273,6 +273,9 @@ def keep_cpu_collectives_local(world) -> str | None:
   A choice in the environment (`JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo`) or
   made with `jax.config.update` before `jdist.init()` is kept.
 
+  Args:
+    world: the started MPI world, which `multihost_utils` then exchanges over.
+
   Returns:
     The CPU collectives XLA will use: None, "gloo" or "mpi".
   """
