@@ -103,6 +103,9 @@ _JOBS = {
     "nan_rollback": _nan_rollback,
     "other_optimizer": _one_epoch(["--rank-args", "--optimizer adam"]),
     "other_train_limit": _one_epoch(["--rank-args", "--train-limit 200"]),
+    # The model is built before the settings are compared: building it must not
+    # count as a diverged exchange (its exchange is named alike on every rank).
+    "other_model": _one_epoch(["--rank-args", "--model cnn"]),
     "other_devices": _one_epoch(["--rank-args", "--cpu-devices 2"]),
     "drift": _one_epoch(["--drift"], "--check-replicas-every", "3"),
     "unwritable": _unwritable,
@@ -185,6 +188,7 @@ def test_fault_nan_spike_rolls_back_to_the_last_checkpoint(jobs, job):
     # Ranks started differently are stopped at the start.
     ("other_optimizer", "--optimizer: rank 0 'sgd', rank 1 'adam'"),
     ("other_train_limit", "--train-limit: rank 0 256, rank 1 200"),
+    ("other_model", "--model: rank 0 'mlp', rank 1 'cnn'"),
     ("other_devices", "different numbers of local devices (rank 0 has 1, rank 1 has 2)"),
     # Replicas drifting apart end the run, naming the leaf.
     ("drift", "replicas diverged by step 3: the first differing leaf is ['params']"),

@@ -147,7 +147,7 @@ def train(config: TrainConfig, *, return_state: bool = False) -> dict[str, Any]:
   config, topo, out = _start(config)
   run, param_count = _prepare_run(config, topo, out)
   resumed_from = run.open_checkpoints() if config.checkpoint_dir else None
-  _agree(lambda: out.open_log(append=resumed_from is not None), f"log file {config.log_file!r}")
+  _agree(lambda: out.open_log(append=resumed_from is not None), "log file", repr(config.log_file))
   stopped_early = _train_epochs(run, config, out)
 
   # The state handed back (and the last checkpoint) must be finite and agree everywhere.
@@ -192,12 +192,12 @@ def _prepare_run(config: TrainConfig, topo, out: runlog.RunOutput) -> tuple[_Run
   Returns:
     (the run, its parameter count).
   """
-  data = _agree(lambda: _load_data(config), f"dataset {config.dataset!r}")
+  data = _agree(lambda: _load_data(config), "dataset", repr(config.dataset))
   input_shape = tuple(data.train_x.shape[1:])
   program = _agree(
       lambda: _program(config.model, data.num_classes, input_shape, config.optimizer_spec,
                        topo),
-      f"model {config.model!r}")
+      "model", repr(config.model))
   # Before any exchange that settings could make differ: the same run everywhere.
   steps_per_epoch = jdist.data.batches_per_epoch(
       len(data.train_x), batch_size=config.batch_size, replica_count=topo.replica_count)

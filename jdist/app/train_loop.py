@@ -43,8 +43,14 @@ class TrainError(errors.JdistError):
   """The run cannot go on; raised on every process alike, so all exit cleanly."""
 
 
-def agree(fn, what: str):
-  """Runs `fn` on every process; if it fails anywhere, raises TrainError everywhere."""
+def agree(fn, what: str, detail: str = ""):
+  """Runs `fn` on every process; if it fails anywhere, raises TrainError everywhere.
+
+  `what` names the exchange, the same on every rank (ranks that disagree on
+  it are a diverged run); `detail` (a setting's value, which may differ
+  across ranks) only goes in the error.
+  """
+  described = f"{what} {detail}" if detail else what
   result, problem = None, None
   try:
     result = fn()
@@ -53,7 +59,7 @@ def agree(fn, what: str):
 
   def train_error(rank: int, problems: list) -> TrainError:
     where = f" (rank {rank})" if len(problems) > 1 and problems[rank] != problem else ""
-    return TrainError(f"{what}{where}: {problems[rank]}")
+    return TrainError(f"{described}{where}: {problems[rank]}")
 
   host.agree(problem, f"jdist train: {what}", train_error)
   return result

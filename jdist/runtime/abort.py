@@ -80,8 +80,18 @@ def quiet_if_told(comm, mpi) -> None:
     _acks_sent.extend(comm.isend(True, dest=peer, tag=QUIET_ACK_TAG) for peer in told)
 
 
+def end_quietly(comm, rank: int) -> None:
+  """Before an abort: the peers (told over the watchdog's `comm`) and this rank go quiet."""
+  if comm.Get_size() > 1:
+    _tell_peers_the_job_ends(comm, rank)
+  silence_stderr()
+
+
 def abort_job(comm, message: str, rank: int, code: int = 1) -> None:
   """Prints `message`, then ends every rank of `comm`'s job with exit `code`.
+
+  `comm` is the watchdog's communicator, on which the peers hear that the
+  job ends (`end_quietly`).
 
   Returns only if `comm.Abort` does and the exit timer has not fired (never
   in practice: this process ends either way).
@@ -91,9 +101,7 @@ def abort_job(comm, message: str, rank: int, code: int = 1) -> None:
   timer = threading.Timer(EXIT_AFTER_ABORT_S, os._exit, (code,))  # pylint: disable=protected-access
   timer.daemon = True
   timer.start()
-  if comm.Get_size() > 1:
-    _tell_peers_the_job_ends(comm, rank)
-  silence_stderr()
+  end_quietly(comm, rank)
   comm.Abort(code)
 
 

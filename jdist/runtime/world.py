@@ -316,7 +316,7 @@ class MpiWorld:
     self._wait(self.comm.Iallgather(np.zeros(1, np.int64), ends), what)  # ...before any abort
     if self.rank != 0:
       time.sleep(_REPORTER_GRACE_S)  # rank 0 reports and ends the job
-    abort.abort_job(self.comm, report, self.rank)
+    abort.abort_job(self.watchdog.comm, report, self.rank)
     raise errors.WorldMismatchError(report)
 
   def barrier(self, label: str = "barrier") -> None:
@@ -349,6 +349,8 @@ class MpiWorld:
     return out
 
   def abort(self, code: int = 1) -> None:
+    """Ends every rank with exit `code`, after what this rank has printed (`abort.end_quietly`)."""
+    abort.end_quietly(self.watchdog.comm, self.rank)
     self.comm.Abort(code)
 
 
