@@ -38,6 +38,7 @@ FLAG_CASES = {
     "--diloco": ([], ["--diloco", "2"]),
     "--diloco-fragments": (["--diloco", "2"], ["--diloco", "2", "--diloco-fragments", "2"]),
     "--diloco-outer-lr": (["--diloco", "2"], ["--diloco", "2", "--diloco-outer-lr", "0.5"]),
+    "--diloco-backoff": (["--diloco", "2"], ["--diloco", "2", "--diloco-backoff"]),
     "--diloco-payload": (["--diloco", "2"], ["--diloco", "2", "--diloco-payload", "int8"]),
     "--diloco-delay": (["--diloco", "2"], ["--diloco", "2", "--diloco-delay", "1"]),
     "--diloco-mix": (["--diloco", "2", "--diloco-delay", "1"],
@@ -150,3 +151,18 @@ def test_momentum_correction_changes_the_trained_run(topo):
   assert runs[1]["config"]["momentum_correction"]
   params = [jax.tree.leaves(run["state"]["params"]) for run in runs]
   assert any(not np.allclose(a, b) for a, b in zip(*params))
+
+
+def test_diloco_outer_lr_defaults_to_the_inner_optimizers_momentum():
+  """The paper's 0.7 is set for an inner AdamW; SGD's heavy-ball momentum scales it by 1 - β."""
+  assert OptimizerSpec(diloco=8).outer_lr()[0] == pytest.approx(0.07)  # sgd, momentum 0.9
+  assert OptimizerSpec(diloco=8, momentum=0.5).outer_lr()[0] == pytest.approx(0.35)
+  assert OptimizerSpec(diloco=8, momentum=0.0).outer_lr()[0] == 0.7
+  assert OptimizerSpec(diloco=8, optimizer="adamw").outer_lr()[0] == 0.7
+  assert OptimizerSpec(diloco=8, diloco_outer_lr=0.3).outer_lr() == (0.3, "--diloco-outer-lr")
+  assert OptimizerSpec(diloco=8).describe() == (
+      "diloco every 8 steps, outer lr 0.07 (0.7 x (1 - momentum 0.9): scaled to SGD's "
+      "heavy-ball momentum; --diloco-outer-lr sets it), Nesterov momentum 0.9")
+  assert "outer lr 0.7 (the DiLoCo paper's)" in OptimizerSpec(
+      diloco=8, optimizer="adam").describe()
+  assert "halved if the loss rises" in OptimizerSpec(diloco=8, diloco_backoff=True).describe()

@@ -104,7 +104,13 @@ def build_train_parser(prog: str = "jdist train") -> argparse.ArgumentParser:
                      metavar="P", help="Streaming DiLoCo: P fragments synced on staggered "
                      "steps, one fragment's bytes per sync")
   group.add_argument("--diloco-outer-lr", type=float, default=defaults.diloco_outer_lr,
-                     metavar="LR", help="DiLoCo's outer learning rate")
+                     metavar="LR", help="DiLoCo's outer learning rate (outer SGD, Nesterov "
+                     "momentum 0.9); default: the paper's 0.7, times (1 - --momentum) with "
+                     "--optimizer sgd, whose heavy-ball momentum already multiplies the inner "
+                     "steps by 1/(1 - momentum)")
+  group.add_argument("--diloco-backoff", action="store_true",
+                     help="when the training loss rises across DiLoCo's outer syncs, halve "
+                     "the outer learning rate and go on (a warning is printed either way)")
   group.add_argument("--diloco-payload", choices=config_lib.DILOCO_PAYLOADS,
                      default=defaults.diloco_payload,
                      help="what DiLoCo's pseudo-gradient travels as (default: --half's, else "

@@ -33,6 +33,10 @@ from jdist.transforms.diloco import PAYLOAD_CHOICES as DILOCO_PAYLOADS
 from jdist.transforms.finite import skip_nonfinite
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
+# DiLoCo's outer step (SGD, Nesterov momentum): the paper's, set for an inner
+# AdamW, whose step is about its learning rate (its momentum is an average).
+PAPER_OUTER_LR = 0.7
+OUTER_MOMENTUM = 0.9
 HALF_CHOICES = ("fp16", "bf16")
 
 # A setting that shapes the optimizer state (its structure, or state that
@@ -71,7 +75,8 @@ class OptimizerSpec:
       (`jdist.diloco`; with `half`, the pseudo-gradient travels in 16 bits).
     diloco_fragments: Streaming DiLoCo's fragments (1: plain DiLoCo).
     diloco_outer_lr: the outer optimizer's learning rate (SGD, Nesterov
-      momentum 0.9). Must match on resume: the outer momentum is scaled by it.
+      momentum 0.9); None: `outer_lr()`'s rule (0.7, scaled to SGD's
+      heavy-ball momentum). Must match on resume.
     diloco_payload: None (`half`'s, else float32) or one of
       `DILOCO_PAYLOADS`: what the pseudo-gradient travels as ("int8" and
       "int4" keep an error-feedback residual in the state).
@@ -81,6 +86,10 @@ class OptimizerSpec:
       on resume: it shapes the state (exchanges in flight).
     diloco_mix: on an outer step, the share of the local parameters kept
       (`jdist.diloco`'s `mix`, 0 <= mix < 1).
+    diloco_backoff: when the training loss rises across outer syncs
+      (`jdist.app.train_guard.DivergenceGuard`), halve the outer learning
+      rate and go on. The outer learning rate then lives in the state
+      (`optax.inject_hyperparams`), so it must match on resume.
     local_sgd: None or H: post-local SGD, parameters averaged every H local
       steps (`jdist.local_sgd`).
     local_sgd_warmup: fully synchronous steps before local SGD starts.
@@ -101,10 +110,11 @@ class OptimizerSpec:
   skip_nonfinite: bool = dataclasses.field(default=False, metadata=_STATE)
   diloco: int | None = dataclasses.field(default=None, metadata=_STATE)
   diloco_fragments: int = dataclasses.field(default=1, metadata=_STATE)
-  diloco_outer_lr: float = dataclasses.field(default=0.7, metadata=_STATE)
+  diloco_outer_lr: float | None = dataclasses.field(default=None, metadata=_STATE)
   diloco_payload: str | None = dataclasses.field(default=None, metadata=_STATE)
   diloco_delay: int = dataclasses.field(default=0, metadata=_STATE)
   diloco_mix: float = dataclasses.field(default=0.0, metadata=_HYPER)
+  diloco_backoff: bool = dataclasses.field(default=False, metadata=_STATE)
   local_sgd: int | None = dataclasses.field(default=None, metadata=_STATE)
   local_sgd_warmup: int = dataclasses.field(default=0, metadata=_STATE)
 
@@ -142,11 +152,42 @@ class OptimizerSpec:
         self.half, self.half)
     return settings
 
+  def outer_lr(self) -> tuple[float, str]:
+    """DiLoCo's outer learning rate, and where it comes from (for the mode line).
+
+    `--diloco-outer-lr` if given. Else the paper's 0.7, set for an inner
+    optimizer whose step is about its learning rate (AdamW: its momentum is
+    an average). SGD's heavy-ball momentum β sums the gradients instead, so
+    its steady step is lr / (1 - β); the outer step (Nesterov 0.9, steady
+    gain lr_outer / (1 - 0.9)) multiplies that again. So with `--optimizer
+    sgd` the default is 0.7 (1 - β): the product of the two gains stays the
+    paper's (7 x the inner learning rate), whatever β. At β = 0.9 it is 0.07.
+    """
+    if self.diloco_outer_lr is not None:
+      return self.diloco_outer_lr, "--diloco-outer-lr"
+    if self.optimizer == "sgd" and self.momentum:
+      return (PAPER_OUTER_LR * (1.0 - self.momentum),
+              f"{PAPER_OUTER_LR:g} x (1 - momentum {self.momentum:g}): scaled to SGD's "
+              f"heavy-ball momentum; --diloco-outer-lr sets it")
+    return PAPER_OUTER_LR, "the DiLoCo paper's"
+
+  def outer(self) -> optax.GradientTransformation:
+    """DiLoCo's outer optimizer: SGD, Nesterov momentum 0.9, at `outer_lr()`.
+
+    With `diloco_backoff` its learning rate is a leaf of the state
+    (`jdist.transforms.diloco.scale_outer_lr` halves it).
+    """
+    lr, _ = self.outer_lr()
+    if self.diloco_backoff:
+      return optax.inject_hyperparams(optax.sgd, static_args=("momentum", "nesterov"))(
+          learning_rate=lr, momentum=OUTER_MOMENTUM, nesterov=True)
+    return optax.sgd(lr, momentum=OUTER_MOMENTUM, nesterov=True)
+
   def _options(self, correction: float = 0.0) -> dict[str, Any]:
     """The `jdist.dist_opt` options this spec sets."""
     outer = None
-    if self.diloco_outer_lr != OptimizerSpec.diloco_outer_lr or self.diloco:
-      outer = optax.sgd(self.diloco_outer_lr, momentum=0.9, nesterov=True)
+    if self.diloco_outer_lr is not None or self.diloco or self.diloco_backoff:
+      outer = self.outer()
     return {"momentum_correction": correction, "diloco_fragments": self.diloco_fragments,
             "diloco_outer": outer, "diloco_payload": self.diloco_payload,
             "diloco_delay": self.diloco_delay, "diloco_mix": self.diloco_mix,
@@ -172,8 +213,11 @@ class OptimizerSpec:
       payload = f", pseudo-gradient in {payload}" if payload else ""
       delay = (f", applied {self.diloco_delay} steps later" if self.diloco_delay else "")
       delay += f", mix {self.diloco_mix:g}" if self.diloco_mix else ""
-      return (f"diloco every {self.diloco} steps{fragments}, outer lr {self.diloco_outer_lr:g}"
-              f"{payload}{delay}" + (", skip non-finite" if self.skip_nonfinite else ""))
+      lr, source = self.outer_lr()
+      backoff = ", halved if the loss rises across syncs" if self.diloco_backoff else ""
+      return (f"diloco every {self.diloco} steps{fragments}, outer lr {lr:g} ({source}), "
+              f"Nesterov momentum {OUTER_MOMENTUM:g}{backoff}{payload}{delay}"
+              + (", skip non-finite" if self.skip_nonfinite else ""))
     if self.local_sgd:
       warmup = (f" after {self.local_sgd_warmup} synchronous steps"
                 if self.local_sgd_warmup else "")

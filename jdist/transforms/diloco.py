@@ -453,6 +453,41 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+def scale_outer_lr(opt_state: Any, factor: float) -> Any:
+  """`opt_state` with every `diloco` state's outer learning rate times `factor`.
+
+  The outer momentum is cleared too: it holds the steps taken at the old
+  rate. Elementwise on the state's own arrays (their sharding is kept);
+  under mpirun every process calls it alike.
+
+  Raises:
+    ValueError: no `diloco` state, or an outer optimizer whose learning rate
+      is not in its state (build it with `optax.inject_hyperparams`, as
+      `jdist train --diloco-backoff` does).
+  """
+  found = []
+
+  def scale(state):
+    if not isinstance(state, DiLoCoState):
+      return state
+    outer_states = []
+    for outer_state in state.outer_states:
+      hyperparams = getattr(outer_state, "hyperparams", None)
+      if not isinstance(hyperparams, dict) or "learning_rate" not in hyperparams:
+        raise ValueError("the DiLoCo outer optimizer's learning rate is not in its state: "
+                         "build it with optax.inject_hyperparams(optax.sgd)(...).")
+      outer_states.append(outer_state._replace(
+          hyperparams={**hyperparams, "learning_rate": hyperparams["learning_rate"] * factor},
+          inner_state=jax.tree.map(lambda leaf: leaf * 0, outer_state.inner_state)))
+    found.append(state)
+    return state._replace(outer_states=tuple(outer_states))
+
+  scaled = jax.tree.map(scale, opt_state, is_leaf=lambda x: isinstance(x, DiLoCoState))
+  if not found:
+    raise ValueError("opt_state holds no jdist.diloco state.")
+  return scaled
+
+
 def outer_syncs(opt_state: Any) -> jax.Array:
   """Outer syncs (fragment exchanges) so far, of every `diloco`/`local_sgd` state in `opt_state`."""
   found = [jnp.asarray(state.syncs, jnp.int32)
