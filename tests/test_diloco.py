@@ -339,6 +339,11 @@ def rank0(monkeypatch):
     (["--diloco", "4", "--diloco-payload", "int4", "--half", "bf16"],
      r"--half bf16 and --diloco-payload int4 both set"),
     (["--diloco", "4", "--diloco-outer-lr", "0"], r"diloco_outer_lr \(--diloco-outer-lr\)=0.0"),
+    (["--diloco", "4", "--diloco-outer-momentum", "1"],
+     r"diloco_outer_momentum \(--diloco-outer-momentum\)=1.0 must be a number in \[0, 1\)"),
+    (["--diloco-outer-momentum", "0.5"], r"--diloco-outer-momentum, --diloco-backoff, .* only "
+     r"apply with --diloco H"),
+    (["--diloco-backoff"], r"only apply with --diloco H"),
     (["--diloco", "4", "--powersgd", "2"], r"--diloco .* cannot be combined with --powersgd"),
     (["--diloco", "4", "--local-sgd", "2"], r"cannot be combined with --local-sgd"),
     (["--local-sgd", "2", "--half", "fp16"], r"--local-sgd .* cannot be combined with --half"),
@@ -446,13 +451,14 @@ def _diverging_run(topo, tmp_log, *flags):
   config, _ = cli.parse_train_args(
       ["--model", "mlp", "--epochs", "2", "--train-limit", "512", "--test-limit", "64",
        "--batch-size", str(32 // topo.replica_count), "--no-progress", "--log-file", tmp_log,
-       "--diloco", "2", "--diloco-outer-lr", "3"] + list(flags))
+       "--diloco", "2", "--diloco-outer-lr", "3", "--diloco-outer-momentum", "0.9"]
+      + list(flags))
   return train_lib.train(config, return_state=True)
 
 
 @pytest.mark.parametrize("backoff", [False, True])
 def test_a_diverging_outer_step_is_warned_and_backed_off(topo, capsys, backoff):
-  """Outer lr 3 on an inner SGD with momentum 0.9: 300x the inner step, the loss climbs."""
+  """Outer lr 3, momentum 0.9 on an inner SGD with momentum 0.9: 300x the inner lr."""
   log = tempfile.mktemp(suffix=".jsonl")
   run = _diverging_run(topo, log, *(["--diloco-backoff"] if backoff else []))
   assert run["diverging_warnings"] >= 1
@@ -462,6 +468,8 @@ def test_a_diverging_outer_step_is_warned_and_backed_off(topo, capsys, backoff):
                 if "training loss is rising across outer syncs" in line]
     assert len(warnings) == run["diverging_warnings"], printed
     assert "--diloco-outer-lr" in warnings[0] and "--diloco-backoff" in warnings[0]
+    if not backoff:
+      assert "--diloco-outer-momentum (now 0.9)" in warnings[0]
     with open(log, encoding="utf-8") as stream:
       events = [line for line in stream if '"event": "diverging"' in line]
     assert len(events) == run["diverging_warnings"]

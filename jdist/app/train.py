@@ -123,7 +123,7 @@ def _chance_note(config: TrainConfig, run, accuracy: float | None,
     warned = (f"; the loss rose across outer syncs {run.alarms} time(s), see the warnings "
               f"above" if run.alarms else "")
     cause = (f"DiLoCo's outer step (outer lr {run.outer_lr:g}) is the likely cause{warned}: "
-             f"lower --diloco-outer-lr, or add --diloco-backoff")
+             f"lower --diloco-outer-lr or --diloco-outer-momentum, or add --diloco-backoff")
   else:
     cause = "lower --lr, or check the data and labels"
   return (f"warning: the final test accuracy {accuracy:.2%} is at chance (1 in {num_classes}): "

@@ -84,7 +84,7 @@ class Run:
     # DiLoCo: the loss across outer syncs, and the outer learning rate as backed off.
     self.guard = (train_guard.DivergenceGuard(config.diloco, repeat=config.diloco_backoff)
                   if config.diloco else None)
-    self.outer_lr = config.optimizer_spec.outer_lr()[0] if config.diloco else None
+    self.outer_lr = config.optimizer_spec.outer_settings()[0] if config.diloco else None
     self.alarms, self.backoffs = 0, 0
 
   @property
@@ -221,7 +221,8 @@ class Run:
              "--on-nonfinite rollback (goes back to the last checkpoint)")
     if config.diloco:
       fix = (f"Under DiLoCo the outer step is the likely cause: lower --diloco-outer-lr "
-             f"(now {self.outer_lr:g}) or add --diloco-backoff. {fix}")
+             f"(now {self.outer_lr:g}) or --diloco-outer-momentum, or add --diloco-backoff. "
+             f"{fix}")
     raise TrainError(f"step {self.step} ({when}): the training state holds NaN or Inf (first "
                      f"non-finite leaf: {bad}), so the run stops{kept}. {fix}.")
 
@@ -407,9 +408,11 @@ class Run:
                 f"cleared), training goes on; a next run can start there with "
                 f"--diloco-outer-lr {self.outer_lr:g}")
     else:
+      momentum = self.config.optimizer_spec.outer_settings()[1]
       action = (f"the outer step is likely too large for this inner optimizer: rerun with a "
                 f"smaller --diloco-outer-lr (now {self.outer_lr:g}; e.g. "
-                f"{self.outer_lr / 2:g}), or add --diloco-backoff to halve it while training")
+                f"{self.outer_lr / 2:g}) or --diloco-outer-momentum (now {momentum:g}), or "
+                f"add --diloco-backoff to halve the outer lr while training")
     self.out.say(f"warning: step {step}: DiLoCo's training loss is rising across outer "
                  f"syncs: {seen}; {action}.")
     self.out.record({"event": "diverging", "step": step, "period_loss": guard.last_mean,
