@@ -428,21 +428,24 @@ def test_diloco_in_a_global_jit_step(topo):
 
 # The divergence guard: DiLoCo's training loss rising across outer syncs.
 
-def test_divergence_guard_alarms_after_three_risen_periods():
+def test_divergence_guard_alarms_when_the_windowed_loss_stays_up():
   from jdist.app.train_guard import DivergenceGuard  # pylint: disable=import-outside-toplevel
-  means = [1.0, 0.5, 0.6, 0.9, 1.0, 1.2, 1.3, 1.4, 1.5, 0.55, 0.9, 0.9, 0.9]
-  for repeat, want in ((False, [5, 12]), (True, [5, 8, 12])):
+  # Windows of 3 periods: 1.17, 0.67, 0.5, then 0.83 and 1.17 are above 0.5 + max(50%, 0.25).
+  means = [2.0, 1.0, 0.5, 0.5, 0.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5]
+  for repeat, want in ((False, [6]), (True, [6, 10])):
     guard, alarms = DivergenceGuard(2, repeat=repeat), []
     for period, mean in enumerate(means):  # two steps of 10 examples per period
       for step in (2 * period + 1, 2 * period + 2):
         if guard.observe(step, 10 * mean, 10.0):
           alarms.append(period)
-    # 0.6 is within the margin of the lowest 0.5 (0.5 + max(25%, 0.1)); 0.9, 1.0, 1.2 are not.
-    # Without repeat, one alarm until a period falls back under the threshold (0.55:
-    # re-armed); with it, one every three risen periods (each backs off).
+    # An alarm clears the window: with repeat, the next needs 3 new periods, then 2
+    # risen windows; without, none until the mean falls back under the threshold.
     assert alarms == want, (repeat, alarms)
   guard = DivergenceGuard(4)
   assert not any(guard.observe(step, 1.0, 1.0) for step in range(1, 40))  # flat: never
+  # A healthy run's bumps at a low loss (a lucky 0.01 period, then 0.2s) stay under 0.25.
+  guard, noisy = DivergenceGuard(1), [0.3, 0.1, 0.01, 0.05, 0.2, 0.2, 0.2, 0.05, 0.25, 0.2]
+  assert not any(guard.observe(step + 1, mean, 1.0) for step, mean in enumerate(noisy))
 
 
 def _diverging_run(topo, tmp_log, *flags):

@@ -195,14 +195,7 @@ def validate(config: TrainConfig) -> TrainConfig:
   _int(config, "diloco_delay", 0)
   _int(config, "local_sgd", 1, optional=True)
   _int(config, "local_sgd_warmup", 0)
-  if config.diloco_outer_lr is not None:
-    _number(config, "diloco_outer_lr", 0.0, math.inf, low_open=True, high_open=True,
-            hint="DiLoCo's outer learning rate must be positive, e.g. 0.7 (leave it out "
-            "for the default, scaled to --momentum with --optimizer sgd)")
-  if config.diloco_outer_momentum is not None:
-    _number(config, "diloco_outer_momentum", 0.0, 1.0, low_open=False, high_open=True,
-            hint="DiLoCo's outer Nesterov momentum, e.g. 0.9 (0: none; leave it out for "
-            "the default, scaled to --momentum with --optimizer sgd)")
+  _check_outer_step(config)
   _number(config, "diloco_mix", 0.0, 1.0, low_open=False, high_open=True,
           hint="the local share kept on an outer step, e.g. 0.5 (0: none)")
   _number(config, "lr", 0.0, math.inf, low_open=True, high_open=True,
@@ -261,6 +254,18 @@ def _check_timeline(config: TrainConfig) -> None:
     timeline_recorder.parse_steps(config.timeline_steps)
   except ValueError as err:
     raise ConfigError(str(err)) from None
+
+
+def _check_outer_step(config: TrainConfig) -> None:
+  """--diloco-outer-lr and --diloco-outer-momentum, when given (None: the spec's rule)."""
+  if config.diloco_outer_lr is not None:
+    _number(config, "diloco_outer_lr", 0.0, math.inf, low_open=True, high_open=True,
+            hint="DiLoCo's outer learning rate must be positive, e.g. 0.7 (leave it out "
+            "for the default, fitted to --optimizer and --momentum)")
+  if config.diloco_outer_momentum is not None:
+    _number(config, "diloco_outer_momentum", 0.0, 1.0, low_open=False, high_open=True,
+            hint="DiLoCo's outer Nesterov momentum, e.g. 0.9 (0: none; leave it out for "
+            "the default, fitted to --optimizer and --momentum)")
 
 
 def _check_local_modes(config: TrainConfig) -> None:

@@ -114,11 +114,11 @@ def _program(model_name: str, num_classes: int, input_shape: tuple,
       train_step=jdist.data_parallel(train_step), eval_step=jdist.data_parallel(eval_step))
 
 
-def _chance_note(config: TrainConfig, run, accuracy: float | None,
-                 num_classes: int) -> str | None:
-  """A warning line when the final test accuracy is at chance, with the likely cause."""
+def _say_if_chance(out, config: TrainConfig, run, accuracy: float | None,
+                   num_classes: int) -> None:
+  """Says a warning when the final test accuracy is at chance, with the likely cause."""
   if accuracy is None or accuracy > 1.5 / num_classes:
-    return None
+    return
   if config.diloco:
     warned = (f"; the loss rose across outer syncs {run.alarms} time(s), see the warnings "
               f"above" if run.alarms else "")
@@ -126,7 +126,7 @@ def _chance_note(config: TrainConfig, run, accuracy: float | None,
              f"lower --diloco-outer-lr or --diloco-outer-momentum, or add --diloco-backoff")
   else:
     cause = "lower --lr, or check the data and labels"
-  return (f"warning: the final test accuracy {accuracy:.2%} is at chance (1 in {num_classes}): "
+  out.say(f"warning: the final test accuracy {accuracy:.2%} is at chance (1 in {num_classes}): "
           f"the run did not learn; {cause}.")
 
 
@@ -230,16 +230,12 @@ def train(config: TrainConfig, *, return_state: bool = False) -> dict[str, Any]:
                    "replicas": topo.replica_count, "backend": topo.backend},
       "config": config.to_dict(), "epochs": history,
   }
-  if config.diloco:
-    summary.update(diverging_warnings=run.alarms, outer_lr_backoffs=run.backoffs,
-                   final_outer_lr=run.outer_lr)
+  summary.update(run.guard_fields(final=True))
   out.record(summary)
   out.close()
   final = (f"; final test accuracy {evaluated[-1]:.2%} (best {max(evaluated):.2%})"
            if evaluated else "")
-  note = _chance_note(config, run, evaluated[-1] if evaluated else None, data.num_classes)
-  if note:
-    out.say(note)
+  _say_if_chance(out, config, run, evaluated[-1] if evaluated else None, data.num_classes)
   out.say(f"done: {len(history)} epoch(s), {run.step} steps in {total_time:.1f} s{final}")
   if return_state:
     summary["state"] = jax.device_get(jdist.unreplicate(

@@ -23,6 +23,7 @@ Every function that exchanges is collective: call it on every process.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import math
 import os
@@ -224,29 +225,33 @@ class DivergenceGuard:
   """Watches the training loss across DiLoCo's outer periods (host-side, cheap).
 
   It reads only what the loop already reads: each step's global loss sums.
-  Every H steps (an outer period: each fragment synced once) the period's
-  mean loss is compared with the lowest period mean so far; it diverges when
-  `patience` periods in a row sit above that lowest by `margin` (relative)
-  and `floor` (absolute), whichever is larger. Every process sees the same
-  sums, so every process decides alike.
+  Every H steps (an outer period: each fragment synced once) it takes the
+  mean loss of the last `window` periods, and compares it with the lowest
+  such mean so far. The loss has diverged when, at `patience` syncs in a
+  row, that mean is above the lowest by `margin` (relative) and `floor`
+  (absolute), whichever is larger. A window of several periods keeps a
+  healthy run's noise (one lucky period, a bump at a low loss) under the
+  threshold. Every process sees the same sums, so every process decides
+  alike.
 
   Args:
     period: H, steps between two outer syncs of a fragment.
-    repeat: alarm again after each further `patience` risen periods (the
-      run backs off each time); else once, until a period falls back under
+    repeat: alarm again after each further `patience` risen windows (the
+      run backs off each time); else once, until the mean falls back under
       the threshold.
   """
 
-  def __init__(self, period: int, repeat: bool = False, patience: int = 3,
-               margin: float = 0.25, floor: float = 0.1):
-    self.period, self.repeat, self.patience = period, repeat, patience
+  def __init__(self, period: int, repeat: bool = False, window: int = 3, patience: int = 2,
+               margin: float = 0.5, floor: float = 0.25):
+    self.period, self.repeat, self.window, self.patience = period, repeat, window, patience
     self.margin, self.floor = margin, floor
     self.loss, self.weight = 0.0, 0.0
+    self.periods = collections.deque(maxlen=window)  # (loss sum, weight sum) per period
     self.lowest, self.above, self.alarmed = math.inf, 0, False
     self.last_mean = None
 
   def threshold(self) -> float:
-    """The period mean above which a period counts as risen."""
+    """The windowed mean above which a sync counts as risen."""
     return self.lowest + max(self.margin * self.lowest, self.floor)
 
   def observe(self, step: int, loss_sum: float, weight_sum: float) -> bool:
@@ -255,7 +260,11 @@ class DivergenceGuard:
     self.weight += weight_sum
     if step % self.period or not self.weight:
       return False
-    mean, self.loss, self.weight = self.loss / self.weight, 0.0, 0.0
+    self.periods.append((self.loss, self.weight))
+    self.loss, self.weight = 0.0, 0.0
+    if len(self.periods) < self.window:
+      return False
+    mean = sum(loss for loss, _ in self.periods) / sum(weight for _, weight in self.periods)
     self.last_mean = mean
     if mean > self.threshold():
       self.above += 1
@@ -264,5 +273,7 @@ class DivergenceGuard:
     self.lowest = min(self.lowest, mean)
     if self.above < self.patience or (self.alarmed and not self.repeat):
       return False
-    self.above, self.alarmed = 0, True  # a next alarm needs `patience` more risen periods
+    # A next alarm needs `window` new periods, then `patience` risen windows.
+    self.above, self.alarmed = 0, True
+    self.periods.clear()
     return True

@@ -353,8 +353,7 @@ class Run:
       record["skipped_steps_total"] = total
     if self.rollbacks:
       record["rollbacks_total"] = self.rollbacks
-    if self.alarms:  # DiLoCo's loss rose across outer syncs (warned)
-      record.update(diverging_warnings_total=self.alarms, outer_lr=self.outer_lr)
+    record.update(self.guard_fields())
     eval_start = time.perf_counter()
     last = epoch + 1 == config.epochs or reached(config.max_steps, self.step)
     if config.eval_every and ((epoch + 1) % config.eval_every == 0 or last):
@@ -386,6 +385,15 @@ class Run:
                         refresh=False)
     return finite
 
+  def guard_fields(self, final: bool = False) -> dict:
+    """DiLoCo's divergence guard in a record: after a warning (`final`: always, for the summary)."""
+    if final and self.config.diloco:
+      return {"diverging_warnings": self.alarms, "outer_lr_backoffs": self.backoffs,
+              "final_outer_lr": self.outer_lr}
+    if final or not self.alarms:
+      return {}
+    return {"diverging_warnings_total": self.alarms, "outer_lr": self.outer_lr}
+
   def _watch(self, step: int, sums: dict) -> None:
     """DiLoCo: warns when the loss rises across outer syncs; backs off if asked.
 
@@ -397,9 +405,10 @@ class Run:
     if not guard.observe(step, sums["loss_sum"], sums["weight_sum"]):
       return
     self.alarms += 1
-    seen = (f"the mean training loss of {guard.patience} outer periods ({self.config.diloco} "
-            f"steps each) in a row stayed above {guard.threshold():.4f} (lowest period so far "
-            f"{guard.lowest:.4f}, last {guard.last_mean:.4f})")
+    seen = (f"the mean training loss of the last {guard.window} outer periods "
+            f"({self.config.diloco} steps each) was above {guard.threshold():.4f} at "
+            f"{guard.patience} syncs in a row (lowest such mean so far {guard.lowest:.4f}, "
+            f"last {guard.last_mean:.4f})")
     if self.config.diloco_backoff:
       self.state["opt_state"] = scale_outer_lr(self.state["opt_state"], 0.5)
       self.backoffs += 1
