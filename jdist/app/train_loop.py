@@ -424,6 +424,6 @@ class Run:
                 f"add --diloco-backoff to halve the outer lr while training")
     self.out.say(f"warning: step {step}: DiLoCo's training loss is rising across outer "
                  f"syncs: {seen}; {action}.")
-    self.out.record({"event": "diverging", "step": step, "period_loss": guard.last_mean,
-                     "lowest_period_loss": guard.lowest, "outer_lr": self.outer_lr,
+    self.out.record({"event": "diverging", "step": step, "window_loss": guard.last_mean,
+                     "lowest_window_loss": guard.lowest, "outer_lr": self.outer_lr,
                      "backed_off": bool(self.config.diloco_backoff)})
