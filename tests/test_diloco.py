@@ -339,6 +339,11 @@ def rank0(monkeypatch):
     (["--diloco", "4", "--diloco-payload", "int4", "--half", "bf16"],
      r"--half bf16 and --diloco-payload int4 both set"),
     (["--diloco", "4", "--diloco-outer-lr", "0"], r"diloco_outer_lr \(--diloco-outer-lr\)=0.0"),
+    (["--diloco", "4", "--diloco-outer-momentum", "1"],
+     r"diloco_outer_momentum \(--diloco-outer-momentum\)=1.0 must be a number in \[0, 1\)"),
+    (["--diloco-outer-momentum", "0.5"], r"--diloco-outer-momentum, --diloco-backoff, .* only "
+     r"apply with --diloco H"),
+    (["--diloco-backoff"], r"only apply with --diloco H"),
     (["--diloco", "4", "--powersgd", "2"], r"--diloco .* cannot be combined with --powersgd"),
     (["--diloco", "4", "--local-sgd", "2"], r"cannot be combined with --local-sgd"),
     (["--local-sgd", "2", "--half", "fp16"], r"--local-sgd .* cannot be combined with --half"),
@@ -419,3 +424,88 @@ def test_diloco_in_a_global_jit_step(topo):
   workers, _, _ = reference_diloco(model, params, inner, outer, batches, 5, topo.process_count,
                                 per_worker=rows, **settings)
   reference.assert_trees_close(jax.device_get(local), workers[topo.process_index])
+
+
+# The divergence guard: DiLoCo's training loss rising across outer syncs.
+
+def test_divergence_guard_alarms_when_the_windowed_loss_stays_up():
+  from jdist.app.train_guard import DivergenceGuard  # pylint: disable=import-outside-toplevel
+  # Windows of 3 periods: 1.17, 0.67, 0.5, then 0.83 and 1.17 are above 0.5 + max(50%, 0.25).
+  means = [2.0, 1.0, 0.5, 0.5, 0.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5]
+  for repeat, want in ((False, [6]), (True, [6, 10])):
+    guard, alarms = DivergenceGuard(2, repeat=repeat), []
+    for period, mean in enumerate(means):  # two steps of 10 examples per period
+      for step in (2 * period + 1, 2 * period + 2):
+        if guard.observe(step, 10 * mean, 10.0):
+          alarms.append(period)
+    # An alarm clears the window: with repeat, the next needs 3 new periods, then 2
+    # risen windows; without, none until the mean falls back under the threshold.
+    assert alarms == want, (repeat, alarms)
+  guard = DivergenceGuard(4)
+  assert not any(guard.observe(step, 1.0, 1.0) for step in range(1, 40))  # flat: never
+  # A healthy run's bumps at a low loss (a lucky 0.01 period, then 0.2s) stay under 0.25.
+  guard, noisy = DivergenceGuard(1), [0.3, 0.1, 0.01, 0.05, 0.2, 0.2, 0.2, 0.05, 0.25, 0.2]
+  assert not any(guard.observe(step + 1, mean, 1.0) for step, mean in enumerate(noisy))
+
+
+def _diverging_run(topo, tmp_log, *flags):
+  from jdist.app import cli  # pylint: disable=import-outside-toplevel
+  from jdist.app import train as train_lib  # pylint: disable=import-outside-toplevel
+  config, _ = cli.parse_train_args(
+      ["--model", "mlp", "--epochs", "2", "--train-limit", "512", "--test-limit", "64",
+       "--batch-size", str(32 // topo.replica_count), "--no-progress", "--log-file", tmp_log,
+       "--diloco", "2", "--diloco-outer-lr", "3", "--diloco-outer-momentum", "0.9"]
+      + list(flags))
+  return train_lib.train(config, return_state=True)
+
+
+@pytest.mark.parametrize("backoff", [False, True])
+def test_a_diverging_outer_step_is_warned_and_backed_off(topo, capsys, backoff):
+  """Outer lr 3, momentum 0.9 on an inner SGD with momentum 0.9: 300x the inner lr."""
+  log = tempfile.mktemp(suffix=".jsonl")
+  run = _diverging_run(topo, log, *(["--diloco-backoff"] if backoff else []))
+  assert run["diverging_warnings"] >= 1
+  printed = capsys.readouterr().out
+  if topo.is_primary:
+    warnings = [line for line in printed.splitlines()
+                if "training loss is rising across outer syncs" in line]
+    assert len(warnings) == run["diverging_warnings"], printed
+    assert "--diloco-outer-lr" in warnings[0] and "--diloco-backoff" in warnings[0]
+    if not backoff:
+      assert "--diloco-outer-momentum (now 0.9)" in warnings[0]
+    with open(log, encoding="utf-8") as stream:
+      events = [line for line in stream if '"event": "diverging"' in line]
+    assert len(events) == run["diverging_warnings"]
+  if not backoff:
+    assert run["outer_lr_backoffs"] == 0 and run["final_outer_lr"] == 3.0
+    return
+  # Each alarm halved the outer learning rate in the state, every replica alike.
+  backoffs = run["outer_lr_backoffs"]
+  assert backoffs == run["diverging_warnings"] >= 1
+  assert run["final_outer_lr"] == pytest.approx(3.0 / 2 ** backoffs)
+  states = [s for s in jax.tree.leaves(run["state"]["opt_state"],
+                                       is_leaf=lambda x: isinstance(x, diloco_lib.DiLoCoState))
+            if isinstance(s, diloco_lib.DiLoCoState)]
+  lr = np.asarray(states[0].outer_states[0].hyperparams["learning_rate"])
+  assert lr == pytest.approx(3.0 / 2 ** backoffs)
+  if topo.is_primary:
+    assert f"outer lr halved to {3.0 / 2 ** backoffs:g}" in printed
+
+
+def test_scale_outer_lr_needs_the_rate_in_the_state():
+  params = {"w": jnp.ones((3,))}
+  plain = jdist.diloco(optax.sgd(0.1), sync_every=2)
+  with pytest.raises(ValueError, match="inject_hyperparams"):
+    diloco_lib.scale_outer_lr(plain.init(params), 0.5)
+  with pytest.raises(ValueError, match="no jdist.diloco state"):
+    diloco_lib.scale_outer_lr(optax.sgd(0.1).init(params), 0.5)
+  outer = optax.inject_hyperparams(optax.sgd, static_args=("momentum", "nesterov"))(
+      learning_rate=0.7, momentum=0.9, nesterov=True)
+  state = jdist.diloco(optax.sgd(0.1), sync_every=2, outer=outer).init(params)
+  state = state._replace(outer_states=tuple(
+      s._replace(inner_state=jax.tree.map(jnp.ones_like, s.inner_state))
+      for s in state.outer_states))
+  halved = diloco_lib.scale_outer_lr(state, 0.5)
+  assert float(halved.outer_states[0].hyperparams["learning_rate"]) == pytest.approx(0.35)
+  assert all(float(jnp.abs(leaf).max()) == 0  # the outer momentum is cleared
+             for leaf in jax.tree.leaves(halved.outer_states[0].inner_state))

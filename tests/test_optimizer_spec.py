@@ -38,6 +38,9 @@ FLAG_CASES = {
     "--diloco": ([], ["--diloco", "2"]),
     "--diloco-fragments": (["--diloco", "2"], ["--diloco", "2", "--diloco-fragments", "2"]),
     "--diloco-outer-lr": (["--diloco", "2"], ["--diloco", "2", "--diloco-outer-lr", "0.5"]),
+    "--diloco-backoff": (["--diloco", "2"], ["--diloco", "2", "--diloco-backoff"]),
+    "--diloco-outer-momentum": (["--diloco", "2"],
+                                ["--diloco", "2", "--diloco-outer-momentum", "0.5"]),
     "--diloco-payload": (["--diloco", "2"], ["--diloco", "2", "--diloco-payload", "int8"]),
     "--diloco-delay": (["--diloco", "2"], ["--diloco", "2", "--diloco-delay", "1"]),
     "--diloco-mix": (["--diloco", "2", "--diloco-delay", "1"],
@@ -150,3 +153,24 @@ def test_momentum_correction_changes_the_trained_run(topo):
   assert runs[1]["config"]["momentum_correction"]
   params = [jax.tree.leaves(run["state"]["params"]) for run in runs]
   assert any(not np.allclose(a, b) for a, b in zip(*params))
+
+
+def test_diloco_outer_step_defaults_to_the_inner_optimizers_momentum():
+  """The paper's outer step is set for an inner AdamW; SGD's heavy-ball momentum takes its share."""
+  def settings(**kw):
+    return OptimizerSpec(diloco=8, **kw).outer_settings()[:2]
+  assert settings() == (0.7, 0.0)  # sgd, momentum 0.9: no outer momentum
+  assert settings(momentum=0.5) == (0.7, 0.8)  # 1 / (1 - 0.8) x 1 / (1 - 0.5) = 10
+  assert settings(momentum=0.0) == (0.7, 0.9)  # the paper's
+  assert settings(momentum=0.99) == (0.07, 0.0)  # past 0.9 the lr takes the rest
+  assert settings(optimizer="adamw") == settings(optimizer="adam") == (0.7, 0.9)
+  assert settings(diloco_outer_lr=0.3) == (0.3, 0.0)
+  assert settings(diloco_outer_momentum=0.5) == (0.7, 0.5)
+  assert OptimizerSpec(diloco=8).describe() == (
+      "diloco every 8 steps, outer lr 0.7, Nesterov momentum 0 (scaled to SGD's heavy-ball "
+      "momentum 0.9: outer x inner momentum gain = the paper's 10)")
+  assert "outer lr 0.7, Nesterov momentum 0.9 (the DiLoCo paper's)" in OptimizerSpec(
+      diloco=8, optimizer="adam").describe()
+  assert "(--diloco-outer-lr; else scaled" in OptimizerSpec(
+      diloco=8, diloco_outer_lr=0.3).describe()
+  assert "halved if the loss rises" in OptimizerSpec(diloco=8, diloco_backoff=True).describe()

@@ -139,7 +139,19 @@ def _add_periodic_sync_flags(group: argparse._ArgumentGroup,
                      metavar="P", help="Streaming DiLoCo: P fragments synced on staggered "
                      "steps, one fragment's bytes per sync")
   group.add_argument("--diloco-outer-lr", type=float, default=defaults.diloco_outer_lr,
-                     metavar="LR", help="DiLoCo's outer learning rate")
+                     metavar="LR", help="DiLoCo's outer learning rate (outer SGD with "
+                     "Nesterov momentum); default: the paper's 0.7 (with --optimizer sgd and "
+                     "--momentum above 0.9: times 10 (1 - momentum))")
+  group.add_argument("--diloco-outer-momentum", type=float,
+                     default=defaults.diloco_outer_momentum, metavar="MU",
+                     help="DiLoCo's outer Nesterov momentum; default: the paper's 0.9 with "
+                     "adam/adamw; with --optimizer sgd, whose heavy-ball momentum already "
+                     "multiplies its steps by 1/(1 - momentum), what that leaves of the "
+                     "paper's 1/(1 - 0.9): 1 - 1/(10 (1 - momentum)), 0 at --momentum 0.9 "
+                     "(docs/diloco.md)")
+  group.add_argument("--diloco-backoff", action="store_true",
+                     help="when the training loss rises across DiLoCo's outer syncs, halve "
+                     "the outer learning rate and go on (a warning is printed either way)")
   group.add_argument("--diloco-payload", choices=config_lib.DILOCO_PAYLOADS,
                      default=defaults.diloco_payload,
                      help="what DiLoCo's pseudo-gradient travels as (default: --half's, else "

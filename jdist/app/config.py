@@ -208,8 +208,7 @@ def _check_ranges(config: TrainConfig) -> None:
   _int(config, "diloco_delay", 0)
   _int(config, "local_sgd", 1, optional=True)
   _int(config, "local_sgd_warmup", 0)
-  _number(config, "diloco_outer_lr", 0.0, math.inf, low_open=True, high_open=True,
-          hint="DiLoCo's outer learning rate must be positive, e.g. 0.7")
+  _check_outer_step(config)
   _number(config, "diloco_mix", 0.0, 1.0, low_open=False, high_open=True,
           hint="the local share kept on an outer step, e.g. 0.5 (0: none)")
   _number(config, "lr", 0.0, math.inf, low_open=True, high_open=True,
@@ -277,6 +276,18 @@ def _check_timeline(config: TrainConfig) -> None:
     raise ConfigError(str(err)) from None
 
 
+def _check_outer_step(config: TrainConfig) -> None:
+  """--diloco-outer-lr and --diloco-outer-momentum, when given (None: the spec's rule)."""
+  if config.diloco_outer_lr is not None:
+    _number(config, "diloco_outer_lr", 0.0, math.inf, low_open=True, high_open=True,
+            hint="DiLoCo's outer learning rate must be positive, e.g. 0.7 (leave it out "
+            "for the default, fitted to --optimizer and --momentum)")
+  if config.diloco_outer_momentum is not None:
+    _number(config, "diloco_outer_momentum", 0.0, 1.0, low_open=False, high_open=True,
+            hint="DiLoCo's outer Nesterov momentum, e.g. 0.9 (0: none; leave it out for "
+            "the default, fitted to --optimizer and --momentum)")
+
+
 def _check_local_modes(config: TrainConfig) -> None:
   """--diloco's and --local-sgd's own flags: only with them (their combinations: `check`)."""
   if config.diloco is not None:
@@ -288,10 +299,12 @@ def _check_local_modes(config: TrainConfig) -> None:
                         f"{config.diloco}: a fragment's outer step lands before its next "
                         f"exchange.")
   elif (config.diloco_fragments != OptimizerSpec.diloco_fragments
-        or config.diloco_outer_lr != OptimizerSpec.diloco_outer_lr
-        or config.diloco_payload is not None or config.diloco_delay or config.diloco_mix):
-    raise ConfigError("--diloco-fragments, --diloco-outer-lr, --diloco-payload, "
-                      "--diloco-delay and --diloco-mix only apply with --diloco H.")
+        or config.diloco_outer_lr is not None or config.diloco_outer_momentum is not None
+        or config.diloco_backoff or config.diloco_payload is not None or config.diloco_delay
+        or config.diloco_mix):
+    raise ConfigError("--diloco-fragments, --diloco-outer-lr, --diloco-outer-momentum, "
+                      "--diloco-backoff, --diloco-payload, --diloco-delay and --diloco-mix "
+                      "only apply with --diloco H.")
   if config.diloco_payload is not None:
     if config.diloco_payload not in DILOCO_PAYLOADS:
       raise ConfigError(f"{flag('diloco_payload')}={config.diloco_payload!r} is unknown; "

@@ -33,6 +33,10 @@ from jdist.transforms.diloco import PAYLOAD_CHOICES as DILOCO_PAYLOADS
 from jdist.transforms.finite import skip_nonfinite
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
+# DiLoCo's outer step (SGD, Nesterov momentum): the paper's, set for an inner
+# AdamW, whose step is about its learning rate (its momentum is an average).
+PAPER_OUTER_LR = 0.7
+OUTER_MOMENTUM = 0.9
 HALF_CHOICES = ("fp16", "bf16")
 
 # A setting that shapes the optimizer state (its structure, or state that
@@ -71,7 +75,12 @@ class OptimizerSpec:
       (`jdist.diloco`; with `half`, the pseudo-gradient travels in 16 bits).
     diloco_fragments: Streaming DiLoCo's fragments (1: plain DiLoCo).
     diloco_outer_lr: the outer optimizer's learning rate (SGD, Nesterov
-      momentum 0.9). Must match on resume: the outer momentum is scaled by it.
+      momentum); None: `outer_settings()`'s rule (the paper's 0.7, scaled
+      to SGD's heavy-ball momentum past 0.9). Must match on resume.
+    diloco_outer_momentum: the outer optimizer's Nesterov momentum; None:
+      `outer_settings()`'s rule (the paper's 0.9 for adam/adamw, what SGD's
+      heavy-ball momentum leaves of its gain: 0 at --momentum 0.9). Must
+      match on resume (0 keeps no momentum state).
     diloco_payload: None (`half`'s, else float32) or one of
       `DILOCO_PAYLOADS`: what the pseudo-gradient travels as ("int8" and
       "int4" keep an error-feedback residual in the state).
@@ -81,6 +90,10 @@ class OptimizerSpec:
       on resume: it shapes the state (exchanges in flight).
     diloco_mix: on an outer step, the share of the local parameters kept
       (`jdist.diloco`'s `mix`, 0 <= mix < 1).
+    diloco_backoff: when the training loss rises across outer syncs
+      (`jdist.app.train_guard.DivergenceGuard`), halve the outer learning
+      rate and go on. The outer learning rate then lives in the state
+      (`optax.inject_hyperparams`), so it must match on resume.
     local_sgd: None or H: post-local SGD, parameters averaged every H local
       steps (`jdist.local_sgd`).
     local_sgd_warmup: fully synchronous steps before local SGD starts.
@@ -101,10 +114,12 @@ class OptimizerSpec:
   skip_nonfinite: bool = dataclasses.field(default=False, metadata=_STATE)
   diloco: int | None = dataclasses.field(default=None, metadata=_STATE)
   diloco_fragments: int = dataclasses.field(default=1, metadata=_STATE)
-  diloco_outer_lr: float = dataclasses.field(default=0.7, metadata=_STATE)
+  diloco_outer_lr: float | None = dataclasses.field(default=None, metadata=_STATE)
+  diloco_outer_momentum: float | None = dataclasses.field(default=None, metadata=_STATE)
   diloco_payload: str | None = dataclasses.field(default=None, metadata=_STATE)
   diloco_delay: int = dataclasses.field(default=0, metadata=_STATE)
   diloco_mix: float = dataclasses.field(default=0.0, metadata=_HYPER)
+  diloco_backoff: bool = dataclasses.field(default=False, metadata=_STATE)
   local_sgd: int | None = dataclasses.field(default=None, metadata=_STATE)
   local_sgd_warmup: int = dataclasses.field(default=0, metadata=_STATE)
 
@@ -142,11 +157,63 @@ class OptimizerSpec:
         self.half, self.half)
     return settings
 
+  def outer_settings(self) -> tuple[float, float, str]:
+    """DiLoCo's outer (learning rate, Nesterov momentum), and where they come from.
+
+    The paper's outer step (lr 0.7, Nesterov momentum 0.9) was set for an
+    inner AdamW, whose step is about its learning rate (its momentum is an
+    average): the outer momentum gives the run its momentum gain,
+    1 / (1 - 0.9) = 10, and the product of the gains is 0.7 x 10 = 7.
+    SGD's heavy-ball momentum β sums the gradients instead: its steps are
+    already 1 / (1 - β) times the learning rate, and the paper's outer step
+    on top of β = 0.9 makes the gain 70 (the main job then trains to
+    chance). So with `--optimizer sgd` the outer momentum keeps only what
+    the inner one leaves of the gain of 10: 1 / (1 - μ) = 10 (1 - β), μ = 0
+    at β = 0.9; past β = 0.9 the outer lr shrinks by 10 (1 - β) as well.
+    The product stays 7 for every β, and at β = 0 it is the paper's step.
+    Without outer momentum there is no slow start either (a Nesterov
+    momentum of 0.9 takes ~10 syncs to build up: too slow for a run with
+    few syncs). `--diloco-outer-lr` and `--diloco-outer-momentum` override.
+
+    Returns:
+      (lr, momentum, a note for the mode line).
+    """
+    lr, momentum, note = PAPER_OUTER_LR, OUTER_MOMENTUM, "the DiLoCo paper's"
+    if self.optimizer == "sgd" and self.momentum:
+      inner_gain = 1.0 / (1.0 - self.momentum)
+      paper_gain = 1.0 / (1.0 - OUTER_MOMENTUM)
+      momentum = round(max(0.0, 1.0 - inner_gain / paper_gain), 10)
+      lr = round(PAPER_OUTER_LR * min(1.0, paper_gain / inner_gain), 10)
+      note = (f"scaled to SGD's heavy-ball momentum {self.momentum:g}: outer x inner momentum "
+              f"gain = the paper's {paper_gain:g}")
+    given = [flag for flag, value in (("--diloco-outer-lr", self.diloco_outer_lr),
+                                      ("--diloco-outer-momentum", self.diloco_outer_momentum))
+             if value is not None]
+    if given:
+      note = " and ".join(given) + (f"; else {note}" if len(given) == 1 else "")
+    lr = lr if self.diloco_outer_lr is None else self.diloco_outer_lr
+    momentum = momentum if self.diloco_outer_momentum is None else self.diloco_outer_momentum
+    return lr, momentum, note
+
+  def outer(self) -> optax.GradientTransformation:
+    """DiLoCo's outer optimizer: SGD with Nesterov momentum, at `outer_settings()`.
+
+    With `diloco_backoff` its learning rate is a leaf of the state
+    (`jdist.transforms.diloco.scale_outer_lr` halves it).
+    """
+    lr, momentum, _ = self.outer_settings()
+    momentum = momentum or None  # 0: plain SGD, no momentum state
+    if self.diloco_backoff:
+      return optax.inject_hyperparams(optax.sgd, static_args=("momentum", "nesterov"))(
+          learning_rate=lr, momentum=momentum, nesterov=True)
+    return optax.sgd(lr, momentum=momentum, nesterov=True)
+
   def _options(self, correction: float = 0.0) -> dict[str, Any]:
     """The `jdist.dist_opt` options this spec sets."""
     outer = None
-    if self.diloco_outer_lr != OptimizerSpec.diloco_outer_lr or self.diloco:
-      outer = optax.sgd(self.diloco_outer_lr, momentum=0.9, nesterov=True)
+    if (self.diloco or self.diloco_outer_lr is not None or self.diloco_backoff
+        or self.diloco_outer_momentum is not None):
+      outer = self.outer()
     return {"momentum_correction": correction, "diloco_fragments": self.diloco_fragments,
             "diloco_outer": outer, "diloco_payload": self.diloco_payload,
             "diloco_delay": self.diloco_delay, "diloco_mix": self.diloco_mix,
@@ -159,7 +226,7 @@ class OptimizerSpec:
       ValueError: two schemes that do not combine, or an option no chosen
         scheme reads (`jdist.transforms.dist_opt.check_schemes`).
     """
-    flags = {"diloco_outer": "--diloco-outer-lr"}
+    flags = {"diloco_outer": "--diloco-outer-lr/--diloco-outer-momentum"}
     options = self._options(self.momentum if self.momentum_correction else 0.0)
     dist_opt_lib.check_schemes(self._settings(), options,
                                spell=lambda name: flags.get(name, spell(name)))
@@ -172,8 +239,11 @@ class OptimizerSpec:
       payload = f", pseudo-gradient in {payload}" if payload else ""
       delay = (f", applied {self.diloco_delay} steps later" if self.diloco_delay else "")
       delay += f", mix {self.diloco_mix:g}" if self.diloco_mix else ""
-      return (f"diloco every {self.diloco} steps{fragments}, outer lr {self.diloco_outer_lr:g}"
-              f"{payload}{delay}" + (", skip non-finite" if self.skip_nonfinite else ""))
+      lr, momentum, note = self.outer_settings()
+      backoff = ", halved if the loss rises across syncs" if self.diloco_backoff else ""
+      return (f"diloco every {self.diloco} steps{fragments}, outer lr {lr:g}, Nesterov "
+              f"momentum {momentum:g} ({note}){backoff}{payload}{delay}"
+              + (", skip non-finite" if self.skip_nonfinite else ""))
     if self.local_sgd:
       warmup = (f" after {self.local_sgd_warmup} synchronous steps"
                 if self.local_sgd_warmup else "")

@@ -114,6 +114,22 @@ def _program(model_name: str, num_classes: int, input_shape: tuple,
       train_step=jdist.data_parallel(train_step), eval_step=jdist.data_parallel(eval_step))
 
 
+def _say_if_chance(out, config: TrainConfig, run, accuracy: float | None,
+                   num_classes: int) -> None:
+  """Says a warning when the final test accuracy is at chance, with the likely cause."""
+  if accuracy is None or accuracy > 1.5 / num_classes:
+    return
+  if config.diloco:
+    warned = (f"; the loss rose across outer syncs {run.alarms} time(s), see the warnings "
+              f"above" if run.alarms else "")
+    cause = (f"DiLoCo's outer step (outer lr {run.outer_lr:g}) is the likely cause{warned}: "
+             f"lower --diloco-outer-lr or --diloco-outer-momentum, or add --diloco-backoff")
+  else:
+    cause = "lower --lr, or check the data and labels"
+  out.say(f"warning: the final test accuracy {accuracy:.2%} is at chance (1 in {num_classes}): "
+          f"the run did not learn; {cause}.")
+
+
 def train(config: TrainConfig, *, return_state: bool = False) -> dict[str, Any]:
   """Runs (or resumes) the training run described by `config`.
 
@@ -215,6 +231,7 @@ def _prepare_run(config: TrainConfig, topo, out: runlog.RunOutput) -> tuple[_Run
                           topology=topo, shuffle=False, drop_last=False,
                           pad_with_weights=True)), "data loader")
   run = _Run(config, topo, program, state, loaders, out)
+  run.num_classes = data.num_classes  # for the end's chance-accuracy check
   param_count = models.param_count(params)
   out.say(f"jdist train: {config.model} ({param_count:,} parameters) on "
           f"{data.name} ({len(data.train_x)} train / {len(data.test_x)} test); {topo}; "
@@ -254,9 +271,11 @@ def _summarize(run: _Run, out: runlog.RunOutput, *, started: float, stopped_earl
                    "replicas": topo.replica_count, "backend": topo.backend},
       "config": config.to_dict(), "epochs": history,
   }
+  summary.update(run.guard_fields(final=True))
   out.record(summary)
   out.close()
   final = (f"; final test accuracy {evaluated[-1]:.2%} (best {max(evaluated):.2%})"
            if evaluated else "")
+  _say_if_chance(out, config, run, evaluated[-1] if evaluated else None, run.num_classes)
   out.say(f"done: {len(history)} epoch(s), {run.step} steps in {total_time:.1f} s{final}")
   return summary

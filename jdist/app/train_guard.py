@@ -14,14 +14,18 @@
     continues here (the same global batch: exactly; else refused, saying
     how);
   * `replica_checksums`: a cheap on-device checksum of each leaf on each
-    replica, compared across replicas every N steps and at the end.
+    replica, compared across replicas every N steps and at the end;
+  * `DivergenceGuard`: under DiLoCo, whether the training loss keeps rising
+    across outer syncs (host-side, from the loss sums the loop reads).
 
 Every function that exchanges is collective: call it on every process.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import math
 import os
 from typing import Any
 
@@ -215,3 +219,61 @@ def replicas_problem(tree: Any, step: int) -> str | None:
               f"the same averaged update: look for a rank started with other settings or "
               f"code, or non-deterministic host input.")
   return None
+
+
+class DivergenceGuard:
+  """Watches the training loss across DiLoCo's outer periods (host-side, cheap).
+
+  It reads only what the loop already reads: each step's global loss sums.
+  Every H steps (an outer period: each fragment synced once) it takes the
+  mean loss of the last `window` periods, and compares it with the lowest
+  such mean so far. The loss has diverged when, at `patience` syncs in a
+  row, that mean is above the lowest by `margin` (relative) and `floor`
+  (absolute), whichever is larger. A window of several periods keeps a
+  healthy run's noise (one lucky period, a bump at a low loss) under the
+  threshold. Every process sees the same sums, so every process decides
+  alike.
+
+  Args:
+    period: H, steps between two outer syncs of a fragment.
+    repeat: alarm again after each further `patience` risen windows (the
+      run backs off each time); else once, until the mean falls back under
+      the threshold.
+  """
+
+  def __init__(self, period: int, repeat: bool = False, window: int = 3, patience: int = 2,
+               margin: float = 0.5, floor: float = 0.25):
+    self.period, self.repeat, self.window, self.patience = period, repeat, window, patience
+    self.margin, self.floor = margin, floor
+    self.loss, self.weight = 0.0, 0.0
+    self.periods = collections.deque(maxlen=window)  # (loss sum, weight sum) per period
+    self.lowest, self.above, self.alarmed = math.inf, 0, False
+    self.last_mean = None
+
+  def threshold(self) -> float:
+    """The windowed mean above which a sync counts as risen."""
+    return self.lowest + max(self.margin * self.lowest, self.floor)
+
+  def observe(self, step: int, loss_sum: float, weight_sum: float) -> bool:
+    """Adds a step's loss sums; True when the loss has diverged (at a period's end)."""
+    self.loss += loss_sum
+    self.weight += weight_sum
+    if step % self.period or not self.weight:
+      return False
+    self.periods.append((self.loss, self.weight))
+    self.loss, self.weight = 0.0, 0.0
+    if len(self.periods) < self.window:
+      return False
+    mean = sum(loss for loss, _ in self.periods) / sum(weight for _, weight in self.periods)
+    self.last_mean = mean
+    if mean > self.threshold():
+      self.above += 1
+    else:
+      self.above, self.alarmed = 0, False
+    self.lowest = min(self.lowest, mean)
+    if self.above < self.patience or (self.alarmed and not self.repeat):
+      return False
+    # A next alarm needs `window` new periods, then `patience` risen windows.
+    self.above, self.alarmed = 0, True
+    self.periods.clear()
+    return True

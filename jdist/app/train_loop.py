@@ -12,6 +12,10 @@ Besides training, a run makes sure nothing goes silently wrong or gets lost
     out of the epoch's metrics and counted;
   * the replicas are compared by checksum every `--check-replicas-every`
     steps and at the end;
+  * under DiLoCo, a training loss that keeps rising across outer syncs is
+    said while it happens, naming the outer step's flags; with
+    `--diloco-backoff` the outer learning rate is halved and training goes
+    on (`train_guard.DivergenceGuard`);
   * a resume with another replica count continues exactly or is refused; an
     unreadable newest checkpoint falls back to an intact older one.
 """
@@ -34,6 +38,7 @@ from jdist.app.epoch_tally import SUM_KEYS, EpochTally, fresh_position
 from jdist.runtime import host
 from jdist.app.resume_policy import resume_conflicts
 from jdist.transforms.diloco import outer_syncs
+from jdist.transforms.diloco import scale_outer_lr
 
 _IN_FLIGHT = 2  # train steps dispatched ahead of the host before it waits
 MAX_ROLLBACKS = 3  # --on-nonfinite rollback gives up (stops) after this many
@@ -82,6 +87,11 @@ class Run:
                                     function="train_step") if config.timeline else None)
     self.manager, self.synced_at, self.rollbacks = None, -1, 0
     self.local = None  # the local tier (--local-checkpoint-every), or None
+    # DiLoCo: the loss across outer syncs, and the outer learning rate as backed off.
+    self.guard = (train_guard.DivergenceGuard(config.diloco, repeat=config.diloco_backoff)
+                  if config.diloco else None)
+    self.outer_lr = config.optimizer_spec.outer_settings()[0] if config.diloco else None
+    self.alarms, self.backoffs = 0, 0
 
   @property
   def step(self) -> int:
@@ -215,6 +225,10 @@ class Run:
     else:
       fix = ("Lower --lr, use --skip-nonfinite (skips steps with non-finite gradients), or "
              "--on-nonfinite rollback (goes back to the last checkpoint)")
+    if config.diloco:
+      fix = (f"Under DiLoCo the outer step is the likely cause: lower --diloco-outer-lr "
+             f"(now {self.outer_lr:g}) or --diloco-outer-momentum, or add --diloco-backoff. "
+             f"{fix}")
     raise TrainError(f"step {self.step} ({when}): the training state holds NaN or Inf (first "
                      f"non-finite leaf: {bad}), so the run stops{kept}. {fix}.")
 
@@ -278,7 +292,7 @@ class Run:
 
     def so_far() -> dict:
       while in_flight:
-        self._take(tally, in_flight.popleft(), None)
+        self._take(tally, *in_flight.popleft(), None)
       return tally.position(time.perf_counter() - epoch_start)
 
     with self.out.bar(epoch, self.steps_per_epoch, batch_index) as bar, \
@@ -293,8 +307,8 @@ class Run:
         batch_index += 1
         tally.wires.append(wire)
         # Bound the steps queued ahead: a steady pipeline, and a bar showing real progress.
-        in_flight.append(sums)
-        if len(in_flight) > _IN_FLIGHT and not self._take(tally, in_flight.popleft(), bar):
+        in_flight.append((self.step, sums))
+        if len(in_flight) > _IN_FLIGHT and not self._take(tally, *in_flight.popleft(), bar):
           # A non-finite loss: the state is checked (every rank saw the same sums).
           if not self.finite("after a non-finite loss"):
             in_flight.clear()
@@ -361,6 +375,7 @@ class Run:
       record["skipped_steps_total"] = total
     if self.rollbacks:
       record["rollbacks_total"] = self.rollbacks
+    record.update(self.guard_fields())
     return record
 
   def _evaluate_into(self, record: dict, epoch: int) -> None:
@@ -378,13 +393,15 @@ class Run:
     record["eval_time_s"] = time.perf_counter() - eval_start
     record["epoch_time_s"] = record["train_time_s"] + record["eval_time_s"]
 
-  def _take(self, tally: EpochTally, sums, bar) -> bool:
-    """Adds one step's sums to the epoch (False, and left out, if its loss is not finite)."""
+  def _take(self, tally: EpochTally, step: int, sums, bar) -> bool:
+    """Adds step `step`'s sums to the epoch (False, and left out, if its loss is not finite)."""
     host_sums = {k: float(np.asarray(v)[0]) for k, v in jax.device_get(sums).items()}
     finite = math.isfinite(host_sums["loss_sum"])
     if finite:
       for key in SUM_KEYS:
         tally.sums[key] = tally.sums.get(key, 0.0) + host_sums[key]
+      if self.guard is not None:
+        self._watch(step, host_sums)
     else:
       tally.nonfinite += 1
     if bar is not None:
@@ -393,3 +410,46 @@ class Run:
         bar.set_postfix(loss=f"{host_sums['loss_sum'] / host_sums['weight_sum']:.4f}",
                         refresh=False)
     return finite
+
+  def guard_fields(self, final: bool = False) -> dict:
+    """DiLoCo's divergence guard in a record: after a warning (`final`: always, for the summary)."""
+    if final and self.config.diloco:
+      return {"diverging_warnings": self.alarms, "outer_lr_backoffs": self.backoffs,
+              "final_outer_lr": self.outer_lr}
+    if final or not self.alarms:
+      return {}
+    return {"diverging_warnings_total": self.alarms, "outer_lr": self.outer_lr}
+
+  def _watch(self, step: int, sums: dict) -> None:
+    """DiLoCo: warns when the loss rises across outer syncs; backs off if asked.
+
+    Every process reads the same loss sums, so every process acts alike: the
+    halved learning rate (in the state, `scale_outer_lr`) applies from the
+    next step dispatched.
+    """
+    guard = self.guard
+    if not guard.observe(step, sums["loss_sum"], sums["weight_sum"]):
+      return
+    self.alarms += 1
+    seen = (f"the mean training loss of the last {guard.window} outer periods "
+            f"({self.config.diloco} steps each) was above {guard.threshold():.4f} at "
+            f"{guard.patience} syncs in a row (lowest such mean so far {guard.lowest:.4f}, "
+            f"last {guard.last_mean:.4f})")
+    if self.config.diloco_backoff:
+      self.state["opt_state"] = scale_outer_lr(self.state["opt_state"], 0.5)
+      self.backoffs += 1
+      self.outer_lr /= 2
+      action = (f"--diloco-backoff: outer lr halved to {self.outer_lr:g} (outer momentum "
+                f"cleared), training goes on; a next run can start there with "
+                f"--diloco-outer-lr {self.outer_lr:g}")
+    else:
+      momentum = self.config.optimizer_spec.outer_settings()[1]
+      action = (f"the outer step is likely too large for this inner optimizer: rerun with a "
+                f"smaller --diloco-outer-lr (now {self.outer_lr:g}; e.g. "
+                f"{self.outer_lr / 2:g}) or --diloco-outer-momentum (now {momentum:g}), or "
+                f"add --diloco-backoff to halve the outer lr while training")
+    self.out.say(f"warning: step {step}: DiLoCo's training loss is rising across outer "
+                 f"syncs: {seen}; {action}.")
+    self.out.record({"event": "diverging", "step": step, "window_loss": guard.last_mean,
+                     "lowest_window_loss": guard.lowest, "outer_lr": self.outer_lr,
+                     "backed_off": bool(self.config.diloco_backoff)})

@@ -205,6 +205,156 @@ def quantized_mean(leaves: list[jax.Array], residual: list[jax.Array],
           fusion.unravel(missed, fusion.flat_spec(residual)))
 
 
+def check_arguments(inner: Any, sync_every: Any, outer: Any, fragments: Any, delay: Any,
+                    mix: Any) -> optax.GradientTransformation:
+  """`diloco`'s checks of its arguments; returns the outer optimizer (the default if None).
+
+  Raises:
+    ValueError: a bad argument, naming it.
+  """
+  check_inner(inner)
+  check_int("sync_every", sync_every, 1)
+  check_int("fragments", fragments, 1)
+  check_int("delay", delay, 0)
+  if outer is None:
+    outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+  elif not isinstance(outer, optax.GradientTransformation):
+    raise ValueError(f"outer={outer!r} is not an optax.GradientTransformation.")
+  if fragments > sync_every:
+    raise ValueError(f"fragments={fragments} must be <= sync_every={sync_every}: each "
+                     f"fragment syncs on a step of its own within every H steps.")
+  if delay >= sync_every:
+    raise ValueError(f"delay={delay} must be < sync_every={sync_every}: a fragment's "
+                     f"outer step lands before its next exchange.")
+  if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0.0 <= mix < 1.0:
+    raise ValueError(f"mix={mix!r} must be a number in [0, 1).")
+  return outer
+
+
+class _Fragments:
+  """A fragment's exchange and outer step, for one traced `update` (leaf lists).
+
+  Attributes:
+    plan: per fragment, the indices of its leaves.
+    sent: bytes each `lax.switch` branch sends (0: no fragment due), filled
+      in as the branches are traced.
+  """
+
+  def __init__(self, outer: optax.GradientTransformation, plan: list[list[int]], codec: Any,
+               mix: float):
+    self.outer, self.plan, self.codec, self.mix = outer, plan, codec, mix
+    self.bits = codec if isinstance(codec, int) else None
+    self.sent = [0] * (len(plan) + 1)
+
+  def pseudo_gradient(self, p, updates, params, outer_now) -> list:
+    """Fragment p's `outer - local`, local being params after this step's inner update."""
+    return [outer_now[i] - (params[i] + updates[i]).astype(params[i].dtype)
+            for i in self.plan[p]]
+
+  def exchange(self, p, updates, params, outer_now, residual):
+    """Fragment p's pseudo-gradient averaged over every replica, and the residual."""
+    delta = self.pseudo_gradient(p, updates, params, outer_now)
+    with collectives.measure() as ledger:
+      if self.bits:
+        averaged, missed = quantized_mean(delta, [residual[i] for i in self.plan[p]],
+                                          self.bits)
+        residual = list(residual)
+        for i, value in zip(self.plan[p], missed):
+          residual[i] = value
+      else:
+        averaged = replica_mean(delta, self.codec)
+    self.sent[p + 1] = ledger.bytes
+    return averaged, residual
+
+  def apply(self, p, averaged, updates, params, outer_now, outer_states):
+    """Fragment p's outer step; its updates move params to the merged values."""
+    mine = [outer_now[i] for i in self.plan[p]]
+    steps, state_p = self.outer.update(averaged, outer_states[p], mine)
+    moved = optax.apply_updates(mine, steps)
+    updates, outer_now, outer_states = list(updates), list(outer_now), list(outer_states)
+    for i, new in zip(self.plan[p], moved):
+      target = new
+      if self.mix:
+        local = params[i] + updates[i]
+        target = (self.mix * local + (1.0 - self.mix) * new).astype(new.dtype)
+      outer_now[i], updates[i] = new, (target - params[i]).astype(updates[i].dtype)
+    outer_states[p] = state_p
+    return updates, outer_now, tuple(outer_states)
+
+  def switch(self, index: jax.Array, branch, idle, *operands):
+    """`lax.switch` on `index`: `idle(*operands)` at 0, `branch(p, *operands)` at 1 + p."""
+    return lax.switch(index, [idle] + [functools.partial(branch, p)
+                                       for p in range(len(self.plan))], *operands)
+
+
+def sync_now(frags: _Fragments, due_now, updates, params, outer_now, outer_states, residual):
+  """delay=0: a due fragment is exchanged and its outer step applied in this step.
+
+  Returns:
+    (updates, outer leaves, outer states, residual).
+  """
+  def sync(p, updates, params, outer_now, outer_states, residual):
+    averaged, residual = frags.exchange(p, updates, params, outer_now, residual)
+    return frags.apply(p, averaged, updates, params, outer_now, outer_states) + (residual,)
+
+  return frags.switch(due_now, sync, lambda u, pa, o, s, res: (u, o, s, res),
+                      updates, params, outer_now, outer_states, residual)
+
+
+def sync_delayed(frags: _Fragments, due_now, due_then, updates, params, outer_now,
+                 outer_states, residual, pending):
+  """delay>0 in the step: exchange a due fragment now, apply the one exchanged τ steps ago.
+
+  Returns:
+    (updates, outer leaves, outer states, residual, pending leaves).
+  """
+  def stash(p, pending, residual, updates, params, outer_now):
+    pending = list(pending)
+    averaged, residual = frags.exchange(p, updates, params, outer_now, residual)
+    for i, value in zip(frags.plan[p], averaged):
+      pending[i] = value
+    return pending, residual
+
+  pending, residual = frags.switch(due_now, stash, lambda pend, res, *_: (pend, res),
+                                   pending, residual, updates, params, outer_now)
+
+  def apply_pending(p, updates, params, outer_now, outer_states, pending):
+    return frags.apply(p, [pending[i] for i in frags.plan[p]], updates, params, outer_now,
+                       outer_states)
+
+  updates, outer_now, outer_states = frags.switch(
+      due_then, apply_pending, lambda u, pa, o, s, pend: (u, o, s),
+      updates, params, outer_now, outer_states, pending)
+  return updates, outer_now, outer_states, residual, pending
+
+
+def sync_background(frags: _Fragments, due_now, due_then, updates, params, outer_now,
+                    outer_states, pending, in_flight):
+  """delay>0 on the native route: start a due fragment's exchange in the background,
+  finish the one started τ steps ago and apply its outer step.
+
+  Returns:
+    (updates, outer leaves, outer states, pending leaves, in_flight).
+  """
+  def start(p, pending, flight, updates, params, outer_now):
+    delta = frags.pseudo_gradient(p, updates, params, outer_now)
+    pending, token, frags.sent[p + 1] = background.start(delta, pending, frags.plan[p])
+    return pending, flight.at[p].set(token)
+
+  pending, in_flight = frags.switch(due_now, start, lambda pend, flight, *_: (pend, flight),
+                                    pending, in_flight, updates, params, outer_now)
+
+  def finish(p, updates, params, outer_now, outer_states, pending, flight):
+    averaged = background.average([pending[i] for i in frags.plan[p]], flight[p])
+    return frags.apply(p, averaged, updates, params, outer_now, outer_states) + (
+        flight.at[p].set(0),)
+
+  updates, outer_now, outer_states, in_flight = frags.switch(
+      due_then, finish, lambda u, pa, o, s, pend, flight: (u, o, s, flight),
+      updates, params, outer_now, outer_states, pending, in_flight)
+  return updates, outer_now, outer_states, pending, in_flight
+
+
 def diloco(inner: optax.GradientTransformation, *, sync_every: int,
            outer: optax.GradientTransformation | None = None, fragments: int = 1,
            delay: int = 0, mix: float = 0.0, payload: Any = None) -> optax.GradientTransformation:
@@ -220,7 +370,11 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
     sync_every: H, inner steps between two outer steps of a fragment.
     outer: the outer optimizer, applied to the averaged pseudo-gradient
       `outer_params - local_params`; default `optax.sgd(0.7, momentum=0.9,
-      nesterov=True)`. `optax.sgd(1.0)` makes it parameter averaging.
+      nesterov=True)`, the paper's, set for an inner AdamW (or any inner
+      optimizer whose step is about its learning rate). An inner SGD with
+      heavy-ball momentum β takes steps 1/(1-β) times larger: scale the outer
+      learning rate by (1-β) (`jdist train` does, see docs/diloco.md).
+      `optax.sgd(1.0)` makes it parameter averaging.
     fragments: P, fragments of whole leaves, synced on staggered steps
       (Streaming DiLoCo); 1 <= P <= H.
     delay: τ, inner steps between a fragment's exchange and the outer step
@@ -239,22 +393,7 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
   Raises:
     ValueError: a bad argument, naming it (more fragments than leaves at init).
   """
-  check_inner(inner)
-  check_int("sync_every", sync_every, 1)
-  check_int("fragments", fragments, 1)
-  check_int("delay", delay, 0)
-  if outer is None:
-    outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
-  elif not isinstance(outer, optax.GradientTransformation):
-    raise ValueError(f"outer={outer!r} is not an optax.GradientTransformation.")
-  if fragments > sync_every:
-    raise ValueError(f"fragments={fragments} must be <= sync_every={sync_every}: each "
-                     f"fragment syncs on a step of its own within every H steps.")
-  if delay >= sync_every:
-    raise ValueError(f"delay={delay} must be < sync_every={sync_every}: a fragment's "
-                     f"outer step lands before its next exchange.")
-  if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0.0 <= mix < 1.0:
-    raise ValueError(f"mix={mix!r} must be a number in [0, 1).")
+  outer = check_arguments(inner, sync_every, outer, fragments, delay, mix)
   codec = payload_codec(payload)
   bits = codec if isinstance(codec, int) else None
   offsets = sync_offsets(sync_every, fragments)
@@ -264,11 +403,11 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
 
   def init_fn(params):
     leaves = jax.tree.leaves(params)
-    plan = plan_for(leaves)
     return DiLoCoState(
         step=jnp.zeros([], jnp.int32), inner_state=inner.init(params),
         outer_params=jax.tree.map(jnp.array, params),
-        outer_states=tuple(outer.init([leaves[i] for i in leaves_p]) for leaves_p in plan),
+        outer_states=tuple(outer.init([leaves[i] for i in leaves_p])
+                           for leaves_p in plan_for(leaves)),
         pending=jax.tree.map(jnp.zeros_like, params) if delay else (),
         syncs=jnp.zeros([], jnp.int32), wire_bytes=jnp.zeros([], jnp.float32),
         residual=(jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, jnp.float32), params)
@@ -282,113 +421,71 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
     inner_updates, inner_state = inner.update(grads, state.inner_state, params)
     updates, treedef = jax.tree.flatten(inner_updates)
     param_leaves = treedef.flatten_up_to(params)
-    outer_leaves = treedef.flatten_up_to(state.outer_params)
-    plan = plan_for(param_leaves)
+    frags = _Fragments(outer, plan_for(param_leaves), codec, mix)
     step = state.step + 1
-    sent = [0] * (fragments + 1)  # bytes of each branch, known once traced
-
+    index = due(step, offsets, sync_every)
     # Error feedback's residual, per leaf; [] without it (exchanges keep it).
     residual = treedef.flatten_up_to(state.residual) if bits else []
-
-    def exchange(p, updates, params, outer_now, residual):
-      """Fragment p's pseudo-gradient averaged over every replica, and the residual."""
-      delta = [outer_now[i] - (params[i] + updates[i]).astype(params[i].dtype)
-               for i in plan[p]]
-      with collectives.measure() as ledger:
-        if bits:
-          averaged, missed = quantized_mean(delta, [residual[i] for i in plan[p]], bits)
-          residual = list(residual)
-          for i, value in zip(plan[p], missed):
-            residual[i] = value
-        else:
-          averaged = replica_mean(delta, codec)
-      sent[p + 1] = ledger.bytes
-      return averaged, residual
-
-    def apply(p, averaged, updates, params, outer_now, outer_states):
-      """Fragment p's outer step; its updates move params to the merged values."""
-      mine = [outer_now[i] for i in plan[p]]
-      steps, state_p = outer.update(averaged, outer_states[p], mine)
-      moved = optax.apply_updates(mine, steps)
-      updates, outer_now, outer_states = list(updates), list(outer_now), list(outer_states)
-      for i, new in zip(plan[p], moved):
-        target = new
-        if mix:
-          local = params[i] + updates[i]
-          target = (mix * local + (1.0 - mix) * new).astype(new.dtype)
-        outer_now[i], updates[i] = new, (target - params[i]).astype(updates[i].dtype)
-      outer_states[p] = state_p
-      return updates, outer_now, tuple(outer_states)
-
-    pending, in_flight = (), ()
+    pending, in_flight = state.pending, state.in_flight
+    operands = (updates, param_leaves, treedef.flatten_up_to(state.outer_params),
+                state.outer_states)
     if background.applies(delay, codec):  # on the native route: across the delay
-      def start(p, pending, flight, updates, params, outer_now):
-        delta = [outer_now[i] - (params[i] + updates[i]).astype(params[i].dtype)
-                 for i in plan[p]]
-        pending, token, sent[p + 1] = background.start(delta, pending, plan[p])
-        return pending, flight.at[p].set(token)
-
-      index = due(step, offsets, sync_every)
-      pending, in_flight = lax.switch(index, [lambda pend, flight, *_: (pend, flight)] + [
-          functools.partial(start, p) for p in range(fragments)],
-          treedef.flatten_up_to(state.pending), state.in_flight, updates, param_leaves,
-          outer_leaves)
-
-      def finish(p, updates, params, outer_now, outer_states, pending, flight):
-        averaged = background.average([pending[i] for i in plan[p]], flight[p])
-        return apply(p, averaged, updates, params, outer_now, outer_states) + (
-            flight.at[p].set(0),)
-
-      branches = [lambda u, pa, o, s, pend, flight: (u, o, s, flight)] + [
-          functools.partial(finish, p) for p in range(fragments)]
-      updates, outer_leaves, outer_states, in_flight = lax.switch(
-          due(step - delay, offsets, sync_every), branches, updates, param_leaves,
-          outer_leaves, state.outer_states, pending, in_flight)
-      pending = jax.tree.unflatten(treedef, pending)
+      updates, outer_leaves, outer_states, pending, in_flight = sync_background(
+          frags, index, due(step - delay, offsets, sync_every), *operands,
+          treedef.flatten_up_to(pending), in_flight)
     elif delay:
-      def stash(p, pending, residual, updates, params, outer_now):
-        pending = list(pending)
-        averaged, residual = exchange(p, updates, params, outer_now, residual)
-        for i, value in zip(plan[p], averaged):
-          pending[i] = value
-        return pending, residual
-
-      index = due(step, offsets, sync_every)
-      pending, residual = lax.switch(index, [lambda pend, res, *_: (pend, res)] + [
-          functools.partial(stash, p) for p in range(fragments)],
-          treedef.flatten_up_to(state.pending), residual, updates, param_leaves, outer_leaves)
-
-      def apply_pending(p, updates, params, outer_now, outer_states, pending):
-        return apply(p, [pending[i] for i in plan[p]], updates, params, outer_now,
-                     outer_states)
-
-      branches = [lambda u, pa, o, s, pend: (u, o, s)] + [
-          functools.partial(apply_pending, p) for p in range(fragments)]
-      updates, outer_leaves, outer_states = lax.switch(
-          due(step - delay, offsets, sync_every), branches, updates, param_leaves,
-          outer_leaves, state.outer_states, pending)
-      pending = jax.tree.unflatten(treedef, pending)
-      in_flight = state.in_flight
+      updates, outer_leaves, outer_states, residual, pending = sync_delayed(
+          frags, index, due(step - delay, offsets, sync_every), *operands, residual,
+          treedef.flatten_up_to(pending))
     else:
-      def sync(p, updates, params, outer_now, outer_states, residual):
-        averaged, residual = exchange(p, updates, params, outer_now, residual)
-        return apply(p, averaged, updates, params, outer_now, outer_states) + (residual,)
-
-      index = due(step, offsets, sync_every)
-      branches = [lambda u, pa, o, s, res: (u, o, s, res)] + [
-          functools.partial(sync, p) for p in range(fragments)]
-      updates, outer_leaves, outer_states, residual = lax.switch(
-          index, branches, updates, param_leaves, outer_leaves, state.outer_states, residual)
+      updates, outer_leaves, outer_states, residual = sync_now(frags, index, *operands,
+                                                               residual)
     new_state = DiLoCoState(
         step=step, inner_state=inner_state,
         outer_params=jax.tree.unflatten(treedef, outer_leaves), outer_states=outer_states,
-        pending=pending, syncs=state.syncs + (index > 0).astype(jnp.int32),
-        wire_bytes=jnp.asarray(sent, jnp.float32)[index],
+        pending=jax.tree.unflatten(treedef, pending) if delay else (),
+        syncs=state.syncs + (index > 0).astype(jnp.int32),
+        wire_bytes=jnp.asarray(frags.sent, jnp.float32)[index],
         residual=jax.tree.unflatten(treedef, residual) if bits else (),
         in_flight=in_flight)
     return jax.tree.unflatten(treedef, updates), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def scale_outer_lr(opt_state: Any, factor: float) -> Any:
+  """`opt_state` with every `diloco` state's outer learning rate times `factor`.
+
+  The outer momentum is cleared too: it holds the steps taken at the old
+  rate. Elementwise on the state's own arrays (their sharding is kept);
+  under mpirun every process calls it alike.
+
+  Raises:
+    ValueError: no `diloco` state, or an outer optimizer whose learning rate
+      is not in its state (build it with `optax.inject_hyperparams`, as
+      `jdist train --diloco-backoff` does).
+  """
+  found = []
+
+  def scale(state):
+    if not isinstance(state, DiLoCoState):
+      return state
+    outer_states = []
+    for outer_state in state.outer_states:
+      hyperparams = getattr(outer_state, "hyperparams", None)
+      if not isinstance(hyperparams, dict) or "learning_rate" not in hyperparams:
+        raise ValueError("the DiLoCo outer optimizer's learning rate is not in its state: "
+                         "build it with optax.inject_hyperparams(optax.sgd)(...).")
+      outer_states.append(outer_state._replace(
+          hyperparams={**hyperparams, "learning_rate": hyperparams["learning_rate"] * factor},
+          inner_state=jax.tree.map(lambda leaf: leaf * 0, outer_state.inner_state)))
+    found.append(state)
+    return state._replace(outer_states=tuple(outer_states))
+
+  scaled = jax.tree.map(scale, opt_state, is_leaf=lambda x: isinstance(x, DiLoCoState))
+  if not found:
+    raise ValueError("opt_state holds no jdist.diloco state.")
+  return scaled
 
 
 def outer_syncs(opt_state: Any) -> jax.Array:
