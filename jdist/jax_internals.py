@@ -6,6 +6,10 @@ pyproject.toml bounds `jax` to the range CI tests (`.ci/constraints.txt`):
 whether JAX has created its backends (XLA reads `XLA_FLAGS` and `NPROC` only
 then, so jdist must know whether changing them can still work).
 
+And the jit step being traced (`jit_trace`): jdist's reductions in a
+`jax.jit` step over global arrays note which step their exchanges belong to,
+so `jdist.timeline` can record that step (`jdist.jit_steps`).
+
 (The callback route's exchange chain once read the current trace from here;
 it now keys on the public `jax.extend.core.get_opaque_trace_state()`, and
 the collective layer imports nothing private.)
@@ -26,3 +30,26 @@ def backends_initialized() -> bool:
   if probe is not None:
     return bool(probe())
   return bool(getattr(xla_bridge, "_backends", None))
+
+
+def jit_trace() -> tuple[object | None, str | None]:
+  """The outermost `jax.jit` trace active now, and its function's name.
+
+  Returns:
+    (the trace object, the traced function's name), or (None, None)
+    outside a jit trace or where JAX keeps its traces elsewhere.
+  """
+  try:
+    from jax._src import core  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None, None
+  trace = getattr(getattr(core, "trace_ctx", None), "trace", None)
+  found = None
+  while trace is not None:
+    if type(trace).__name__ == "DynamicJaxprTrace":
+      found = trace
+    trace = getattr(trace, "parent_trace", None)
+  if found is None:
+    return None, None
+  info = getattr(getattr(found, "frame", None), "debug_info", None)
+  return found, getattr(info, "func_name", None) or "jit step"
