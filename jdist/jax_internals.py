@@ -32,24 +32,27 @@ def backends_initialized() -> bool:
   return bool(getattr(xla_bridge, "_backends", None))
 
 
-def jit_trace() -> tuple[object | None, str | None]:
-  """The outermost `jax.jit` trace active now, and its function's name.
+def jit_trace() -> tuple[object | None, str | None, bool]:
+  """The outermost `jax.jit` trace active now, its function's name, and nesting.
 
   Returns:
-    (the trace object, the traced function's name), or (None, None)
-    outside a jit trace or where JAX keeps its traces elsewhere.
+    (the trace object, the traced function's name, whether a staged
+    control-flow body sits inside it: a `lax.cond` branch or a loop body,
+    whose exchanges may run not at all or several times per call), or
+    (None, None, False) outside a jit trace or where JAX keeps its traces
+    elsewhere.
   """
   try:
     from jax._src import core  # pylint: disable=g-import-not-at-top
   except ImportError:
-    return None, None
+    return None, None, False
   trace = getattr(getattr(core, "trace_ctx", None), "trace", None)
-  found = None
+  found = []
   while trace is not None:
     if type(trace).__name__ == "DynamicJaxprTrace":
-      found = trace
+      found.append(trace)
     trace = getattr(trace, "parent_trace", None)
-  if found is None:
-    return None, None
-  info = getattr(getattr(found, "frame", None), "debug_info", None)
-  return found, getattr(info, "func_name", None) or "jit step"
+  if not found:
+    return None, None, False
+  info = getattr(getattr(found[-1], "frame", None), "debug_info", None)
+  return found[-1], getattr(info, "func_name", None) or "jit step", len(found) > 1

@@ -7,7 +7,9 @@ they note here which exchanges (ordinals) the step being traced runs, and
 under which function name. Every call of the compiled step then runs each
 of those ordinals once, so `jdist.timeline` can tell a step's exchanges
 apart as the engine reports them, and a step is over on this rank once all
-of them are done.
+of them are done. Exchanges traced in a `lax.cond` branch or a loop body
+(local SGD's and DiLoCo's periodic averaging) may run not at all or several
+times per call: they are the step's `extra` ordinals, filed by time.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ class JitStep:
   """One traced jit step: its function's name and the ordinals of its exchanges."""
   key: int
   name: str
-  ordinals: set = dataclasses.field(default_factory=set)
+  ordinals: set = dataclasses.field(default_factory=set)  # run once per call
+  extra: set = dataclasses.field(default_factory=set)  # under control flow
 
 
 _lock = threading.Lock()
@@ -37,7 +40,7 @@ _count = 0
 def note_exchanges(ordinals: list[int]) -> None:
   """At trace time: the jit step being traced runs exchanges `ordinals`."""
   global _count
-  trace, name = jax_internals.jit_trace()
+  trace, name, nested = jax_internals.jit_trace()
   if trace is None:
     return
   with _lock:
@@ -49,7 +52,7 @@ def note_exchanges(ordinals: list[int]) -> None:
       _count += 1
       step = _by_trace[trace] = JitStep(_count, name)
       _names.add(name)
-    step.ordinals.update(ordinals)
+    (step.extra if nested else step.ordinals).update(ordinals)
     for ordinal in ordinals:
       _by_ordinal[ordinal] = step
 

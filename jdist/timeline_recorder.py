@@ -42,6 +42,7 @@ _ROWS_PER_TAKE = 512
 _DRAIN_S = 30.0  # longest wait at close() for the window's dispatched steps to be reported
 _PENDING_COUNTERS = 64  # dispatched counters not yet read; beyond, observe() waits for the oldest
 _JIT_POLL_S = 0.05  # how often jit steps' exchanges are collected (jdist.jit_steps)
+_JIT_OPEN_LIMIT = 64  # jit steps' calls waiting for their other exchanges
 _JIT_QUIET_S = 0.3  # at close(): no new exchange for this long, the jit steps are over
 
 
@@ -99,6 +100,7 @@ class Timeline:
     self._fetch_lock = threading.Lock()  # the step monitor and the jit poller take rows
     self._loose: list[tuple] = []  # exchanges of no jit step, for the next watchdog step
     self._jit_open: dict[tuple[int, int], list[tuple]] = {}  # (step key, call) -> exchanges
+    self._jit_extra: list[tuple] = []  # exchanges under control flow, not yet filed
     self._jit_count = 0  # jit steps completed on this rank
     self._jit_calls: dict[str, int] = {}
     self._jit_last_end = 0
@@ -208,12 +210,20 @@ class Timeline:
     step = jit_steps.step_of(record[1])
     if step is None:
       return False
+    if record[1] in step.extra:  # under control flow: the step running when it was posted
+      self._jit_extra.append(record)
+      return True
     key = (step.key, record[2])  # the step, and how many times this rank ran it before
     found = self._jit_open.setdefault(key, [])
     found.append(record)
     if len({r[1] for r in found}) < len(step.ordinals):
       return True
     del self._jit_open[key]
+    while len(self._jit_open) > _JIT_OPEN_LIMIT:  # calls that will never complete
+      del self._jit_open[next(iter(self._jit_open))]
+    done = max(r[9] for r in found)
+    found += [r for r in self._jit_extra if r[6] <= done]
+    self._jit_extra = [r for r in self._jit_extra if r[6] > done]
     self._jit_count += 1
     self._jit_calls[step.name] = call = self._jit_calls.get(step.name, 0) + 1
     first = min(r[6] for r in found)
@@ -240,7 +250,9 @@ class Timeline:
     self._jit_rows_at = time.monotonic()
     while time.monotonic() < deadline:
       self._take_exchanges(loose=False)
-      if not self._jit_open and time.monotonic() - self._jit_rows_at > _JIT_QUIET_S:
+      quiet = time.monotonic() - self._jit_rows_at
+      # A call begun before start() never completes: give up on it after a while.
+      if quiet > _JIT_QUIET_S and (not self._jit_open or quiet > 10 * _JIT_QUIET_S):
         return
       time.sleep(_JIT_POLL_S / 5)
 
