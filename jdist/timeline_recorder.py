@@ -41,9 +41,9 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _ROWS_PER_TAKE = 512
 _DRAIN_S = 30.0  # longest wait at close() for the window's dispatched steps to be reported
 _PENDING_COUNTERS = 64  # dispatched counters not yet read; beyond, observe() waits for the oldest
-_JIT_POLL_S = 0.05  # how often jit steps' exchanges are collected (jdist.jit_steps)
+_JIT_POLL_S = 0.25  # how often jit steps' exchanges are collected (jdist.jit_steps)
 _JIT_OPEN_LIMIT = 64  # jit steps' calls waiting for their other exchanges
-_JIT_QUIET_S = 0.3  # at close(): no new exchange for this long, the jit steps are over
+_JIT_QUIET_S = 0.6  # at close(): no new exchange for this long, the jit steps are over
 
 
 JIT_NUMBERS = 1 << 40  # jit steps' numbers in the ring: apart from the watchdog's
