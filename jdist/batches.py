@@ -28,7 +28,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jdist import errors
 from jdist.collectives import context
+from jdist.runtime import host
 from jdist.runtime import topology as topology_lib
+
+_AGREED_LIMIT = 64  # global batch signatures every process is known to have passed
+_agreed: set = set()
+_last_agreed: list[str] = []  # the last batch every process passed, described
 
 
 def _leading_size(batch: Any, what: str) -> int:
@@ -139,12 +144,72 @@ def shard_global_batch(global_batch: Any, topology=None) -> Any:
   Returns:
     The pytree of sharded `jax.Array`s.
 
+  Processes must pass global batches of one size and structure: each new
+  one (the first, a last smaller batch) is compared across processes once, a
+  host exchange under the watchdog's deadline; a batch seen before costs no
+  exchange.
+
   Raises:
-    jdist.errors.ShapeError: as `process_slice`.
+    jdist.errors.ShapeError: as `process_slice`; or, on every process, the
+      processes passed global batches of different sizes or structures
+      (naming each rank's).
   """
   if topology is None:
     topology = topology_lib.current()
+  if topology.process_count > 1:
+    check_same_batch(global_batch, "jdist.shard_global_batch")
   return place_process_rows(process_slice(global_batch, topology), topology)
+
+
+def _describe_batch(leaves: tuple, paths: list) -> str:
+  """'48 rows (['x'] float32[48, 8, 8, 1], ['y'] int32[48])'."""
+  shapes = ", ".join(f"{jax.tree_util.keystr(path)} {dtype.name}{list(shape)}"
+                     for path, (shape, dtype) in zip(paths, leaves))
+  rows = leaves[0][0][0] if leaves and leaves[0][0] else "?"
+  return f"{rows} rows ({shapes})"
+
+
+def check_same_batch(global_batch: Any, what: str) -> None:
+  """Raises on every process unless all passed a global batch of one signature.
+
+  Collective the first time each process sees a signature (leaves' shapes
+  and dtypes, and the tree's structure); free for one it has seen agreed.
+  A process whose batch alone changes waits in the exchange, which the
+  watchdog ends at its deadline with a report naming it and its batch.
+
+  Raises:
+    jdist.errors.ShapeError: naming every rank's batch size and leaves.
+  """
+  leaves, treedef = jax.tree.flatten(global_batch)
+  signature = (treedef, tuple((np.shape(leaf), np.dtype(getattr(leaf, "dtype", None)
+                                                       or np.asarray(leaf).dtype))
+                              for leaf in leaves))
+  if signature in _agreed or not host.is_multiprocess():
+    return
+  paths = [path for path, _ in jax.tree_util.tree_leaves_with_path(global_batch)]
+  mine = _describe_batch(signature[1], paths)
+  rank = topology_lib.current().process_index
+  before = f", after {_last_agreed[0]} until now" if _last_agreed else ""
+  every = host.allgather_object(
+      (repr(signature), mine),
+      f"{what}: comparing global batches across processes (rank {rank} passes {mine}{before})")
+  if len({key for key, _ in every}) == 1:
+    if len(_agreed) >= _AGREED_LIMIT:
+      _agreed.clear()
+    _agreed.add(signature)
+    _last_agreed[:] = [mine]
+    return
+  groups: dict[str, list[int]] = {}
+  for other, (_, described) in enumerate(every):
+    groups.setdefault(described, []).append(other)
+  parts = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: "
+                    f"{described}" for described, ranks in groups.items())
+  raise errors.ShapeError(
+      f"{what}: the processes passed different global batches: {parts}. Every process "
+      f"must pass the same whole global batch (the same size and structure) at each step; "
+      f"{what} keeps each process's own rows of it. Feed every process the same global "
+      f"batches (the same batch size and order), or a per-process loader's rows through "
+      f"jdist.batches.place_process_rows.")
 
 
 def place_process_rows(rows: Any, topology) -> Any:

@@ -25,8 +25,10 @@ import signal
 import socket
 import threading
 import time
+import warnings
 from typing import Any
 
+from jdist import jit_steps
 from jdist import timeline_counters
 from jdist import timeline_format
 from jdist.collectives import native
@@ -39,6 +41,12 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _ROWS_PER_TAKE = 512
 _DRAIN_S = 30.0  # longest wait at close() for the window's dispatched steps to be reported
 _PENDING_COUNTERS = 64  # dispatched counters not yet read; beyond, observe() waits for the oldest
+_JIT_POLL_S = 0.25  # how often jit steps' exchanges are collected (jdist.jit_steps)
+_JIT_OPEN_LIMIT = 64  # jit steps' calls waiting for their other exchanges
+_JIT_QUIET_S = 0.6  # at close(): no new exchange for this long, the jit steps are over
+
+
+JIT_NUMBERS = 1 << 40  # jit steps' numbers in the ring: apart from the watchdog's
 
 
 def parse_steps(text: str | None) -> tuple[int | None, int | None] | None:
@@ -89,6 +97,16 @@ class Timeline:
     self._last_recorded: int | None = None  # the newest dispatched step, if recorded
     self._pending: collections.deque = collections.deque()  # (step, counters handle)
     self._pending_lock = threading.Lock()  # the main thread, and an abort's writer
+    self._fetch_lock = threading.Lock()  # the step monitor and the jit poller take rows
+    self._loose: list[tuple] = []  # exchanges of no jit step, for the next watchdog step
+    self._jit_open: dict[tuple[int, int], list[tuple]] = {}  # (step key, call) -> exchanges
+    self._jit_extra: list[tuple] = []  # exchanges under control flow, not yet filed
+    self._jit_count = 0  # jit steps completed on this rank
+    self._jit_calls: dict[str, int] = {}
+    self._jit_last_end = 0
+    self._jit_rows_at = 0.0  # when the poller last saw an exchange
+    self._steps_recorded = 0
+    self._poller: threading.Thread | None = None
     self.rank = topology_lib.current().process_index
     self._counters = timeline_counters.Dispatcher(
         max(1, topology_lib.current().process_count))
@@ -96,6 +114,7 @@ class Timeline:
   # -- recording -------------------------------------------------------------
 
   def in_window(self, number: int) -> bool:
+    number = number - JIT_NUMBERS if number > JIT_NUMBERS else number  # a jit step's count
     first, end = self.window
     return (first is None or number >= first) and (end is None or number < end)
 
@@ -112,6 +131,9 @@ class Timeline:
         break
     atexit.register(self._at_exit)
     self._recording = True
+    self._poller = threading.Thread(target=self._poll_jit_steps, name="jdist-timeline-jit",
+                                    daemon=True)
+    self._poller.start()
     return self
 
   def step_dispatched(self, number: int, name: str | None, at_ns: int, call: int) -> None:
@@ -169,16 +191,112 @@ class Timeline:
     if not self._recording or name is None:
       return
     with self._lock:
+      self._steps_recorded += 1
       self._append(("step", number, name, start_ns, done_ns))
       for record in exchanges:
         self._append(record)
+
+  # -- jit steps (jdist.jit_steps) ------------------------------------------
+
+  def _poll_jit_steps(self) -> None:
+    """The poller thread: assembles jit steps from their exchanges while recording."""
+    while self._recording:
+      time.sleep(_JIT_POLL_S)
+      if jit_steps.any_traced():
+        self._take_exchanges(loose=False)
+
+  def _jit_exchange(self, record: tuple) -> bool:
+    """Files a jit step's exchange; records the step once all of its are in. False: not a jit step's."""
+    step = jit_steps.step_of(record[1])
+    if step is None:
+      return False
+    if record[1] in step.extra:  # under control flow: the step running when it was posted
+      self._jit_extra.append(record)
+      return True
+    key = (step.key, record[2])  # the step, and how many times this rank ran it before
+    found = self._jit_open.setdefault(key, [])
+    found.append(record)
+    if len({r[1] for r in found}) < len(step.ordinals):
+      return True
+    del self._jit_open[key]
+    while len(self._jit_open) > _JIT_OPEN_LIMIT:  # calls that will never complete
+      del self._jit_open[next(iter(self._jit_open))]
+    done = max(r[9] for r in found)
+    found += [r for r in self._jit_extra if r[6] <= done]
+    self._jit_extra = [r for r in self._jit_extra if r[6] > done]
+    self._jit_count += 1
+    self._jit_calls[step.name] = call = self._jit_calls.get(step.name, 0) + 1
+    first = min(r[6] for r in found)
+    done = max(r[9] for r in found)
+    # Its devices started it when the previous step ended, unless they were idle.
+    start = self._jit_last_end if 0 < self._jit_last_end <= first else first
+    self._jit_last_end = done
+    number, last = JIT_NUMBERS + self._jit_count, self._last_recorded
+    self.step_dispatched(number, step.name, start, call)
+    self._last_recorded = last  # observe() counts the main thread's steps only
+    if self._recording and self._names.pop(number, None) is not None:
+      with self._lock:
+        self._steps_recorded += 1
+        self._append(("step", self._jit_count, step.name, start, done))
+        for record in sorted(found, key=lambda r: r[6]):
+          self._append(record)
+    return True
+
+  def _drain_jit_steps(self) -> None:
+    """At close(): waits (bounded) until the jit steps' exchanges stop arriving."""
+    if not jit_steps.any_traced():
+      return
+    deadline = time.monotonic() + _DRAIN_S
+    self._jit_rows_at = time.monotonic()
+    while time.monotonic() < deadline:
+      self._take_exchanges(loose=False)
+      quiet = time.monotonic() - self._jit_rows_at
+      # A call begun before start() never completes: give up on it after a while.
+      if quiet > _JIT_QUIET_S and (not self._jit_open or quiet > 10 * _JIT_QUIET_S):
+        return
+      time.sleep(_JIT_POLL_S / 5)
+
+  def _why_nothing(self) -> str | None:
+    """Why no step was recorded, where a jit step ran (close()'s warning), else None."""
+    if self._steps_recorded:
+      return None
+    traced = jit_steps.traced_names()
+    topo = topology_lib.current()
+    if self.function is not None and self.function not in traced:
+      return (f"no step of {self.function} was recorded: it is not a jdist.data_parallel step, "
+              f"and no jax.jit step of that name ran a jdist exchange (jdist.pmean, "
+              f"jdist.dist_opt's update...) traced while this process ran; jdist records a "
+              f"jax.jit step through the exchanges inside it (traced: "
+              f"{sorted(traced) or 'none'}).")
+    if not traced:
+      return None
+    if topo.process_count < 2:
+      return (f"jax.jit steps ({', '.join(sorted(traced))}) are recorded through their "
+              f"cross-process exchanges, and this job has one process: nothing crosses "
+              f"processes, so no step was recorded.")
+    return (f"no jax.jit step ({', '.join(sorted(traced))}) was recorded: jdist sees a jit "
+            f"step's run only through the exchanges its engine reports (route "
+            f"{topo.route!r}); the native and callback routes report them, mpi4jax's does not "
+            f"(jdist.init(route='native')).")
 
   def _append(self, record: tuple) -> None:
     if len(self.records) == self.records.maxlen:
       self.dropped += 1
     self.records.append(record)
 
-  def _take_exchanges(self) -> list[tuple]:
+  def _take_exchanges(self, loose: bool = True) -> list[tuple]:
+    """Exchanges finished since the last call that no jit step ran (`loose`: returned, else kept)."""
+    with self._fetch_lock:
+      fresh = self._fetch_exchanges()
+      if fresh:
+        self._jit_rows_at = time.monotonic()
+      self._loose.extend(r for r in fresh if not self._jit_exchange(r))
+      if not loose:
+        return []
+      out, self._loose = self._loose, []
+      return out
+
+  def _fetch_exchanges(self) -> list[tuple]:
     """Exchanges finished since the last call: the engine's rows, then the recorder's."""
     out = []
     devices = max(1, topology_lib.current().local_device_count)
@@ -240,6 +358,10 @@ class Timeline:
       time.sleep(0.005)
     while self._pending:  # the last steps' counters (their steps are done)
       self._take_counters(wait=True)
+    self._drain_jit_steps()
+    why = self._why_nothing()
+    if why is not None:
+      warnings.warn(f"jdist.timeline({self.path!r}): {why}", stacklevel=3)
     self.stop()
     parts = host.allgather_object(self.part(), "jdist.timeline (gathering the trace)")
     self._closed = True

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -177,6 +178,73 @@ def test_every_rank_and_exchange_of_a_real_step_is_in_the_file(tmp_path):
       assert all(e["args"]["bytes"] == 4096 and e["args"]["ordinal"] == 0 for e in exchanges)
     else:
       assert not exchanges  # one process: nothing crosses processes
+
+
+def _jit_train_step():
+  """A jit step over global arrays, as README's quickstart writes it."""
+  import optax  # pylint: disable=g-import-not-at-top
+  tx = jdist.dist_opt(optax.sgd(0.1))
+
+  def loss_fn(params, batch):
+    return jnp.mean((batch @ params["w"]) ** 2)
+
+  @jax.jit
+  def train_step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return jax.tree.map(lambda p, u: p + u, params, updates), opt_state, jdist.pmean(loss)
+
+  params = jdist.broadcast_params({"w": jnp.ones((16, 256))})
+  return train_step, params, tx.init(params)
+
+
+def _run_jit_steps(path, count, **window):
+  train_step, params, opt_state = _jit_train_step()
+  batch = jdist.shard_global_batch(jnp.ones((8 * jdist.get_topology().replica_count, 16)))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with jdist.timeline(path, **window):
+      for _ in range(count):
+        params, opt_state, loss = train_step(params, opt_state, batch)
+      jax.block_until_ready(loss)
+  return [str(w.message) for w in caught if "jdist.timeline" in str(w.message)]
+
+
+@pytest.mark.parametrize("window,recorded", [({}, [1, 2, 3, 4, 5]),
+                                             ({"steps": "2:4"}, [2, 3]),
+                                             ({"steps": "3:", "function": "train_step"},
+                                              [3, 4, 5])])
+def test_jit_steps_and_their_exchanges_are_recorded_on_every_rank(tmp_path, window, recorded):
+  jdist.init()
+  path = str(host.allgather_object(str(tmp_path / "jit.json"))[0])
+  with jax.set_mesh(jdist.mesh()):
+    warned = _run_jit_steps(path, 5, **window)
+  topo = jdist.get_topology()
+  if topo.process_count == 1:  # nothing crosses processes: nothing to time the steps by
+    assert any("one process" in w and "train_step" in w for w in warned), warned
+    return
+  assert not warned, warned
+  if topo.process_index != 0:
+    return
+  parts = json.load(open(path, encoding="utf-8"))["otherData"]["parts"]
+  assert sorted(parts) == [str(r) for r in range(topo.process_count)]
+  for part in parts.values():
+    assert [(s[1], s[2]) for s in part["steps"]] == [(n, "train_step") for n in recorded]
+    # Two exchanges per step: the gradients' (dist_opt) and the loss's pmean.
+    assert len(part["exchanges"]) == 2 * len(recorded), part["exchanges"]
+    for _, _, _, start, done in part["steps"]:
+      assert start <= done
+  rows = timeline_format.step_splits(parts["0"]["steps"], parts["0"]["exchanges"], {})
+  assert all(row["exchanges"] == 2 for row in rows), rows
+
+
+def test_a_step_function_that_cannot_be_recorded_is_warned_about(tmp_path):
+  jdist.init()
+  path = str(host.allgather_object(str(tmp_path / "none.json"))[0])
+  with jax.set_mesh(jdist.mesh()):
+    warned = _run_jit_steps(path, 2, function="eval_step")
+  assert any("no step of eval_step was recorded" in w and "jax.jit step" in w
+             for w in warned), warned
 
 
 # --- whole jobs (plain pytest only: each launches mpirun) -----------------------

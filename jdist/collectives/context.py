@@ -37,6 +37,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdist import errors
+from jdist import jit_steps
 from jdist.runtime import topology as topology_lib
 from jdist.collectives import mesh_axes
 from jdist.collectives import routes
@@ -207,9 +208,11 @@ def per_process(reduce_fn: Callable[[Span, Any], Any], tree: Any, *, first_only:
   # step aborted in XLA's rendezvous 3 runs in 3). Their tails carry the
   # order across.
   with (contextlib.nullcontext() if over is None
-        else jax.sharding.use_abstract_mesh(over.abstract_mesh)):
+        else jax.sharding.use_abstract_mesh(over.abstract_mesh)), \
+      steps.collect_unscoped() as ordinals:
     out, tail = jax.shard_map(body, mesh=over, in_specs=PartitionSpec(),
                               out_specs=PartitionSpec(), check_vma=False)(tree, steps.chain_tail())
+  jit_steps.note_exchanges(ordinals)  # which jit step runs them (jdist.timeline)
   if tail is not None:
     steps.chain_output(tail)
   return out

@@ -58,6 +58,19 @@ class StepScope:
 _scope: contextvars.ContextVar[StepScope | None] = contextvars.ContextVar(
     "jdist_step_scope", default=None)
 _unscoped_chain: list[tuple[Any, jax.Array]] = []
+_collected: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "jdist_collected_ordinals", default=None)
+
+
+@contextlib.contextmanager
+def collect_unscoped():
+  """Yields a list that gets every ordinal traced outside a step scope inside."""
+  found: list[int] = []
+  token = _collected.set(found)
+  try:
+    yield found
+  finally:
+    _collected.reset(token)
 
 
 @contextlib.contextmanager
@@ -74,7 +87,11 @@ def next_ordinal() -> int:
   """The ordinal of the exchange being traced (see module doc)."""
   scope = _scope.get()
   if scope is None:
-    return next(_unscoped)
+    ordinal = next(_unscoped)
+    collected = _collected.get()
+    if collected is not None:
+      collected.append(ordinal)
+    return ordinal
   ordinal = scope.next_ordinal
   scope.next_ordinal += 1
   return ordinal

@@ -152,6 +152,8 @@ def broadcast_params(tree: Any, root: int = 0) -> Any:
     return jax.tree.map(jnp.asarray, tree)
   check_structure(tree, "jdist.broadcast_params")
   out = _per_bucket(tree, lambda b: world.bcast_array(b, root, "jdist.broadcast_params"))
+  from jdist import start_check  # pylint: disable=g-import-not-at-top (it imports this module)
+  start_check.params_broadcast()  # an identical start after all
   return jax.tree.map(jnp.asarray, out)
 
 

@@ -10,6 +10,7 @@ import optax
 
 from jdist import collectives
 from jdist import fusion
+from jdist import start_check
 from jdist.compression import protocol
 
 
@@ -49,11 +50,12 @@ def allreduce(mean: bool = True, *,
     raise ValueError(f"bucket_bytes={bucket_bytes!r} must be a positive int.")
 
   def init_fn(params):
-    del params
+    start_check.note_initial_params(params, "jdist.allreduce")
     return AllReduceState(wire_bytes=jnp.zeros([], jnp.float32))
 
   def update_fn(updates, state, params=None):
     del state, params
+    start_check.check_at_step()
     with collectives.measure() as ledger:
       reduced = collectives.reduce_payload(updates, mean=mean, bucket_bytes=bucket_bytes)
     return reduced, AllReduceState(wire_bytes=jnp.asarray(ledger.bytes, jnp.float32))

@@ -33,6 +33,7 @@ from typing import Any, Callable
 import optax
 
 from jdist import fusion
+from jdist import start_check
 from jdist.compression import half as half_lib
 from jdist.compression import powersgd as powersgd_lib
 from jdist.compression import protocol
@@ -215,12 +216,16 @@ def dist_opt(inner: optax.GradientTransformation, *,
   wrap = [name for name in chosen if SCHEMES[name].stage == "wrap"]
   if wrap:
     others = {name: value for name, value in chosen.items() if name != wrap[0]}
-    return SCHEMES[wrap[0]].build(chosen[wrap[0]], options, inner=inner, chosen=others)
+    return start_check.guarded(
+        SCHEMES[wrap[0]].build(chosen[wrap[0]], options, inner=inner, chosen=others),
+        "jdist.dist_opt")
   built = {stage: [SCHEMES[name].build(value, options) for name, value in chosen.items()
                    if SCHEMES[name].stage == stage] for stage in protocol.STAGES}
   exchange = built["exchange"] or ([allreduce(mean, bucket_bytes=bucket_bytes)]
                                    if _uses_allreduce(chosen) else [])
-  return optax.chain(*built["select"], *built["encode"], *exchange, inner, *built["after"])
+  return start_check.guarded(
+      optax.chain(*built["select"], *built["encode"], *exchange, inner, *built["after"]),
+      "jdist.dist_opt")
 
 
 # dist_opt's options (its keyword arguments that are not schemes) and their defaults.
