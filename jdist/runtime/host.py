@@ -17,6 +17,7 @@ import numpy as np
 
 from jdist import errors
 from jdist import fusion
+from jdist.runtime import start_check
 from jdist.runtime import topology as topology_lib
 from jdist.runtime import world as world_lib
 
@@ -152,7 +153,6 @@ def broadcast_params(tree: Any, root: int = 0) -> Any:
     return jax.tree.map(jnp.asarray, tree)
   check_structure(tree, "jdist.broadcast_params")
   out = _per_bucket(tree, lambda b: world.bcast_array(b, root, "jdist.broadcast_params"))
-  from jdist import start_check  # pylint: disable=g-import-not-at-top (it imports this module)
   start_check.params_broadcast()  # an identical start after all
   return jax.tree.map(jnp.asarray, out)
 

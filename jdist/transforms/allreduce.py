@@ -10,7 +10,7 @@ import optax
 
 from jdist import collectives
 from jdist import fusion
-from jdist import start_check
+from jdist.runtime import start_check
 from jdist.compression import protocol
 
 

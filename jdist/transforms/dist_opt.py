@@ -33,7 +33,7 @@ from typing import Any, Callable
 import optax
 
 from jdist import fusion
-from jdist import start_check
+from jdist.runtime import start_check
 from jdist.compression import half as half_lib
 from jdist.compression import powersgd as powersgd_lib
 from jdist.compression import protocol

@@ -26,7 +26,7 @@ import optax  # noqa: E402
 
 import jdist  # noqa: E402
 from jdist import batches  # noqa: E402
-from jdist import start_check  # noqa: E402
+from jdist.runtime import start_check  # noqa: E402
 from jdist.app import datasets, models  # noqa: E402
 
 BLOCK = int(os.environ.get("BLOCK", 20))  # steps per timed block

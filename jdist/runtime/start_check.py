@@ -27,7 +27,7 @@ import numpy as np
 import optax
 
 from jdist import errors
-from jdist.runtime import host
+from jdist.runtime import world as world_lib
 
 ENABLE_ENV = "JDIST_CHECK_START"
 _pending: str | None = None  # the error the next traced update raises
@@ -54,7 +54,8 @@ def note_initial_params(params: Any, what: str) -> None:
   A no-op in one process, when disabled, or for traced values.
   """
   global _pending, _checked
-  if not enabled() or not host.is_multiprocess():
+  world = world_lib.get()
+  if not enabled() or world is None or world.size == 1:
     return
   leaves = jax.tree.leaves(params)
   if not leaves or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
@@ -63,7 +64,7 @@ def note_initial_params(params: Any, what: str) -> None:
   if ids == _checked:
     return
   _checked = ids
-  digests = host.allgather_object(fingerprint(leaves), f"{what}: comparing initial parameters")
+  digests = world.allgather_object(fingerprint(leaves), f"{what}: comparing initial parameters")
   differ = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
   _pending = None if not differ else (
       f"{what}: the processes start from different parameters: rank(s) "
