@@ -123,8 +123,14 @@ _REPORTER_GRACE_S = 10.0  # how long the other ranks leave rank 0 to report
 
 
 def _call_digest(kind: str, label: str) -> int:
-  """A host exchange's call ("allgather", "jdist.barrier"...) as one int64, alike on every rank."""
-  digest = hashlib.blake2b(f"{kind}:{label}".encode(), digest_size=8).digest()
+  """A host exchange's call ("allgather", "jdist.barrier"...) as one int64, alike on every rank.
+
+  A label's trailing " (...)" is this rank's detail (its batch's rows, say):
+  it shows in reports, but is no part of which call this is, so ranks that
+  make the same call with different details meet, and the call compares them.
+  """
+  call = label.split(" (", 1)[0]
+  digest = hashlib.blake2b(f"{kind}:{call}".encode(), digest_size=8).digest()
   return int.from_bytes(digest, "little", signed=True)
 
 
