@@ -66,6 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   except registry.UsageError as err:
     print(f"python -m benchmarks: error: {err}", file=sys.stderr)
     raise SystemExit(2) from err
+  missing = registry.missing_extra(section)
+  if missing:
+    print(f"python -m benchmarks: error: {missing}", file=sys.stderr)
+    raise SystemExit(2)
   parser = _section_parser(section, _place(section, argv[1:]))
   args = parser.parse_args(argv[1:])
   args.section = section.name

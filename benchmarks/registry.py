@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import types
 
 HOST, MPIRUN, SHAPED, RIG = "host", "mpirun", "shaped", "rig"
@@ -68,13 +69,20 @@ class Section:
   description: str
   runs: dict[str, Run]
   internal: bool = False  # a per-rank program the benchmarks launch themselves; not listed
+  extra: str | None = None  # the optional extra (pyproject.toml) its modules import
 
   def run(self, place: str | None = None) -> Run:
     return self.runs[place or next(iter(self.runs))]
 
 
-def _section(name: str, description: str, internal: bool = False, **runs: Run) -> Section:
-  return Section(name, description, runs, internal)
+def _section(name: str, description: str, internal: bool = False, extra: str | None = None,
+             **runs: Run) -> Section:
+  return Section(name, description, runs, internal, extra)
+
+
+# Optional extras (pyproject.toml) -> the module each installs. A section's modules
+# import theirs at import time; every other module imports it only where it runs.
+EXTRAS = {"torch-peer": "torch"}
 
 
 SECTIONS: tuple[Section, ...] = (
@@ -127,7 +135,7 @@ SECTIONS: tuple[Section, ...] = (
     _section("worker", "one rank of a benchmark job (started by the jobs themselves)",
              internal=True, mpirun=Run("worker")),
     _section("torch_peer", "one rank of a PyTorch DDP job (started by the jobs themselves)",
-             internal=True, mpirun=Run("torch_peer")),
+             internal=True, extra="torch-peer", mpirun=Run("torch_peer")),
 )
 
 # The suite's parts (`suite --only`); "backends" is the backend-"jax" job's all-reduce and
@@ -164,6 +172,14 @@ def section(name: str) -> Section:
       return candidate
   raise UsageError(f"unknown section {name!r}; choose from {', '.join(names())} "
                    "(python -m benchmarks list)")
+
+
+def missing_extra(section: Section) -> str | None:
+  """Why `section`'s optional extra is not importable here, or None (none needed, or installed)."""
+  if section.extra is None or importlib.util.find_spec(EXTRAS[section.extra]) is not None:
+    return None
+  return (f"{EXTRAS[section.extra]} is not installed: section {section.name!r} needs the "
+          f"{section.extra} extra (pip install -e '.[{section.extra}]')")
 
 
 def module(run: Run) -> types.ModuleType:

@@ -25,12 +25,9 @@ from tests import launch
 
 
 def _torch_or_skip():
-  """torch, or a skip outside CI (a failure under CI=true, which installs it)."""
+  """torch, or a skip naming the torch-peer extra (a failure under CI, which installs it)."""
   missing = time_to_accuracy.network.torch_missing()
-  if missing:
-    if os.environ.get("CI") == "true":
-      pytest.fail(missing + " (.ci/run installs it)")
-    pytest.skip(missing)
+  launch.require([missing] if missing else [], "the torch-peer extra")
   import torch  # pylint: disable=import-outside-toplevel
   return torch
 
