@@ -6,7 +6,7 @@
     python -m benchmarks network        # jdist vs PyTorch DDP on shaped links (root; ~16 min)
     python -m benchmarks network --on rig   # the same on the cluster rig (root)
     python -m benchmarks accuracy       # accuracy vs compression (~27 min)
-    mpirun -np 2 python -m benchmarks allocator   # page faults of fresh XLA buffers
+    mpirun -np 2 python -m benchmarks styles      # a jit step against data_parallel
 
 Modules: `registry` (every section, where it runs, its report renderer),
 `__main__` (the one parser), `outputs` (writes every report), `suite` (the

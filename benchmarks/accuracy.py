@@ -78,7 +78,7 @@ NO_SYNC = "_nosync"
 LOCAL_MODES.update({name + NO_SYNC: dict(options, diloco=NEVER)
                     for name, options in list(LOCAL_MODES.items()) if "diloco" in options})
 MODES.update(LOCAL_MODES)
-# `<mode>_paired` (benchmarks.paired_floor): a DiLoCo mode with its floors in the same job.
+# `<mode>_paired` (train_to_target.PairedTrainer): a DiLoCo mode with its floors in the same job.
 PAIRED = "_paired"
 LEARNING_RATE = 0.005  # SINGA's MNIST example: SGD(lr=0.005, momentum=0.9)
 MOMENTUM = 0.9

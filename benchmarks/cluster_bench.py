@@ -51,7 +51,7 @@ from benchmarks import outputs
 NODES = 2
 PROCESSES_PER_NODE = 2
 TOPOLOGY = f"{NODES} nodes x {PROCESSES_PER_NODE} x 1"
-LINKS = ("10gbit", "1gbit", "100mbit")
+LINKS = network.RIG_LINKS
 SIZES = tuple(1 << 20 << 2 * i for i in range(4))  # 1, 4, 16, 64 MB of float32 per rank
 TRAIN_LINKS = ("1gbit", "100mbit")
 SKIP_SIZES = {"100mbit": (64 << 20,)}  # about 10 s per all-reduce: left out

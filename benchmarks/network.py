@@ -50,6 +50,7 @@ from benchmarks import report
 
 TOPOLOGIES = {"2x1": (2, 1), "2x2": (2, 2)}
 QUICK_LINKS = ("1gbit",)
+RIG_LINKS = ("10gbit", "1gbit", "100mbit")  # --on rig (benchmarks.cluster_bench)
 QUICK_TOPOLOGIES = ("2x1",)
 QUICK_MODES = ("plain", "fp16", "topk1%")
 TORCH_VARIANTS = ("compute", "ddp", "ddp_fp16", "ddp_powersgd")  # benchmarks.torch_peer's
@@ -217,8 +218,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cluster_links() -> tuple[str, ...]:
-  from benchmarks import cluster_bench  # pylint: disable=import-outside-toplevel
-  return cluster_bench.LINKS
+  return RIG_LINKS
 
 
 def check(args: argparse.Namespace) -> None:

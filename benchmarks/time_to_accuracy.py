@@ -25,7 +25,7 @@ nothing crosses processes between syncs), local_sgd8/32
 inner SGD steps with no exchange at all), for `<mode>_nosync` (a DiLoCo
 mode's own floor: its step with a sync period longer than the run), for
 `<mode>_paired` (a DiLoCo mode, `compute_floor` and `<mode>_nosync` a step of
-each in turn in one job, `benchmarks.paired_floor`: the floor ratios on the
+each in turn in one job, `train_to_target.PairedTrainer`: the floor ratios on the
 same machine) and for DDP over gloo (`ddp`,
 `ddp_fp16`, `ddp_powersgd`, `ddp_postlocal`: PyTorch's post-local SGD with
 local_sgd32's warm-up and period; `benchmarks.torch_accuracy`), so DDP

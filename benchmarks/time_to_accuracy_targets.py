@@ -276,7 +276,7 @@ def floor_targets(runs: list[dict]) -> list[dict]:
 
 
 def _paired_floors(run: dict) -> list[dict]:
-  """A `<mode>_paired` run (`benchmarks.paired_floor`) that reached the target:
+  """A `<mode>_paired` run (`train_to_target.PairedTrainer`) that reached the target:
   its time against each floor's seconds for the same steps, in the same job."""
   final = run.get("final") or {}
   floors, step = final.get("paired_floors"), final.get("reached_step")

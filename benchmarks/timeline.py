@@ -14,8 +14,7 @@ Python on the same clock (`time.monotonic_ns`) places them in the step:
 `record` runs in the benchmark's worker (rank 0's rows are kept); `markdown`
 renders the rows in network.md.
 
-The cost of the timeline itself: `benchmarks.timeline_ab`; an example trace
-over a shaped link: `benchmarks.timeline_shaped`.
+The cost of the timeline itself: docs/timeline.md ("Cost and size").
 """
 
 

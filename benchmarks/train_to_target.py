@@ -19,7 +19,13 @@ of `benchmarks.accuracy.epoch_batches` (the same order everywhere):
   * a torch variant, "ddp", "ddp_fp16", "ddp_powersgd" or "ddp_postlocal"
     (`benchmarks.torch_accuracy.TorchTrainer`: DDP over gloo from the same
     weights and rows; "ddp_postlocal" is PyTorch's post-local SGD with the
-    warm-up and period of jdist's "local_sgd32").
+    warm-up and period of jdist's "local_sgd32");
+  * "<mode>_paired" (`PairedTrainer`): the DiLoCo mode, the compute floor and
+    the mode's never-syncing step (`<mode>_nosync`) in one job, one step of
+    each in turn (the order rotating), so the floor ratios meet the same
+    machine (separate jobs on a shared machine saw the floor move 19 -> 24
+    ms); the clock, curve and stop are the mode's own, the floors' cumulative
+    seconds per step are in the final row (`paired_floors`).
 
 Every `eval_every` steps (and after the last step) the training clock stops,
 rank 0 measures the test accuracy and every rank takes rank 0's figure
@@ -49,6 +55,7 @@ Options (ctx.options): `variant`, `dataset`, `limit`, `epochs`, `batch`,
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import time
 from typing import Any, Callable, Iterator
@@ -289,11 +296,70 @@ class FloorTrainer(JdistTrainer):
     return 0.0
 
 
+class PairedTrainer:
+  """`train_to_target`'s trainer interface; `step` returns (loss, the mode's seconds).
+
+  Args:
+    variant: `<mode>_paired`, `<mode>` a DiLoCo mode of `benchmarks.accuracy.MODES`.
+    model, params, data, replicas: as `JdistTrainer`'s.
+
+  Raises:
+    ValueError: `<mode>` is not a DiLoCo mode.
+  """
+
+  framework = "jdist"
+
+  def __init__(self, variant: str, model, params: Any, data, replicas,
+               clock=time.perf_counter):
+    mode = variant[:-len(accuracy.PAIRED)]
+    if "diloco" not in accuracy.MODES.get(mode, {}) or accuracy.never_syncs(mode):
+      raise ValueError(f"{variant!r}: {accuracy.PAIRED} pairs a DiLoCo mode (e.g. "
+                       f"sdiloco32_int4{accuracy.PAIRED}) with its floors.")
+    self.mode = mode
+    self.main = JdistTrainer(mode, model, params, data, replicas)
+    self.floors = {
+        FLOOR: FloorTrainer(model, params, data, replicas),
+        mode + accuracy.NO_SYNC: JdistTrainer(
+            mode + accuracy.NO_SYNC, model, params, data, replicas)}
+    self.floor_seconds: dict[str, list[float]] = {name: [] for name in self.floors}
+    self.clock = clock
+    self.turn = 0
+
+  def step(self, indices) -> tuple[float, float]:
+    order = [(None, self.main)] + list(self.floors.items())
+    shift = self.turn % len(order)  # who goes first: every one in turn
+    self.turn += 1
+    loss, seconds = None, None
+    for name, trainer in order[shift:] + order[:shift]:
+      start = self.clock()
+      value = trainer.step(indices)
+      elapsed = self.clock() - start
+      if name is None:
+        loss, seconds = value, elapsed
+      else:
+        self.floor_seconds[name].append(elapsed)
+    return loss, seconds
+
+  def sync(self) -> None:
+    self.main.sync()
+
+  def evaluate(self) -> float:
+    return self.main.evaluate()
+
+  def wire_bytes(self) -> float | None:
+    return self.main.wire_bytes()
+
+  def details(self) -> dict[str, Any]:
+    """Each floor's training seconds after steps 1, 2, ... (`[s - 1]`: after step s)."""
+    return {"paired_mode": self.mode,
+            "paired_floors": {name: [round(total, 6) for total in itertools.accumulate(times)]
+                              for name, times in self.floor_seconds.items()}}
+
+
 def trainer_for(variant: str, model, params, data, replicas):
   """The trainer of a jdist mode or a torch variant (torch imported only then)."""
   if variant.endswith(accuracy.PAIRED):
-    from benchmarks import paired_floor  # pylint: disable=import-outside-toplevel
-    return paired_floor.PairedTrainer(variant, model, params, data, replicas)
+    return PairedTrainer(variant, model, params, data, replicas)
   if variant in TORCH_VARIANTS:
     from benchmarks import torch_accuracy  # pylint: disable=import-outside-toplevel
     return torch_accuracy.TorchTrainer(variant, model, params, data, replicas)

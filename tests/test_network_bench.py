@@ -131,27 +131,3 @@ def test_timeline_overlap_is_exchange_time_before_the_last_bucket():
   row["exchanges"][0]["done_ms"] = 70.0  # still on the wire when the last is posted
   assert timeline.overlap_ms(row) == 39.0  # [11, 50]
   assert timeline.overlap_ms({"exchanges": []}) == 0.0
-
-
-def test_cpu_flags_summary_takes_medians_over_finished_rounds():
-  from benchmarks import cpu_flags  # pylint: disable=import-outside-toplevel
-
-  def rounds(*pairs):
-    return [{"compute": {"time_s": j, "paired_vs_torch_compute": j / t},
-             "torch_compute": {"time_s": t}} for j, t in pairs]
-
-  summary = cpu_flags.summarize({
-      "default": rounds((0.060, 0.040), (0.080, 0.040), (0.070, 0.050)),
-      "onednn": rounds((0.035, 0.035)) + [{}],  # a failed round is left out
-      "no_xnnpack": [{}]})
-  by_name = {row["setting"]: row for row in summary}
-  assert by_name["default"]["jdist_ms"] == pytest.approx(70.0)
-  assert by_name["default"]["torch_ms"] == pytest.approx(40.0)
-  assert by_name["default"]["paired"] == pytest.approx(1.5)  # of 1.5, 2.0, 1.4
-  assert by_name["onednn"]["rounds"] == 1
-  assert by_name["onednn"]["vs_default"] == pytest.approx(0.5)
-  assert by_name["no_xnnpack"] == {"setting": "no_xnnpack", "rounds": 0}
-  job = cpu_flags.setting_job("pool_1_thread", repeats=5)
-  env = dict(job.env)
-  assert env["NPROC"] == "1" and env["XLA_FLAGS"].endswith("device_count=1")
-  assert dict(job.options)["torch"] == ["compute"] and dict(job.options)["modes"] == []

@@ -24,7 +24,7 @@ def _run(*argv: str) -> subprocess.CompletedProcess:
 def test_every_section_is_registered_once_with_places_it_can_run():
   names = registry.names(internal=True)
   assert len(names) == len(set(names))
-  assert {"suite", "network", "time_to_accuracy", "faults", "hierarchy"} <= set(names)
+  assert {"suite", "network", "time_to_accuracy", "faults", "lm_diloco"} <= set(names)
   for section in registry.SECTIONS:
     assert section.runs and set(section.runs) <= set(registry.PLACES), section.name
   assert set(registry.section("network").runs) == {"shaped", "rig"}

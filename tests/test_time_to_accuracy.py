@@ -526,10 +526,9 @@ class _Steps:
 
 
 def test_paired_trainer_times_each_program_on_its_own_and_rotates_the_order():
-  from benchmarks import paired_floor  # pylint: disable=import-outside-toplevel
   clock = type("Clock", (), {"now": 0.0, "__call__": lambda self: self.now})()
   log = []
-  trainer = paired_floor.PairedTrainer.__new__(paired_floor.PairedTrainer)
+  trainer = train_to_target.PairedTrainer.__new__(train_to_target.PairedTrainer)
   trainer.mode, trainer.clock, trainer.turn = "sdiloco32_int4", clock, 0
   trainer.main = _Steps("main", 0.03, log, clock)
   trainer.floors = {"compute_floor": _Steps("floor", 0.02, log, clock),
@@ -543,7 +542,7 @@ def test_paired_trainer_times_each_program_on_its_own_and_rotates_the_order():
   assert details["paired_floors"]["sdiloco32_int4_nosync"] == pytest.approx(
       [0.025, 0.05, 0.075])
   with pytest.raises(ValueError, match="pairs a DiLoCo mode"):
-    paired_floor.PairedTrainer("powersgd1_paired", None, None, None, [0])
+    train_to_target.PairedTrainer("powersgd1_paired", None, None, None, [0])
 
 
 def test_paired_runs_give_the_floor_rows_of_their_own_job():
