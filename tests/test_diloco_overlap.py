@@ -3,7 +3,7 @@
 import types
 
 import jdist
-from benchmarks import diloco_overlap
+from benchmarks.sections import diloco_overlap
 
 
 def _rows(topo):

@@ -1,4 +1,4 @@
-"""Smoke test of the emulated cluster network (benchmarks/netns.py).
+"""Smoke test of the emulated cluster network (benchmarks/harness/netns.py).
 
 In one namespace whose loopback is shaped to 100 Mbit/s: a 2-rank raw MPI
 all-reduce must take about what bytes / rate predict, and a 2-rank jdist
@@ -17,8 +17,9 @@ import sys
 
 import pytest
 
-from benchmarks import jobs as jobs_lib
-from benchmarks import netns
+from benchmarks.harness import jobs as jobs_lib
+from benchmarks.harness import netns
+from benchmarks.sections.network import steps as network_steps
 from tests import launch
 
 RATE_MBIT = 100
@@ -78,7 +79,7 @@ def test_shaped_link_is_as_slow_as_its_rate_predicts(link):
 
 @pytest.mark.timeout(90)
 def test_jdist_plain_step_trains_over_the_shaped_link(link):
-  job = jobs_lib.Job("smoke@100mbit", 2, 1, ("network",), options=(
+  job = jobs_lib.Job("smoke@100mbit", 2, 1, (network_steps,), options=(
       ("model", "mlp-small"), ("modes", ["plain"]), ("handwritten", False),
       ("floor", False)))
   with netns.shaped_namespace(link) as name:
@@ -122,7 +123,7 @@ def test_namespace_is_deleted_after_a_failing_job_and_an_exception(link):
 
 
 def test_timeline_overlap_is_exchange_time_before_the_last_bucket():
-  from benchmarks import timeline  # pylint: disable=import-outside-toplevel
+  from benchmarks.sections.network import timeline  # pylint: disable=import-outside-toplevel
   row = {"exchanges": [
       {"posted_ms": 10.0, "mpi_ms": 11.0, "done_ms": 40.0},   # overlaps the next
       {"posted_ms": 20.0, "mpi_ms": 21.0, "done_ms": 30.0},   # inside the first

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from benchmarks import __main__ as entry
-from benchmarks import accuracy
-from benchmarks import time_to_accuracy
-from benchmarks import time_to_accuracy_report as tta_report
-from benchmarks import train_to_target
+from benchmarks.sections import accuracy
+from benchmarks.sections.time_to_accuracy import run as time_to_accuracy
+from benchmarks.sections.time_to_accuracy import report as tta_report
+from benchmarks.sections.time_to_accuracy import train as train_to_target
 from jdist.app import models
 from tests import launch
 
@@ -35,9 +35,10 @@ def _torch_or_skip():
 @pytest.mark.parametrize("input_shape", [(28, 28, 1), (8, 8, 1)])
 def test_flax_weights_in_torch_give_flax_logits(input_shape):
   # torch is a benchmark-only extra (only the DDP side of
-  # benchmarks.time_to_accuracy needs it); .ci/run installs it.
+  # benchmarks.sections.time_to_accuracy.run needs it); .ci/run installs it.
   torch = _torch_or_skip()
-  from benchmarks import torch_accuracy  # pylint: disable=import-outside-toplevel
+  from benchmarks.sections.time_to_accuracy import (  # pylint: disable=g-import-not-at-top
+      torch_trainer as torch_accuracy)
   flax_model = models.create_model("cnn", num_classes=10, input_shape=input_shape)
   params, _ = models.init_model(flax_model, jax.random.key(3), input_shape)
   # Nonzero biases, so a misplaced bias would show.
@@ -162,7 +163,7 @@ def test_default_full_goes_with_the_default_variants_only():
 
 def test_skipped_links_and_torch_are_recorded_and_full_variants_train_every_epoch(
     monkeypatch, tmp_path):
-  from benchmarks import netns  # pylint: disable=import-outside-toplevel
+  from benchmarks.harness import netns  # pylint: disable=import-outside-toplevel
   network = time_to_accuracy.network
   shm = netns.link_named("shm")
   monkeypatch.setattr(network, "available_links",
@@ -391,7 +392,7 @@ def test_slow_targets_bound_a_capped_ddp_plain_and_compare_diloco_with_its_floor
 def test_diloco_best_runs_the_fastest_diloco_mode_of_the_earlier_links(monkeypatch,
                                                                         tmp_path):
   import contextlib  # pylint: disable=import-outside-toplevel
-  from benchmarks import netns  # pylint: disable=import-outside-toplevel
+  from benchmarks.harness import netns  # pylint: disable=import-outside-toplevel
   network = time_to_accuracy.network
   links = [netns.link_named("shm"), netns.link_named("10mbit")]
   monkeypatch.setattr(network, "available_links", lambda names: (links, []))
@@ -432,7 +433,8 @@ def test_ddp_post_local_sgd_on_one_rank_trains_like_plain_sgd(monkeypatch):
   # and two averaging periods) and that sync/evaluate test the averaged model.
   torch = _torch_or_skip()
   import types  # pylint: disable=import-outside-toplevel
-  from benchmarks import torch_accuracy  # pylint: disable=import-outside-toplevel
+  from benchmarks.sections.time_to_accuracy import (  # pylint: disable=g-import-not-at-top
+      torch_trainer as torch_accuracy)
   dist = torch.distributed
   if dist.is_initialized():  # another test left one up: under CI that is a bug to fix
     message = "a torch process group is already up in this process"
@@ -483,7 +485,7 @@ def test_local_update_modes_step_on_their_own_loss(topo, mode, local):
   # returns each replica's own loss (no per-step mean across processes);
   # the other modes still return the mean over every replica.
   import types  # pylint: disable=import-outside-toplevel
-  from benchmarks import workload  # pylint: disable=import-outside-toplevel
+  from benchmarks.harness import workload  # pylint: disable=import-outside-toplevel
   shape = (8, 8, 1)
   flax_model = models.create_model("cnn", num_classes=10, input_shape=shape)
   params, _ = models.init_model(flax_model, jax.random.key(0), shape)
@@ -546,7 +548,7 @@ def test_paired_trainer_times_each_program_on_its_own_and_rotates_the_order():
 
 
 def test_paired_runs_give_the_floor_rows_of_their_own_job():
-  from benchmarks import time_to_accuracy_targets as targets  # pylint: disable=import-outside-toplevel
+  from benchmarks.sections.time_to_accuracy import targets  # pylint: disable=g-import-not-at-top
   run = _slow_record("100mbit", "sdiloco32_int4_paired", reached=26.0, step=4,
                      curve=[(4, 26.0, 0.89)])
   run["final"].update(paired_mode="sdiloco32_int4", paired_floors={
