@@ -124,7 +124,8 @@ def run(ctx):
   options = ctx.options
   sync_every, fragments = int(options["sync_every"]), int(options["fragments"])
   rounds = 2 if ctx.quick else int(options["rounds"])
-  bench = workload.setup("cnn", PER_REPLICA_BATCH)
+  bench = workload.setup(options.get("model", "cnn"),  # tests: a small MLP
+                         int(options.get("batch", PER_REPLICA_BATCH)))
   if options.get("background_segment_bytes") is not None:
     from jdist.collectives import deferred  # pylint: disable=import-outside-toplevel
     deferred.set_segment_bytes(int(options["background_segment_bytes"]))
