@@ -213,7 +213,7 @@ def test_info_prints_versions_and_topology(topo, capsys):
         topo.process_count)
 
 
-def test_bench_runs_python_m_benchmarks_of_the_checkout(capfd):
+def test_bench_subprocess_runs_python_m_benchmarks_of_the_checkout(capfd):
   assert cli.main(["bench", "--help"]) == 0  # a subprocess: jdist never imports benchmarks
   assert "python -m benchmarks" in capfd.readouterr().out
 
