@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -116,6 +117,9 @@ def test_namespace_is_deleted_after_a_failing_job_and_an_exception(link):
       assert result.returncode != 0
       # A process left running inside (a hung rank) must not keep it alive.
       subprocess.Popen(netns.exec_prefix(name) + ["sleep", "300"], start_new_session=True)
+      deadline = time.monotonic() + 10  # `ip netns exec` enters it a moment later under load
+      while not netns.namespace_pids(name) and time.monotonic() < deadline:
+        time.sleep(0.05)
       assert netns.namespace_pids(name)
       raise RuntimeError("harness failed")
   assert not netns.exists(name)

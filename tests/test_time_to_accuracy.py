@@ -17,8 +17,8 @@ import pytest
 
 from benchmarks import __main__ as entry
 from benchmarks.sections import accuracy
-from benchmarks.sections.time_to_accuracy import run as time_to_accuracy
 from benchmarks.sections.time_to_accuracy import report as tta_report
+from benchmarks.sections.time_to_accuracy import run as time_to_accuracy
 from benchmarks.sections.time_to_accuracy import train as train_to_target
 from jdist.app import models
 from tests import launch

@@ -35,10 +35,10 @@ from benchmarks.harness import jobs
 from benchmarks.harness import outputs
 from benchmarks.harness import report
 from benchmarks.harness import workload
+from benchmarks.harness.section import Run, section
 from benchmarks.harness.section import UsageError
 from jdist.app import datasets
 from jdist.app import models
-from benchmarks.harness.section import Run, section
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 MODES = {

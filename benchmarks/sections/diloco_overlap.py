@@ -48,11 +48,11 @@ import numpy as np
 import optax
 
 import jdist
-from jdist.transforms import diloco
-from benchmarks.sections import accuracy
-from benchmarks.sections.suite import compression
 from benchmarks.harness import workload
 from benchmarks.harness.section import Run, section
+from benchmarks.sections import accuracy
+from benchmarks.sections.suite import compression
+from jdist.transforms import diloco
 
 PER_REPLICA_BATCH = 64
 VARIANTS = ("compute", "no_sync", "in_step", "background", "unpaced")

@@ -37,8 +37,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 import jdist
 from benchmarks.harness import timing
 from benchmarks.harness import workload
-from jdist.app import models
 from benchmarks.harness.section import Run, section
+from jdist.app import models
 
 SEQUENCE, EMBED, HEADS, BLOCKS, VOCAB = 64, 64, 4, 2, 256
 LEARNING_RATE = 0.01

@@ -49,9 +49,9 @@ import time
 
 import numpy as np
 
-from benchmarks.sections.elastic_chaos import checkpoints as chaos_checkpoints
 from benchmarks.harness import cluster
 from benchmarks.harness import netns
+from benchmarks.sections.elastic_chaos import checkpoints as chaos_checkpoints
 from tests import launch as test_launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

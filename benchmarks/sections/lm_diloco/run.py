@@ -46,13 +46,13 @@ import time
 from typing import Any, Callable
 
 from benchmarks.harness import jobs as jobs_lib
+from benchmarks.harness import netns
+from benchmarks.harness import outputs
+from benchmarks.harness.section import UsageError
 from benchmarks.sections.lm_diloco import report as lm_diloco_report
 from benchmarks.sections.lm_diloco import train as lm_train
-from benchmarks.harness import netns
 from benchmarks.sections.network import shaped as network
-from benchmarks.harness import outputs
 from benchmarks.sections.time_to_accuracy import run as time_to_accuracy
-from benchmarks.harness.section import UsageError
 
 DEFAULTS = dict(lm_train.DEFAULTS, links="10mbit,100mbit",
                 variants="plain,powersgd1,diloco32,diloco128,diloco128_int8,local_sgd32")

@@ -41,10 +41,10 @@ import jax
 import optax
 
 import jdist
+from benchmarks.harness import workload
 from benchmarks.sections import accuracy
 from benchmarks.sections.lm_diloco import workload as lm_workload
 from benchmarks.sections.time_to_accuracy import train as train_to_target
-from benchmarks.harness import workload
 from jdist.runtime import host
 
 # Every mode of benchmarks.sections.accuracy but DGC's momentum correction (it takes SGD's momentum).

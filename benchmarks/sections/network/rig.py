@@ -42,13 +42,13 @@ import time
 from typing import Any, Callable
 
 from benchmarks.harness import cluster
-from benchmarks.sections.network import rig_report as cluster_report
 from benchmarks.harness import jobs as jobs_lib
 from benchmarks.harness import netns
+from benchmarks.harness import outputs
 from benchmarks.sections.network import rig_allreduce
+from benchmarks.sections.network import rig_report as cluster_report
 from benchmarks.sections.network import shaped as network
 from benchmarks.sections.network import steps as network_steps
-from benchmarks.harness import outputs
 
 NODES = 2
 PROCESSES_PER_NODE = 2

@@ -40,10 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jdist
+from benchmarks.harness import timing
+from benchmarks.sections.suite import allreduce
 from jdist import collectives
 from jdist.collectives import native
-from benchmarks.sections.suite import allreduce
-from benchmarks.harness import timing
 
 VARIANTS = ("mpi", "hierarchical", "jdist_psum", "jdist_flat")
 SECONDS = 3.0  # target timed seconds per variant and size

@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.harness import analysis
-from benchmarks.sections.network import report as network_report
 from benchmarks.harness import report
+from benchmarks.sections.network import report as network_report
 
 num, ms, size, table = report.num, report.ms, report.size, report.table
 ALLREDUCE_TARGET = ("all-reduce 16 MB: jdist / Open MPI MPI_Allreduce", "1gbit", 16 << 20, 0.6)

@@ -42,12 +42,12 @@ from typing import Any, Callable
 
 from benchmarks.harness import jobs as jobs_lib
 from benchmarks.harness import netns
-from benchmarks.sections.network import report as network_report
-from benchmarks.sections.network import steps as network_steps
 from benchmarks.harness import outputs
 from benchmarks.harness import plots
 from benchmarks.harness import report
 from benchmarks.harness.section import UsageError
+from benchmarks.sections.network import report as network_report
+from benchmarks.sections.network import steps as network_steps
 
 TOPOLOGIES = {"2x1": (2, 1), "2x2": (2, 2)}
 QUICK_LINKS = ("1gbit",)

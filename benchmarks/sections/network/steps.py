@@ -50,12 +50,12 @@ import numpy as np
 import optax
 
 import jdist
-from jdist.runtime import host
 from benchmarks.harness import analysis
-from benchmarks.sections.suite import compression
-from benchmarks.sections.network import timeline
 from benchmarks.harness import timing
 from benchmarks.harness import workload
+from benchmarks.sections.network import timeline
+from benchmarks.sections.suite import compression
+from jdist.runtime import host
 
 MODEL = "cnn"
 PER_REPLICA_BATCH = 64

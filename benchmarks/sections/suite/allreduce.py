@@ -45,10 +45,10 @@ import numpy as np
 import optax
 
 import jdist
-from jdist import collectives
-from jdist.collectives import native
 from benchmarks.harness import analysis
 from benchmarks.harness import timing
+from jdist import collectives
+from jdist.collectives import native
 
 SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KB .. 64 MB
 # Smoke run: a small size and one above 256 KB, where the 2x2 callback route

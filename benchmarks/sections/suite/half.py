@@ -21,9 +21,9 @@ import jax.numpy as jnp
 from jax import lax
 
 import jdist
+from benchmarks.harness import timing
 from benchmarks.sections.suite import allreduce
 from benchmarks.sections.suite import proposals
-from benchmarks.harness import timing
 
 SIZES = (16 << 20, 64 << 20)
 QUICK_SIZES = (1 << 20,)

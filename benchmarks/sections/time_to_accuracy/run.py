@@ -72,14 +72,14 @@ import os
 import time
 from typing import Any, Callable
 
-from benchmarks.sections import accuracy
 from benchmarks.harness import jobs as jobs_lib
 from benchmarks.harness import netns
-from benchmarks.sections.network import shaped as network
 from benchmarks.harness import outputs
+from benchmarks.harness.section import UsageError
+from benchmarks.sections import accuracy
+from benchmarks.sections.network import shaped as network
 from benchmarks.sections.time_to_accuracy import report as time_to_accuracy_report
 from benchmarks.sections.time_to_accuracy import train as train_to_target
-from benchmarks.harness.section import UsageError
 
 BEST_DILOCO = "diloco_best"  # resolved when its link comes: see resolve_best_diloco
 VARIANTS = (tuple(accuracy.MODES) + (train_to_target.FLOOR,) + train_to_target.TORCH_VARIANTS

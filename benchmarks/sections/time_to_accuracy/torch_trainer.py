@@ -32,8 +32,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from benchmarks.sections import accuracy
 from benchmarks.harness import torch_peer
+from benchmarks.sections import accuracy
 
 POST_LOCAL = "ddp_postlocal"
 # PyTorch's post-local SGD run like jdist's local SGD mode of the same name.

@@ -65,8 +65,8 @@ import numpy as np
 import optax
 
 import jdist
-from benchmarks.sections import accuracy
 from benchmarks.harness import workload
+from benchmarks.sections import accuracy
 from jdist.compression import protocol
 from jdist.runtime import host
 
