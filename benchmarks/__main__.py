@@ -6,7 +6,8 @@
     python -m benchmarks network --on shaped|rig [--quick] [--links ...]
     python -m benchmarks SECTION --help            # a section's options
 
-Sections are declared in `benchmarks.registry`; this module builds the one
+Sections declare themselves in `benchmarks.sections` (found by
+`benchmarks.registry`); this module builds the one
 parser: the common options (`--on`, and `--out`, `--quick` for the sections
 that write reports / have a smoke run) and each section's own
 (`add_arguments`), then calls the section's `check` and `main`.
@@ -26,7 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _section_parser(section: registry.Section, place: str | None) -> argparse.ArgumentParser:
   run = section.run(place)
-  module = registry.module(run)
+  module = run.load()
   parser = argparse.ArgumentParser(
       prog=f"python -m benchmarks {section.name}", description=module.__doc__.replace("%", "%%"),
       formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,6 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   except registry.UsageError as err:
     print(f"python -m benchmarks: error: {err}", file=sys.stderr)
     raise SystemExit(2) from err
+  missing = section.missing_extra()
+  if missing:
+    print(f"python -m benchmarks: error: {missing}", file=sys.stderr)
+    raise SystemExit(2)
   parser = _section_parser(section, _place(section, argv[1:]))
   args = parser.parse_args(argv[1:])
   args.section = section.name
@@ -78,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       args.out = os.path.join(tempfile.gettempdir(), f"jdist-{section.name}-{args.on}-quick")
     else:
       args.out = os.path.join(REPO, run.out)
-  module = registry.module(run)
+  module = run.load()
   try:
     if hasattr(module, "check"):
       module.check(args)
@@ -93,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     print(registry.table())
     return 0
   args = parse_args(argv)
-  return registry.module(registry.section(args.section).run(args.on)).main(args) or 0
+  return registry.section(args.section).run(args.on).load().main(args) or 0
 
 
 if __name__ == "__main__":

@@ -1,185 +1,77 @@
-"""Every benchmark section, declared once; `python -m benchmarks` runs them.
+"""Every benchmark section, found where it declares itself; `python -m benchmarks list`.
 
-A section is something a user runs: `python -m benchmarks SECTION [--on
-WHERE] [options]` (`python -m benchmarks list` prints this table). WHERE is
-how it reaches other processes:
-
-  * `host`: on this machine; the command starts its own jobs (mpirun over
-    shared memory) where it has any;
-  * `mpirun`: every rank runs the command, so start it under mpirun
-    (`bash scripts/mpirun.sh -np 2 python -m benchmarks SECTION`);
-  * `shaped`: over `tc`-shaped links of a network namespace on one host
-    (`benchmarks.netns`; root);
-  * `rig`: on the cluster rig, nodes of network namespaces with their own
-    hostnames behind a shaped bridge (`benchmarks.cluster`; root).
-
-The same section on two kinds of link is one section with two runs: the
-network benchmark runs on the shaped single-host links or on the rig.
-
-Each run names a module of this package that provides `main(args) -> int`
-and, where it has options of its own, `add_arguments(parser)` and
-`check(args)` (raises `UsageError`); only `benchmarks.__main__` builds the
-parser. A run's `report` names the one function that renders its Markdown
-report; `benchmarks.outputs` writes every report file.
-
-`MEASUREMENTS` are the parts a job's worker process (`benchmarks.worker`)
-measures inside a section's jobs, and `SUITE_PARTS` the parts of the suite
-(`python -m benchmarks suite --only ...`), both declared here too.
+Each module or package of `benchmarks.sections` defines `SECTION` (a
+`benchmarks.harness.section.Section`); `all_sections()` is them in the order
+of `ORDER` (then by name), and after them the internal per-rank programs the
+jobs start themselves (`PROGRAMS`: `worker`, `torch_peer`), declared here
+because they belong to the harness, which never imports a section. A job's
+ranks look up only `PROGRAMS`, so they do not import every section.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import importlib
-import types
+import pkgutil
 
-HOST, MPIRUN, SHAPED, RIG = "host", "mpirun", "shaped", "rig"
-PLACES = (HOST, MPIRUN, SHAPED, RIG)
+from benchmarks import sections as sections_pkg
+from benchmarks.harness import section as section_lib
+from benchmarks.harness.section import Run, Section, UsageError  # pylint: disable=unused-import
 
-
-class UsageError(ValueError):
-  """A section's options do not fit; the entry point reports it as a usage error."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-  """How a section runs in one place.
-
-  Attributes:
-    module: the module of this package with `main(args)` (and optionally
-      `add_arguments(parser)`, `check(args)`).
-    report: "module.function" rendering the Markdown report of this run
-      from its results, or None when the run only prints.
-    out: the default output directory, relative to the repository (None:
-      no `--out DIR`; a section with a file to write declares its own).
-    quick: whether it has a smoke run (`--quick`, output to a temporary
-      directory unless `--out` is given).
-  """
-  module: str
-  report: str | None = None
-  out: str | None = None
-  quick: bool = False
+# The order of `list` (and of the docs' table); sections not named here follow by name.
+ORDER = ("suite", "network", "time_to_accuracy", "lm_diloco", "accuracy", "diloco_overlap",
+         "faults", "elastic_restart", "elastic_chaos", "styles")
 
 
-@dataclasses.dataclass(frozen=True)
-class Section:
-  """A benchmark a user runs; `runs` maps each place it can run to how (the first is the default)."""
-  name: str
-  description: str
-  runs: dict[str, Run]
-  internal: bool = False  # a per-rank program the benchmarks launch themselves; not listed
-
-  def run(self, place: str | None = None) -> Run:
-    return self.runs[place or next(iter(self.runs))]
+def _worker():
+  from benchmarks.harness import worker  # pylint: disable=import-outside-toplevel
+  return worker
 
 
-def _section(name: str, description: str, internal: bool = False, **runs: Run) -> Section:
-  return Section(name, description, runs, internal)
+def _torch_peer():
+  from benchmarks.harness import torch_peer  # pylint: disable=import-outside-toplevel
+  return torch_peer
 
 
-SECTIONS: tuple[Section, ...] = (
-    _section("suite", "the suite: all-reduce, fp16/bf16, overhead, compression, selection, "
-             "scaling, backends, network (results.md and figures)",
-             host=Run("suite", "report.markdown", "docs/benchmarks", quick=True)),
-    _section("network", "jdist's modes against PyTorch DDP, whole training steps and "
-             "all-reduce, over shaped links (network.md) or on the rig (cluster/results.md)",
-             shaped=Run("network", "network_report.markdown", "docs/benchmarks", quick=True),
-             rig=Run("cluster_bench", "cluster_report.markdown", "docs/benchmarks/cluster",
-                     quick=True)),
-    _section("time_to_accuracy", "seconds to a test accuracy, jdist's modes against "
-             "PyTorch DDP over shaped links",
-             shaped=Run("time_to_accuracy", "time_to_accuracy_report.markdown",
-                        "docs/benchmarks/time_to_accuracy", quick=True)),
-    _section("lm_diloco", "a small transformer language model: validation loss at equal "
-             "tokens and time to a loss, DiLoCo against plain over shaped links",
-             shaped=Run("lm_diloco", "lm_diloco_report.markdown",
-                        "docs/benchmarks/lm_diloco", quick=True)),
-    _section("accuracy", "test accuracy against compression, 2 processes",
-             host=Run("accuracy", "accuracy.markdown", "docs/benchmarks")),
-    _section("cpu_flags", "XLA:CPU flags and thread pools against PyTorch's compute step",
-             host=Run("cpu_flags", "cpu_flags.markdown", "docs/benchmarks")),
-    _section("overlap", "can XLA:CPU overlap an all-reduce with the backward pass (probe)",
-             shaped=Run("overlap")),
-    _section("diloco_overlap", "Streaming DiLoCo's outer sync in the step or in the background",
-             shaped=Run("diloco_overlap")),
-    _section("timeline", "jdist train --timeline over a shaped link: trace, summary, plots",
-             shaped=Run("timeline_shaped")),
-    _section("timeline_ab", "what the step timeline costs per step, on against off",
-             mpirun=Run("timeline_ab")),
-    _section("hierarchy", "node-aware against flat sums against MPI_Allreduce",
-             rig=Run("cluster_hierarchy")),
-    _section("faults", "lost nodes: time until a job is gone, and what it says",
-             rig=Run("cluster_faults", "cluster_faults.markdown")),
-    _section("elastic_restart", "a node lost mid-run under jdist launch --max-restarts",
-             rig=Run("elastic_restart")),
-    _section("elastic_chaos", "one jdist train under jdist launch through many faults",
-             rig=Run("elastic_chaos")),
-    _section("stall_repeat", "the watchdog's stall scenario repeated, correct aborts counted",
-             host=Run("stall_repeat")),
-    _section("styles", "a jit step over global arrays against data_parallel",
-             mpirun=Run("styles")),
-    _section("local_collectives", "XLA's local all-reduce with and without JAX's "
-             "distributed runtime", mpirun=Run("local_collectives")),
-    _section("local_commit", "what jdist train --local-checkpoint-every costs per step",
-             mpirun=Run("local_commit")),
-    _section("allocator", "page faults of fresh XLA buffers: mpi4jax against raw MPI",
-             mpirun=Run("allocator")),
-    _section("worker", "one rank of a benchmark job (started by the jobs themselves)",
-             internal=True, mpirun=Run("worker")),
-    _section("torch_peer", "one rank of a PyTorch DDP job (started by the jobs themselves)",
-             internal=True, mpirun=Run("torch_peer")),
+PROGRAMS = (
+    section_lib.section("worker", "one rank of a benchmark job (started by the jobs "
+                        "themselves)", internal=True, mpirun=Run(_worker)),
+    section_lib.section("torch_peer", "one rank of a PyTorch DDP job (started by the jobs "
+                        "themselves)", internal=True, extra="torch-peer",
+                        mpirun=Run(_torch_peer)),
 )
 
-# The suite's parts (`suite --only`); "backends" is the backend-"jax" job's all-reduce and
-# "network" the network section on shaped links.
-SUITE_PARTS = ("allreduce", "half", "overhead", "compression", "selection", "scaling",
-               "backends", "network")
 
-# Measurement name -> module whose `run(ctx)` a job's worker runs (jobs name these).
-MEASUREMENTS = {
-    "allreduce": "allreduce",
-    "cluster_allreduce": "cluster_allreduce",
-    "overhead": "overhead",
-    "compression": "compression",
-    "selection": "selection",
-    "scaling": "scaling",
-    "half": "half",
-    "accuracy": "accuracy",
-    "network": "network_steps",
-    "overlap": "overlap",
-    "diloco_overlap": "diloco_overlap",
-    "time_to_accuracy": "train_to_target",
-    "lm_diloco": "lm_train",
-}
+@functools.cache
+def all_sections() -> tuple[Section, ...]:
+  """Every section (imported on the first call), then the internal programs."""
+  found = []
+  for info in pkgutil.iter_modules(sections_pkg.__path__):
+    module = importlib.import_module(f"{sections_pkg.__name__}.{info.name}")
+    if isinstance(getattr(module, "SECTION", None), Section):
+      found.append(module.SECTION)
+  rank = {name: index for index, name in enumerate(ORDER)}
+  return tuple(sorted(found, key=lambda s: (rank.get(s.name, len(ORDER)), s.name))) + PROGRAMS
 
 
 def names(internal: bool = False) -> tuple[str, ...]:
-  return tuple(s.name for s in SECTIONS if internal or not s.internal)
+  return tuple(s.name for s in all_sections() if internal or not s.internal)
 
 
 def section(name: str) -> Section:
   """The section called `name`; a `UsageError` naming the choices otherwise."""
-  for candidate in SECTIONS:
+  for candidate in PROGRAMS:  # a job's rank: no need to import every section
+    if candidate.name == name:
+      return candidate
+  for candidate in all_sections():
     if candidate.name == name:
       return candidate
   raise UsageError(f"unknown section {name!r}; choose from {', '.join(names())} "
                    "(python -m benchmarks list)")
 
 
-def module(run: Run) -> types.ModuleType:
-  return importlib.import_module(f"benchmarks.{run.module}")
-
-
-def renderer(run: Run):
-  """The function that renders `run`'s Markdown report (None when it only prints)."""
-  if run.report is None:
-    return None
-  module_name, _, function = run.report.rpartition(".")
-  return getattr(importlib.import_module(f"benchmarks.{module_name}"), function)
-
-
 def table() -> str:
   """The `list` output: each section, where it runs and what it measures."""
   width = max(len(name) for name in names())
   return "\n".join(f"{s.name:<{width}}  {'|'.join(s.runs):<13}  {s.description}"
-                   for s in SECTIONS if not s.internal)
+                   for s in all_sections() if not s.internal)

@@ -36,7 +36,7 @@ import jdist  # noqa: E402
 @pytest.fixture(scope="session")
 def rig_ready():
   """Skips (fails under CI) a test that needs the multi-node rig where it cannot be built."""
-  from benchmarks import cluster  # pylint: disable=g-import-not-at-top
+  from benchmarks.harness import cluster  # pylint: disable=g-import-not-at-top
   from tests import launch  # pylint: disable=g-import-not-at-top
   launch.require(cluster.missing_requirements(), "the multi-node rig")
 

@@ -108,7 +108,7 @@ def require(missing: list, what: str) -> None:
   """
   if missing:
     import pytest  # pylint: disable=g-import-not-at-top
-    reason = f"{what} cannot be built here: " + "; ".join(missing)
+    reason = f"{what} is unavailable here: " + "; ".join(missing)
     if os.environ.get("CI"):
       pytest.fail(reason + " (CI runs as root and must run these tests)")
     pytest.skip(reason)

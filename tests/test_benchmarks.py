@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from benchmarks import analysis
+from benchmarks.harness import analysis
 from tests import launch
 
 SECTIONS = ("allreduce", "half", "overhead", "compression", "selection", "scaling")

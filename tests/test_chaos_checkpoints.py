@@ -1,4 +1,4 @@
-"""The chaos benchmark's bookkeeping (benchmarks/chaos_checkpoints.py, elastic_chaos.py).
+"""The chaos benchmark's bookkeeping (benchmarks/sections/elastic_chaos/checkpoints.py, elastic_chaos.py).
 
 No rig here: the schedule is rebuilt from a recorded log fed line by line,
 and checkpoints of both tiers are written by this process's own jdist and
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import jdist
-from benchmarks import chaos_checkpoints
-from benchmarks import elastic_chaos
+from benchmarks.sections.elastic_chaos import checkpoints as chaos_checkpoints
+from benchmarks.sections.elastic_chaos import run as elastic_chaos
 from jdist.app import checkpoint_tiers
 from jdist.runtime import host
 

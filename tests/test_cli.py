@@ -6,6 +6,7 @@ run them from plain pytest (`-k "not subprocess"` under mpirun).
 """
 
 import os
+import pathlib
 import random
 import re
 import sys
@@ -212,11 +213,22 @@ def test_info_prints_versions_and_topology(topo, capsys):
         topo.process_count)
 
 
-def test_bench_is_dispatched_to_the_benchmarks_package(capsys):
-  with pytest.raises(SystemExit) as stop:
-    cli.main(["bench", "--help"])
-  assert stop.value.code == 0
-  assert "benchmarks" in capsys.readouterr().out
+def test_bench_subprocess_runs_python_m_benchmarks_of_the_checkout(capfd):
+  assert cli.main(["bench", "--help"]) == 0  # a subprocess: jdist never imports benchmarks
+  assert "python -m benchmarks" in capfd.readouterr().out
+
+
+def test_bench_outside_a_checkout_says_where_the_benchmarks_are(monkeypatch, capsys):
+  monkeypatch.setattr(cli, "benchmarks_checkout", lambda: None)
+  assert cli.main(["bench", "--quick"]) == cli.EXIT_FAILURE
+  assert "ship with the source checkout" in capsys.readouterr().err
+
+
+def test_jdist_never_imports_benchmarks():
+  package = pathlib.Path(cli.__file__).resolve().parents[1]
+  offenders = [str(path) for path in package.rglob("*.py")
+               if re.search(r"^\s*(from|import) benchmarks\b", path.read_text(), re.M)]
+  assert not offenders
 
 
 def test_subprocess_bad_flag_is_one_line_and_exit_2():

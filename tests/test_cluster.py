@@ -1,4 +1,4 @@
-"""Across nodes: a two-node rig of network namespaces (`benchmarks.cluster`).
+"""Across nodes: a two-node rig of network namespaces (`benchmarks.harness.cluster`).
 
 Every job here crosses a (virtual) machine boundary: two hostnames, a link
 per node, shared memory within a node and TCP between nodes. The tests build
@@ -16,8 +16,8 @@ import sys
 import numpy as np
 import pytest
 
-from benchmarks import cluster
-from benchmarks import cluster_faults
+from benchmarks.harness import cluster
+from benchmarks.sections import faults as cluster_faults
 from tests import launch
 
 PROCESSES_PER_NODE = 2

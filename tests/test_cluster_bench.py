@@ -1,4 +1,4 @@
-"""The cluster benchmark end to end on its smallest configuration (benchmarks/cluster_bench.py).
+"""The cluster benchmark end to end on its smallest configuration (benchmarks/sections/network/rig.py).
 
 `python -m benchmarks network --on rig --quick`: one two-node rig at 1 Gbit/s per
 node, 2 processes per node; a 1 MB all-reduce (Open MPI, hierarchical, jdist)
@@ -17,10 +17,10 @@ import os
 
 import pytest
 
-from benchmarks import cluster
-from benchmarks import cluster_bench
-from benchmarks import cluster_report
-from benchmarks import network
+from benchmarks.harness import cluster
+from benchmarks.sections.network import rig as cluster_bench
+from benchmarks.sections.network import rig_report as cluster_report
+from benchmarks.sections.network import shaped as network
 from tests import launch
 
 

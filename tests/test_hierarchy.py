@@ -5,7 +5,7 @@ here directly. The sums themselves run in jobs of their own
 (tests/jobs/hierarchy_job.py, f32/bf16/f16/int32 buffers of odd sizes
 against numpy's sum, node-aware and then switched to flat): four processes on this host with nodes emulated by
 `JDIST_NATIVE_NODE_MAP`, and 2 nodes x 2 processes on the cluster rig
-(`benchmarks.cluster`, as root). They launch their own mpirun, so their names
+(`benchmarks.harness.cluster`, as root). They launch their own mpirun, so their names
 hold "subprocess" (the plain session runs them).
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from jax import numpy as jnp
 
-from benchmarks import cluster
+from benchmarks.harness import cluster
 from jdist.collectives import native
 from tests import launch
 from tests.jobs import hierarchy_job

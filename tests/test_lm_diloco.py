@@ -17,10 +17,10 @@ import optax
 import pytest
 
 from benchmarks import __main__ as entry
-from benchmarks import lm_diloco_report
-from benchmarks import lm_train
-from benchmarks import lm_workload
-from benchmarks import worker
+from benchmarks.harness import worker
+from benchmarks.sections.lm_diloco import report as lm_diloco_report
+from benchmarks.sections.lm_diloco import train as lm_train
+from benchmarks.sections.lm_diloco import workload as lm_workload
 from tests import launch
 
 SIZES = {"batch": 2, "seq": 16, "embed": 16, "blocks": 1, "lr": 3e-3, "stories": 60,

@@ -1,4 +1,4 @@
-"""Smoke test of the emulated cluster network (benchmarks/netns.py).
+"""Smoke test of the emulated cluster network (benchmarks/harness/netns.py).
 
 In one namespace whose loopback is shaped to 100 Mbit/s: a 2-rank raw MPI
 all-reduce must take about what bytes / rate predict, and a 2-rank jdist
@@ -14,11 +14,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from benchmarks import jobs as jobs_lib
-from benchmarks import netns
+from benchmarks.harness import jobs as jobs_lib
+from benchmarks.harness import netns
+from benchmarks.sections.network import steps as network_steps
 from tests import launch
 
 RATE_MBIT = 100
@@ -78,7 +80,7 @@ def test_shaped_link_is_as_slow_as_its_rate_predicts(link):
 
 @pytest.mark.timeout(90)
 def test_jdist_plain_step_trains_over_the_shaped_link(link):
-  job = jobs_lib.Job("smoke@100mbit", 2, 1, ("network",), options=(
+  job = jobs_lib.Job("smoke@100mbit", 2, 1, (network_steps,), options=(
       ("model", "mlp-small"), ("modes", ["plain"]), ("handwritten", False),
       ("floor", False)))
   with netns.shaped_namespace(link) as name:
@@ -115,6 +117,9 @@ def test_namespace_is_deleted_after_a_failing_job_and_an_exception(link):
       assert result.returncode != 0
       # A process left running inside (a hung rank) must not keep it alive.
       subprocess.Popen(netns.exec_prefix(name) + ["sleep", "300"], start_new_session=True)
+      deadline = time.monotonic() + 10  # `ip netns exec` enters it a moment later under load
+      while not netns.namespace_pids(name) and time.monotonic() < deadline:
+        time.sleep(0.05)
       assert netns.namespace_pids(name)
       raise RuntimeError("harness failed")
   assert not netns.exists(name)
@@ -122,7 +127,7 @@ def test_namespace_is_deleted_after_a_failing_job_and_an_exception(link):
 
 
 def test_timeline_overlap_is_exchange_time_before_the_last_bucket():
-  from benchmarks import timeline  # pylint: disable=import-outside-toplevel
+  from benchmarks.sections.network import timeline  # pylint: disable=import-outside-toplevel
   row = {"exchanges": [
       {"posted_ms": 10.0, "mpi_ms": 11.0, "done_ms": 40.0},   # overlaps the next
       {"posted_ms": 20.0, "mpi_ms": 21.0, "done_ms": 30.0},   # inside the first
@@ -131,27 +136,3 @@ def test_timeline_overlap_is_exchange_time_before_the_last_bucket():
   row["exchanges"][0]["done_ms"] = 70.0  # still on the wire when the last is posted
   assert timeline.overlap_ms(row) == 39.0  # [11, 50]
   assert timeline.overlap_ms({"exchanges": []}) == 0.0
-
-
-def test_cpu_flags_summary_takes_medians_over_finished_rounds():
-  from benchmarks import cpu_flags  # pylint: disable=import-outside-toplevel
-
-  def rounds(*pairs):
-    return [{"compute": {"time_s": j, "paired_vs_torch_compute": j / t},
-             "torch_compute": {"time_s": t}} for j, t in pairs]
-
-  summary = cpu_flags.summarize({
-      "default": rounds((0.060, 0.040), (0.080, 0.040), (0.070, 0.050)),
-      "onednn": rounds((0.035, 0.035)) + [{}],  # a failed round is left out
-      "no_xnnpack": [{}]})
-  by_name = {row["setting"]: row for row in summary}
-  assert by_name["default"]["jdist_ms"] == pytest.approx(70.0)
-  assert by_name["default"]["torch_ms"] == pytest.approx(40.0)
-  assert by_name["default"]["paired"] == pytest.approx(1.5)  # of 1.5, 2.0, 1.4
-  assert by_name["onednn"]["rounds"] == 1
-  assert by_name["onednn"]["vs_default"] == pytest.approx(0.5)
-  assert by_name["no_xnnpack"] == {"setting": "no_xnnpack", "rounds": 0}
-  job = cpu_flags.setting_job("pool_1_thread", repeats=5)
-  env = dict(job.env)
-  assert env["NPROC"] == "1" and env["XLA_FLAGS"].endswith("device_count=1")
-  assert dict(job.options)["torch"] == ["compute"] and dict(job.options)["modes"] == []

@@ -16,21 +16,18 @@ import numpy as np
 import pytest
 
 from benchmarks import __main__ as entry
-from benchmarks import accuracy
-from benchmarks import time_to_accuracy
-from benchmarks import time_to_accuracy_report as tta_report
-from benchmarks import train_to_target
+from benchmarks.sections import accuracy
+from benchmarks.sections.time_to_accuracy import report as tta_report
+from benchmarks.sections.time_to_accuracy import run as time_to_accuracy
+from benchmarks.sections.time_to_accuracy import train as train_to_target
 from jdist.app import models
 from tests import launch
 
 
 def _torch_or_skip():
-  """torch, or a skip outside CI (a failure under CI=true, which installs it)."""
+  """torch, or a skip naming the torch-peer extra (a failure under CI, which installs it)."""
   missing = time_to_accuracy.network.torch_missing()
-  if missing:
-    if os.environ.get("CI") == "true":
-      pytest.fail(missing + " (.ci/run installs it)")
-    pytest.skip(missing)
+  launch.require([missing] if missing else [], "the torch-peer extra")
   import torch  # pylint: disable=import-outside-toplevel
   return torch
 
@@ -38,9 +35,10 @@ def _torch_or_skip():
 @pytest.mark.parametrize("input_shape", [(28, 28, 1), (8, 8, 1)])
 def test_flax_weights_in_torch_give_flax_logits(input_shape):
   # torch is a benchmark-only extra (only the DDP side of
-  # benchmarks.time_to_accuracy needs it); .ci/run installs it.
+  # benchmarks.sections.time_to_accuracy.run needs it); .ci/run installs it.
   torch = _torch_or_skip()
-  from benchmarks import torch_accuracy  # pylint: disable=import-outside-toplevel
+  from benchmarks.sections.time_to_accuracy import (  # pylint: disable=g-import-not-at-top
+      torch_trainer as torch_accuracy)
   flax_model = models.create_model("cnn", num_classes=10, input_shape=input_shape)
   params, _ = models.init_model(flax_model, jax.random.key(3), input_shape)
   # Nonzero biases, so a misplaced bias would show.
@@ -165,7 +163,7 @@ def test_default_full_goes_with_the_default_variants_only():
 
 def test_skipped_links_and_torch_are_recorded_and_full_variants_train_every_epoch(
     monkeypatch, tmp_path):
-  from benchmarks import netns  # pylint: disable=import-outside-toplevel
+  from benchmarks.harness import netns  # pylint: disable=import-outside-toplevel
   network = time_to_accuracy.network
   shm = netns.link_named("shm")
   monkeypatch.setattr(network, "available_links",
@@ -394,7 +392,7 @@ def test_slow_targets_bound_a_capped_ddp_plain_and_compare_diloco_with_its_floor
 def test_diloco_best_runs_the_fastest_diloco_mode_of_the_earlier_links(monkeypatch,
                                                                         tmp_path):
   import contextlib  # pylint: disable=import-outside-toplevel
-  from benchmarks import netns  # pylint: disable=import-outside-toplevel
+  from benchmarks.harness import netns  # pylint: disable=import-outside-toplevel
   network = time_to_accuracy.network
   links = [netns.link_named("shm"), netns.link_named("10mbit")]
   monkeypatch.setattr(network, "available_links", lambda names: (links, []))
@@ -435,7 +433,8 @@ def test_ddp_post_local_sgd_on_one_rank_trains_like_plain_sgd(monkeypatch):
   # and two averaging periods) and that sync/evaluate test the averaged model.
   torch = _torch_or_skip()
   import types  # pylint: disable=import-outside-toplevel
-  from benchmarks import torch_accuracy  # pylint: disable=import-outside-toplevel
+  from benchmarks.sections.time_to_accuracy import (  # pylint: disable=g-import-not-at-top
+      torch_trainer as torch_accuracy)
   dist = torch.distributed
   if dist.is_initialized():  # another test left one up: under CI that is a bug to fix
     message = "a torch process group is already up in this process"
@@ -486,7 +485,7 @@ def test_local_update_modes_step_on_their_own_loss(topo, mode, local):
   # returns each replica's own loss (no per-step mean across processes);
   # the other modes still return the mean over every replica.
   import types  # pylint: disable=import-outside-toplevel
-  from benchmarks import workload  # pylint: disable=import-outside-toplevel
+  from benchmarks.harness import workload  # pylint: disable=import-outside-toplevel
   shape = (8, 8, 1)
   flax_model = models.create_model("cnn", num_classes=10, input_shape=shape)
   params, _ = models.init_model(flax_model, jax.random.key(0), shape)
@@ -529,10 +528,9 @@ class _Steps:
 
 
 def test_paired_trainer_times_each_program_on_its_own_and_rotates_the_order():
-  from benchmarks import paired_floor  # pylint: disable=import-outside-toplevel
   clock = type("Clock", (), {"now": 0.0, "__call__": lambda self: self.now})()
   log = []
-  trainer = paired_floor.PairedTrainer.__new__(paired_floor.PairedTrainer)
+  trainer = train_to_target.PairedTrainer.__new__(train_to_target.PairedTrainer)
   trainer.mode, trainer.clock, trainer.turn = "sdiloco32_int4", clock, 0
   trainer.main = _Steps("main", 0.03, log, clock)
   trainer.floors = {"compute_floor": _Steps("floor", 0.02, log, clock),
@@ -546,11 +544,11 @@ def test_paired_trainer_times_each_program_on_its_own_and_rotates_the_order():
   assert details["paired_floors"]["sdiloco32_int4_nosync"] == pytest.approx(
       [0.025, 0.05, 0.075])
   with pytest.raises(ValueError, match="pairs a DiLoCo mode"):
-    paired_floor.PairedTrainer("powersgd1_paired", None, None, None, [0])
+    train_to_target.PairedTrainer("powersgd1_paired", None, None, None, [0])
 
 
 def test_paired_runs_give_the_floor_rows_of_their_own_job():
-  from benchmarks import time_to_accuracy_targets as targets  # pylint: disable=import-outside-toplevel
+  from benchmarks.sections.time_to_accuracy import targets  # pylint: disable=g-import-not-at-top
   run = _slow_record("100mbit", "sdiloco32_int4_paired", reached=26.0, step=4,
                      curve=[(4, 26.0, 0.89)])
   run["final"].update(paired_mode="sdiloco32_int4", paired_floors={

@@ -18,6 +18,7 @@ from importlib import metadata
 import os
 import platform
 import socket
+import subprocess
 import sys
 
 import jax
@@ -337,23 +338,31 @@ def info_main(argv=None) -> int:
   return 0
 
 
+def benchmarks_checkout() -> str | None:
+  """The source checkout holding `benchmarks/` (the working directory, else the
+  directory above this package: an editable install), or None."""
+  here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  for root in (os.getcwd(), here):
+    if os.path.isfile(os.path.join(root, "benchmarks", "__main__.py")):
+      return root
+  return None
+
+
 def bench_main(argv=None) -> int:
-  """`jdist bench`: runs the benchmark suite (`python -m benchmarks`) of a source checkout."""
-  # Imported here: the benchmarks ship with source checkouts only.
-  try:
-    import benchmarks.__main__ as bench  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    # An editable install: the checkout holding jdist/ also holds benchmarks/.
-    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, checkout)
-    try:
-      import benchmarks.__main__ as bench  # pylint: disable=g-import-not-at-top
-    except ImportError:
-      sys.stderr.write("jdist bench: error: the benchmarks package is not importable; it "
-                       "ships with the source checkout: run jdist bench (or python -m "
-                       "benchmarks) from the repository root.\n")
-      return EXIT_FAILURE
-  return bench.main(argv) or 0
+  """`jdist bench ARGS`: `python -m benchmarks ARGS` in a source checkout, as a subprocess.
+
+  The benchmarks ship with source checkouts only and jdist never imports them.
+  """
+  checkout = benchmarks_checkout()
+  if checkout is None:
+    sys.stderr.write("jdist bench: error: no benchmarks/ here: they ship with the source "
+                     "checkout only; run jdist bench (or python -m benchmarks) from the "
+                     "repository root.\n")
+    return EXIT_FAILURE
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      p for p in (checkout, os.environ.get("PYTHONPATH")) if p))
+  return subprocess.call([sys.executable, "-m", "benchmarks", *(argv or [])], cwd=checkout,
+                         env=env)
 
 
 COMMANDS = {"train": "train a model (jdist train --help)",

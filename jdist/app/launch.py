@@ -4,7 +4,7 @@
     jdist launch --mpirun-args "--map-by ppr:2:node" -- python train.py
 
 What plain `mpirun` does not guarantee, measured on a two-node rig
-(`benchmarks.cluster`, Open MPI 5.0 / PRRTE 3.0):
+(`benchmarks.harness.cluster`, Open MPI 5.0 / PRRTE 3.0):
 
 * A node whose link goes down is noticed by PRRTE only through TCP
   keepalive, 300 + 9 x 20 s by default; until then mpirun hangs. This

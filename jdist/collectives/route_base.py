@@ -43,7 +43,7 @@ def add_rows(rows: jax.Array) -> jax.Array:
   """Float32 sum of the rows of a small [P, m] array.
 
   Row by row rather than `.sum(axis=0)`: XLA:CPU runs the latter as a strided
-  column reduction, measured 80x slower at 16 MB (benchmarks/proposals.py).
+  column reduction, measured 80x slower at 16 MB (benchmarks/sections/suite/proposals.py).
   """
   return functools.reduce(jnp.add, [rows[i].astype(jnp.float32) for i in range(rows.shape[0])])
 

@@ -25,8 +25,9 @@ first exchange the ranks disagree on. `jdist.timeline` listens to the steps
 (`add_listener`) for its trace.
 
 `JDIST_FLIGHT_RECORDER=0` (or `set_enabled(False)`) stops the Python side
-recording, for benchmarks/timeline.py's A/B of its cost only: an abort report
-then lacks those exchanges. The engine's C++ ring stays on (a few stores).
+recording, for the timeline A/B of its cost only (benchmarks/timeline_ab.py at commit
+d7ea04b): an abort report then lacks those exchanges. The engine's C++ ring stays
+on (a few stores).
 """
 
 from __future__ import annotations

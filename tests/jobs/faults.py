@@ -1,6 +1,6 @@
 """Running `tests/jobs/stall.py` under mpirun and reading what it reports.
 
-Shared by tests/test_watchdog.py and benchmarks/stall_repeat.py. Needs no
+Used by tests/test_watchdog.py (and benchmarks/stall_repeat.py until commit d7ea04b). Needs no
 JAX: it only launches the job and parses its output.
 """
 

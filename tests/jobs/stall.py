@@ -1,6 +1,6 @@
 """A small data-parallel training job with injected faults, for watchdog tests.
 
-Run under mpirun (tests/test_watchdog.py, benchmarks/stall_repeat.py). Every
+Run under mpirun (tests/test_watchdog.py; benchmarks/stall_repeat.py until commit d7ea04b). Every
 rank trains a tiny MLP with `jdist.dist_opt(optax.sgd)`, started with
 `jdist.init(timeout=--timeout)`. Each `--fault KIND:STEP` (repeatable) makes
 rank `--rank` misbehave just before dispatching step STEP (1-based):

@@ -1,0 +1,362 @@
+"""A cluster of nodes on one machine: network namespaces on a bridge, launched by `mpirun --hostfile`.
+
+Each node is a network namespace with its own veth link into a bridge in the
+root namespace, its own address (10.<subnet>.0.<i+1>) and, for the processes
+launched on it, its own hostname (a UTS namespace): Open MPI then sees
+separate hosts, so ranks on one node use shared memory (`sm`) and ranks on
+different nodes use TCP over the node's link. Each link can be shaped with a
+token bucket (`tc tbf`) on both ends of its veth, so a node's ranks share its
+bandwidth in each direction, as on a real node's NIC.
+
+    with cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
+      result = rig.mpirun(["python", "train.py"], processes_per_node=2)
+      rig.link_down(1)        # faults: link_down, kill_node, partition
+
+`mpirun` itself runs in the root namespace (the bridge's address is its
+out-of-band address); it starts its daemons on the nodes through a launch
+agent, a small script this module writes, instead of ssh. Nothing leaves the
+machine: the bridge has no uplink, and every address is one of the rig's.
+
+Making one needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN), iproute2's `ip`,
+`tc` and `bridge`, and util-linux's `unshare`; `missing_requirements` says
+what is absent, so callers skip with a reason. Every exit path deletes the
+namespaces, veths and bridge, after killing what runs on the nodes (a lost
+node's daemons stay behind otherwise and hold stdout pipes open);
+`remove_stale` clears what a SIGKILLed run left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Sequence
+
+from benchmarks.harness import netns
+
+PREFIX = "jdc"  # interface and namespace names: jdc<pid>n<i>, jdc<pid>v<i>, jdc<pid>br
+NODE_NAMES = "ABCDEFGHIJKLMNOP"
+_SUBNETS = range(90, 250)
+NETNS_ETC = "/etc/netns"  # per-namespace files `ip netns exec` mounts over /etc
+
+# Open MPI 5 (PRRTE) over the rig: TCP between nodes on the rig's subnet,
+# shared memory within a node. The keepalive settings make PRRTE notice a
+# node whose link is gone in seconds instead of its default 8 minutes.
+KEEPALIVE_ENV = {
+    "PRTE_MCA_oob_tcp_keepalive_time": "5",
+    "PRTE_MCA_oob_tcp_keepalive_intvl": "2",
+    "PRTE_MCA_oob_tcp_keepalive_probes": "3",
+}
+
+
+class ClusterError(RuntimeError):
+  """The rig could not be built (the message says why)."""
+
+
+def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+  try:
+    return netns._run(list(argv), check=check)  # pylint: disable=protected-access
+  except netns.NamespaceError as err:
+    raise ClusterError(str(err)) from None
+
+
+def missing_requirements() -> list[str]:
+  """What stops this machine from building the rig (empty: nothing)."""
+  missing = []
+  if hasattr(os, "geteuid") and os.geteuid() != 0:
+    missing.append("not root: network namespaces, bridges and tc need root "
+                   "(or CAP_NET_ADMIN and CAP_SYS_ADMIN)")
+  for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("bridge", "iproute2"),
+                        ("unshare", "util-linux")):
+    if shutil.which(tool) is None:
+      missing.append(f"`{tool}` not found: install {package} (apt-get install -y {package})")
+  if missing:
+    return missing
+  try:
+    with Cluster(nodes=2):
+      pass
+  except (ClusterError, OSError, subprocess.TimeoutExpired) as err:
+    missing.append(f"cannot build a two-node rig here: {err}")
+  return missing
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+  """One node of the rig: its namespace, hostname, address and veth ends."""
+  index: int
+  namespace: str
+  hostname: str
+  address: str
+  outer_veth: str  # in the root namespace, a port of the bridge
+  inner_veth: str = "eth0"
+
+
+def _free_subnet() -> int:
+  used = _run(["ip", "-o", "-4", "addr", "show"], check=False).stdout
+  for subnet in _SUBNETS:
+    if f" 10.{subnet}." not in used:
+      return subnet
+  raise ClusterError("no free 10.x.0.0/24 subnet for the rig")
+
+
+class Cluster:
+  """N nodes as network namespaces joined by a bridge; a context manager.
+
+  Args:
+    nodes: how many nodes (2 to 16).
+    rate_mbit: each node's link rate in Mbit/s, per direction; None for no
+      shaping (the veth's own speed).
+  """
+
+  def __init__(self, nodes: int = 2, rate_mbit: float | None = None):
+    if not 2 <= nodes <= len(NODE_NAMES):
+      raise ValueError(f"nodes={nodes} must be between 2 and {len(NODE_NAMES)}.")
+    if rate_mbit is not None and not rate_mbit > 0:
+      raise ValueError(f"rate_mbit={rate_mbit!r} must be a positive rate or None.")
+    self.rate_mbit = rate_mbit
+    tag = f"{PREFIX}{os.getpid() % 100000}"
+    self.bridge = f"{tag}br"
+    self._subnet: int | None = None
+    self._node_count = nodes
+    self._tag = tag
+    self.nodes: list[Node] = []
+    self._workdir: str | None = None
+
+  # -- building and tearing down ------------------------------------------
+
+  @property
+  def subnet(self) -> str:
+    return f"10.{self._subnet}.0.0/24"
+
+  @property
+  def bridge_address(self) -> str:
+    return f"10.{self._subnet}.0.254"
+
+  def __enter__(self) -> "Cluster":
+    try:
+      self._build()
+    except BaseException:
+      self.close()
+      raise
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+  def _build(self) -> None:
+    self._subnet = _free_subnet()
+    self._workdir = tempfile.mkdtemp(prefix="jdist-cluster-")
+    _run(["ip", "link", "add", "name", self.bridge, "type", "bridge"])
+    _run(["ip", "addr", "add", f"{self.bridge_address}/24", "dev", self.bridge])
+    _run(["ip", "link", "set", self.bridge, "up"])
+    for index in range(self._node_count):
+      node = Node(index=index, namespace=f"{self._tag}n{index}",
+                  hostname=f"node{NODE_NAMES[index]}",
+                  address=f"10.{self._subnet}.0.{index + 1}",
+                  outer_veth=f"{self._tag}v{index}")
+      self.nodes.append(node)
+      _run(["ip", "netns", "add", node.namespace])
+      inside = netns.exec_prefix(node.namespace)
+      _run(["ip", "link", "add", node.outer_veth, "type", "veth", "peer", "name",
+            node.inner_veth, "netns", node.namespace])
+      _run(["ip", "link", "set", node.outer_veth, "master", self.bridge])
+      _run(["ip", "link", "set", node.outer_veth, "up"])
+      _run(inside + ["ip", "link", "set", "lo", "up"])
+      _run(inside + ["ip", "addr", "add", f"{node.address}/24", "dev", node.inner_veth])
+      _run(inside + ["ip", "link", "set", node.inner_veth, "up"])
+      if self.rate_mbit is not None:
+        self.shape(index, self.rate_mbit)
+    self._write_hosts()
+    self._write_agent()
+
+  def _write_hosts(self) -> None:
+    """Lets every node resolve every node's name, as a cluster's DNS or /etc/hosts does.
+
+    `ip netns exec NS` bind-mounts /etc/netns/NS/hosts over /etc/hosts for
+    what it runs. Without it, names like nodeA resolve nowhere, and gloo
+    (JAX's CPU collectives) fails to start its TCP device.
+    """
+    try:
+      with open("/etc/hosts", encoding="utf-8") as handle:
+        base = handle.read()
+    except OSError:
+      base = "127.0.0.1 localhost\n"
+    table = "".join(f"{node.address} {node.hostname}\n" for node in self.nodes)
+    for node in self.nodes:
+      directory = os.path.join(NETNS_ETC, node.namespace)
+      os.makedirs(directory, exist_ok=True)
+      with open(os.path.join(directory, "hosts"), "w", encoding="utf-8") as handle:
+        handle.write(base.rstrip("\n") + "\n# jdist cluster rig\n" + table)
+
+  def shape(self, index: int, rate_mbit: float) -> None:
+    """Limits node `index`'s link to `rate_mbit` in each direction (both veth ends)."""
+    node = self.nodes[index]
+    tbf = netns.tbf_args(rate_mbit)
+    _run(["tc", "qdisc", "replace", "dev", node.outer_veth, "root"] + tbf)
+    _run(netns.exec_prefix(node.namespace) +
+         ["tc", "qdisc", "replace", "dev", node.inner_veth, "root"] + tbf)
+
+  def close(self) -> None:
+    """Kills what runs on the nodes; deletes namespaces, veths, bridge and files."""
+    for node in self.nodes:
+      netns.delete(node.namespace)  # its inner veth goes with it, and so the pair
+      shutil.rmtree(os.path.join(NETNS_ETC, node.namespace), ignore_errors=True)
+      _run(["ip", "link", "delete", node.outer_veth], check=False)
+    _run(["ip", "link", "delete", self.bridge], check=False)
+    self.nodes = []
+    if self._workdir is not None:
+      shutil.rmtree(self._workdir, ignore_errors=True)
+      self._workdir = None
+
+  # -- launching -----------------------------------------------------------
+
+  @property
+  def agent(self) -> str:
+    """The launch agent: runs `prted` on a node, as ssh would on a real one."""
+    return os.path.join(self._workdir, "agent.sh")
+
+  def _write_agent(self) -> None:
+    cases = "\n".join(
+        f"  {node.address}|{node.hostname}) ns={node.namespace}; name={node.hostname} ;;"
+        for node in self.nodes)
+    script = f"""#!/bin/sh
+# Launch agent of a jdist cluster rig: `agent.sh [ssh options] HOST COMMAND...`.
+while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done
+host=$1; shift
+case "$host" in
+{cases}
+  *) echo "jdist cluster agent: unknown host $host" >&2; exit 255 ;;
+esac
+exec ip netns exec "$ns" unshare --uts /bin/sh -c "hostname $name; $*"
+"""
+    with open(self.agent, "w", encoding="utf-8") as handle:
+      handle.write(script)
+    os.chmod(self.agent, 0o755)
+
+  def hostfile(self, processes_per_node: int) -> str:
+    """Writes a hostfile with `processes_per_node` slots on every node; returns its path."""
+    path = os.path.join(self._workdir, f"hosts-{processes_per_node}")
+    with open(path, "w", encoding="utf-8") as handle:
+      for node in self.nodes:
+        handle.write(f"{node.address} slots={processes_per_node}\n")
+    return path
+
+  def mpi_env(self) -> dict[str, str]:
+    """The environment `mpirun` needs on the rig (agent, interfaces, keepalive)."""
+    return {
+        "PRTE_MCA_plm_ssh_agent": self.agent,
+        "PRTE_MCA_oob_tcp_if_include": self.subnet,
+        "OMPI_MCA_pml": "ob1",
+        "OMPI_MCA_btl": "tcp,sm,self",
+        "OMPI_MCA_btl_tcp_if_include": self.subnet,
+        **KEEPALIVE_ENV,
+    }
+
+  def mpirun_argv(self, command: Sequence[str], processes_per_node: int,
+                  mpirun: str = "mpirun", extra: Sequence[str] = ()) -> list[str]:
+    """The `mpirun --hostfile` command line for `command` on every node."""
+    argv = [mpirun, "--hostfile", self.hostfile(processes_per_node),
+            "-np", str(processes_per_node * len(self.nodes)), "--map-by", "slot"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+      argv.append("--allow-run-as-root")
+    return argv + list(extra) + list(command)
+
+  def popen(self, command: Sequence[str], processes_per_node: int, *,
+            mpirun: str = "mpirun", extra: Sequence[str] = (),
+            env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+    """Starts `command` on every node under mpirun; returns the mpirun process."""
+    full_env = dict(os.environ, **self.mpi_env(), **(env or {}))
+    return subprocess.Popen(self.mpirun_argv(command, processes_per_node, mpirun, extra),
+                            env=full_env, **kwargs)
+
+  def node_argv(self, index: int, command: Sequence[str]) -> list[str]:
+    """`command` run on node `index` (its namespace and hostname), as the agent runs prted.
+
+    For launchers other than mpirun (e.g. one `torchrun` per node).
+    """
+    node = self.nodes[index]
+    return netns.exec_prefix(node.namespace) + [
+        "unshare", "--uts", "/bin/sh", "-c",
+        f"hostname {node.hostname}; exec {shell_command(command)}"]
+
+  def launch_argv(self, command: Sequence[str], processes_per_node: int,
+                  launch_args: Sequence[str] = ()) -> list[str]:
+    """`jdist launch` of `command` over every node's slots (this interpreter's tools)."""
+    return [tool("jdist"), "launch", "--hostfile", self.hostfile(processes_per_node),
+            "--mpirun", tool("mpirun"), *launch_args, "--", *command]
+
+  def launch_env(self, env: dict[str, str]) -> dict[str, str]:
+    """`env` plus the rig's mpirun settings, less the keepalive `jdist launch` sets itself."""
+    full = dict(env, **self.mpi_env())
+    for name in KEEPALIVE_ENV:
+      full.pop(name, None)
+    return full
+
+  # -- faults --------------------------------------------------------------
+
+  def link_down(self, index: int) -> None:
+    """Takes node `index`'s link down from inside the node (its NIC fails)."""
+    node = self.nodes[index]
+    _run(netns.exec_prefix(node.namespace) + ["ip", "link", "set", node.inner_veth, "down"])
+
+  def kill_node(self, index: int) -> None:
+    """Kills every process on node `index` at once (a power loss)."""
+    for pid in netns.namespace_pids(self.nodes[index].namespace):
+      with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
+
+  def partition(self, groups: Sequence[Sequence[int]] | None = None) -> None:
+    """Cuts the nodes off from each other; each still reaches mpirun's host.
+
+    Bridge ports marked `isolated` forward only to non-isolated ports (the
+    bridge itself), so node-to-node traffic stops while the launcher still
+    reaches every node's daemon: a switch failure between racks, not a host
+    failure.
+    """
+    del groups  # every node on its own: the only partition with two nodes
+    for node in self.nodes:
+      _run(["bridge", "link", "set", "dev", node.outer_veth, "isolated", "on"])
+
+  def namespace_pids(self) -> list[int]:
+    """Every process still running on any node."""
+    return [pid for node in self.nodes for pid in netns.namespace_pids(node.namespace)]
+
+
+def remove_stale() -> list[str]:
+  """Deletes rigs whose creating process is gone (a SIGKILLed run); returns their names."""
+  removed = []
+  for name in netns.list_names():
+    match = re.fullmatch(PREFIX + r"(\d+)n\d+", name)
+    if match and not any(str(pid).endswith(match.group(1)) for pid in _live_pids(match.group(1))):
+      netns.delete(name)
+      shutil.rmtree(os.path.join(NETNS_ETC, name), ignore_errors=True)
+      removed.append(name)
+  links = _run(["ip", "-o", "link", "show"], check=False).stdout
+  for name in re.findall(r"\d+: (" + PREFIX + r"(\d+)(?:br|v\d+))[@:]", links):
+    if not _live_pids(name[1]):
+      _run(["ip", "link", "delete", name[0]], check=False)
+      removed.append(name[0])
+  return removed
+
+
+def _live_pids(suffix: str) -> list[int]:
+  """Live pids whose value modulo 100000 is `suffix` (the rig's tag)."""
+  return [int(pid) for pid in os.listdir("/proc")
+          if pid.isdigit() and int(pid) % 100000 == int(suffix)]
+
+
+def tool(name: str) -> str:
+  """A console script beside this interpreter (the venv's jdist, mpirun)."""
+  return os.path.join(os.path.dirname(sys.executable), name)
+
+
+def shell_command(argv: Sequence[str]) -> str:
+  return " ".join(shlex.quote(arg) for arg in argv)

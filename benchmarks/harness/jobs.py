@@ -1,0 +1,174 @@
+"""The benchmark jobs and how the driver runs them.
+
+A job is one topology (processes x local devices) and the sections measured
+in it. Single-process jobs run as `python -m benchmarks worker`; the others
+under `mpirun -np P --oversubscribe` (plus `--allow-run-as-root` as root).
+Every job has a hard timeout; each rank writes a JSON file into a temporary
+directory and `merge_ranks` folds them into one result: a collective takes
+as long as its slowest rank, so durations (`*_s`) are the maximum over
+ranks, and every other field is rank 0's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+  name: str
+  processes: int
+  devices: int
+  sections: tuple[types.ModuleType, ...]  # measurement modules: `NAME` and `run(ctx)` each
+  backend: str | None = None
+  env: tuple[tuple[str, str], ...] = ()
+  options: tuple[tuple[str, Any], ...] = ()  # handed to the sections (ctx.options)
+  program: str = "worker"  # the per-rank program (`python -m benchmarks PROGRAM --out --config`)
+  prefix: tuple[str, ...] = ()  # argv before the launcher (e.g. `ip netns exec NAME`)
+  mpirun_args: tuple[str, ...] = ()  # extra mpirun options (e.g. MCA parameters)
+
+
+def mpirun_binary() -> str:
+  here = os.path.join(os.path.dirname(sys.executable), "mpirun")
+  return here if os.path.exists(here) else (shutil.which("mpirun") or "mpirun")
+
+
+def command(job: Job, out_prefix: str, quick: bool) -> list[str]:
+  """The argv that starts `job`'s processes."""
+  config = json.dumps({"job": job.name, "sections": [m.__name__ for m in job.sections],
+                       "quick": quick,
+                       "backend": job.backend, "options": dict(job.options)})
+  worker = [sys.executable, "-m", "benchmarks", job.program, "--out", out_prefix, "--config", config]
+  if job.processes == 1:
+    return list(job.prefix) + worker
+  launcher = [mpirun_binary(), "-np", str(job.processes), "--oversubscribe"]
+  if hasattr(os, "geteuid") and os.geteuid() == 0:
+    launcher.append("--allow-run-as-root")
+  return list(job.prefix) + launcher + list(job.mpirun_args) + worker
+
+
+def environment(job: Job) -> dict[str, str]:
+  """The parent's environment without MPI rank variables, plus the job's devices."""
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_"))}
+  flags = [f for f in env.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={job.devices}"])
+  env.setdefault("JAX_PLATFORMS", "cpu")
+  env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+  env["PYTHONUNBUFFERED"] = "1"
+  # A rank stalled this long in an exchange ends the job with a diagnosis.
+  env.setdefault("JDIST_TIMEOUT", "60")
+  # The hand-written baselines are per-process `jax.pmap`s (mpi4jax inside);
+  # with JAX's distributed runtime on, a pmap spans every process's devices
+  # (and one with no outputs fails inside JAX: 'safe_zip requires at least 1
+  # argument'). jdist's own exchanges are the same either way.
+  env.setdefault("JDIST_JAX_DISTRIBUTED", "0")
+  env.update(dict(job.env))
+  return env
+
+
+def merge_rows(per_rank: list[list[dict]]) -> list[dict]:
+  merged = []
+  for rows in zip(*per_rank):
+    row = dict(rows[0])
+    for key, value in row.items():
+      if key.endswith("_s") and isinstance(value, (int, float)):
+        row[key] = max(r[key] for r in rows)
+    merged.append(row)
+  return merged
+
+
+def merge_ranks(results: list[dict]) -> dict[str, Any]:
+  """One job result from every rank's: see the module docstring.
+
+  A section is complete only if every rank completed it; rows that not every
+  rank wrote (a job killed midway) are dropped.
+  """
+  first = results[0]
+  merged = {k: first[k] for k in ("job", "topology", "backend", "init_error")}
+  merged["sections"] = {}
+  for name in first["sections"]:
+    sections = [r["sections"].get(name, {"rows": [], "complete": False}) for r in results]
+    section = {"rows": merge_rows([s["rows"] for s in sections]),
+               "complete": all(s["complete"] for s in sections),
+               "wall_s": max(s.get("wall_s", 0.0) for s in sections)}
+    errors = [s["error"] for s in sections if "error" in s]
+    if errors:
+      section["error"] = errors[0]
+    merged["sections"][name] = section
+  return merged
+
+
+def _tail(output) -> str:
+  if isinstance(output, bytes):
+    output = output.decode(errors="replace")
+  return (output or "")[-3000:]
+
+
+def launch(argv: list[str], env: dict[str, str], timeout: float) -> str | None:
+  """Runs argv in its own process group; None if it succeeded, else why not.
+
+  On timeout the whole group (mpirun and every rank it started) is killed,
+  so no rank outlives the job.
+  """
+  proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, start_new_session=True)
+  try:
+    output, _ = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+      with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+      try:
+        output, _ = proc.communicate(timeout=5)
+        break
+      except subprocess.TimeoutExpired:
+        continue
+    else:
+      output = b""
+    return f"timed out after {timeout:.0f} s:\n{_tail(output)}"
+  if proc.returncode != 0:
+    return f"exit status {proc.returncode}:\n{_tail(output)}"
+  return None
+
+
+def run(job: Job, *, quick: bool, timeout: float, log=print) -> dict[str, Any]:
+  """Runs `job` to completion (or its timeout) and returns its merged result.
+
+  A job that fails or times out keeps what its ranks wrote so far, with an
+  `error` naming the failure and the end of its output; sections it did not
+  finish have `complete: False`. The rest of the suite still runs.
+  """
+  start = time.perf_counter()
+  with tempfile.TemporaryDirectory(prefix=f"jdist-bench-{job.name}-") as tmp:
+    prefix = os.path.join(tmp, "result")
+    log(f"[{job.name}] {' '.join(m.NAME for m in job.sections)} ...")
+    failure = launch(command(job, prefix, quick), environment(job), timeout)
+    ranks = []
+    for path in sorted(glob.glob(prefix + ".rank*.json")):
+      with open(path, encoding="utf-8") as f:
+        ranks.append(json.load(f))
+  result = merge_ranks(ranks) if len(ranks) == job.processes else {"job": job.name, "sections": {}}
+  if failure is not None:
+    result["error"] = failure
+  elif len(ranks) != job.processes:
+    result["error"] = f"{len(ranks)} of {job.processes} ranks wrote results"
+  result["wall_s"] = time.perf_counter() - start
+  log(f"[{job.name}] done in {result['wall_s']:.1f} s"
+      + (f": FAILED {result['error'][:300]}" if "error" in result else ""))
+  return result

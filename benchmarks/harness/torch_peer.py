@@ -1,0 +1,203 @@
+"""The PyTorch peer: DDP (gloo) on SINGA's CNN.
+
+`benchmarks.sections.network.steps` builds these trainers inside its own processes
+(`init`, `Trainer`), so DDP and jdist steps interleave under the same load.
+It also runs alone, one rank per process:
+
+    mpirun -np 2 python -m benchmarks torch_peer --out PREFIX --config JSON
+
+mpirun only starts the processes (rank and size come from Open MPI's
+environment); the exchange is PyTorch's own: `torch.distributed` with the
+gloo backend over TCP on the loopback (`GLOO_SOCKET_IFNAME=lo`), rendezvous
+at MASTER_ADDR:MASTER_PORT set by the driver. torch is a benchmark-only
+extra (`pip install -e .[torch-peer]`), never a jdist dependency.
+
+The same model as `jdist.app.models.CNN` (conv 5x5 20, relu, max-pool 2, conv
+5x5 50, relu, max-pool 2, dense 500, relu, dense 10: 431,080 parameters),
+the same synthetic data shape (28x28x1 images, 10 classes) and SGD. Steps
+interleaved round by round, each variant training its own copy:
+
+  * `compute`: the model without DDP (no exchange): communication time =
+    step - compute (`comm_vs_slowest_s`: minus the slowest rank's compute
+    in the same round, what a synchronized step waits for);
+  * `ddp`: `DistributedDataParallel`, default buckets, overlapped with
+    the backward pass;
+  * `ddp_fp16`: DDP with `default_hooks.fp16_compress_hook`;
+  * `ddp_powersgd`: DDP with `powerSGD_hook.powerSGD_hook`, rank 1,
+    compressing from the second step on (warm-up covers the switch), in one
+    25 MB bucket (see `wrap`).
+
+Writes `PREFIX.rank<R>.json` in the worker's format (section "torch") so
+`benchmarks.harness.jobs.merge_ranks` folds the ranks. Options (config "options"):
+`per_process_batch`, `threads` (torch intra-op threads; default cores /
+processes, as torchrun's OMP_NUM_THREADS=1 on a 2-core box), `repeats`,
+`warmup`, `variants`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from benchmarks.harness import analysis
+
+VARIANTS = ("compute", "ddp", "ddp_fp16", "ddp_powersgd")
+LEARNING_RATE = 0.01
+POWERSGD_RANK = 1
+
+
+class SingaCNN(nn.Module):
+  """SINGA's MNIST CNN in PyTorch, layer for layer as `jdist.app.models.CNN`."""
+
+  def __init__(self, num_classes: int = 10):
+    super().__init__()
+    self.features = nn.Sequential(
+        nn.Conv2d(1, 20, 5), nn.ReLU(), nn.MaxPool2d(2, 2),
+        nn.Conv2d(20, 50, 5), nn.ReLU(), nn.MaxPool2d(2, 2))
+    self.classifier = nn.Sequential(
+        nn.Flatten(), nn.Linear(50 * 4 * 4, 500), nn.ReLU(), nn.Linear(500, num_classes))
+
+  def forward(self, x):
+    return self.classifier(self.features(x))
+
+
+def param_count(model: nn.Module) -> int:
+  return sum(p.numel() for p in model.parameters())
+
+
+def wrap(variant: str, model: nn.Module) -> nn.Module:
+  """`model` as `variant` trains it: bare, or DDP with the variant's comm hook."""
+  if variant == "compute":
+    return model
+  if variant == "ddp_powersgd":
+    # One bucket: with DDP's default small first bucket, PowerSGD's chained
+    # collectives (issued from future callbacks) and the next bucket's race
+    # under gloo, and about one run in three aborts with "Received data size
+    # doesn't match expected size" (measured here, torch 2.13.0).
+    ddp = DistributedDataParallel(model, bucket_cap_mb=25)
+  else:
+    ddp = DistributedDataParallel(model)
+  if variant == "ddp_fp16":
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+  elif variant == "ddp_powersgd":
+    state = powerSGD_hook.PowerSGDState(process_group=None,
+                                        matrix_approximation_rank=POWERSGD_RANK,
+                                        start_powerSGD_iter=2)
+    ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+  elif variant != "ddp":
+    raise ValueError(f"Unknown torch variant {variant!r}; choose from {VARIANTS}.")
+  return ddp
+
+
+def init(rank: int, size: int, threads: int | None = None) -> None:
+  """Joins the gloo process group (MASTER_ADDR/MASTER_PORT from the environment)
+  once, with `threads` intra-op threads (default: cores / processes, as torchrun)."""
+  torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // size))
+  if not dist.is_initialized():
+    dist.init_process_group("gloo", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=120))
+
+
+class Trainer:
+  """One variant's model, optimizer and batch; a call runs one SGD step."""
+
+  def __init__(self, variant: str, batch: int, seed: int, rank: int):
+    self.threads = torch.get_num_threads()
+    torch.manual_seed(seed)  # the same initial weights on every rank and variant
+    self.model = wrap(variant, SingaCNN())
+    self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LEARNING_RATE)
+    generator = torch.Generator().manual_seed(seed + 1 + rank)
+    self.x = torch.rand((batch, 1, 28, 28), generator=generator)
+    self.y = torch.randint(0, 10, (batch,), generator=generator)
+    self.loss_fn = nn.CrossEntropyLoss()
+
+  def __call__(self) -> float:
+    self.optimizer.zero_grad(set_to_none=True)
+    loss = self.loss_fn(self.model(self.x), self.y)
+    loss.backward()  # DDP: returns once every bucket's all-reduce is done
+    self.optimizer.step()
+    return float(loss.detach())
+
+
+def measure(options: dict, rank: int):
+  """Yields one row per variant: median step time and spread, seconds."""
+  batch = int(options.get("per_process_batch", 64))
+  variants = options.get("variants", VARIANTS)
+  trainers = {v: Trainer(v, batch, seed=0, rank=rank) for v in variants}
+  for _ in range(int(options.get("warmup", 3))):
+    for trainer in trainers.values():
+      trainer()
+  dist.barrier()
+  samples = {v: [] for v in variants}
+  for _ in range(int(options.get("repeats", 15))):
+    for variant, trainer in trainers.items():
+      start = time.perf_counter()
+      trainer()
+      samples[variant].append(time.perf_counter() - start)
+  compute = samples.get("compute")
+  slowest = None
+  if compute:  # every rank's compute-only steps, after the timed rounds
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, compute)
+    slowest = analysis.slowest_per_round(every)
+  for variant in variants:
+    ordered = sorted(samples[variant])
+    row = {"variant": variant, "kind": "torch", "params": param_count(SingaCNN()),
+           "per_process_batch": batch, "threads": torch.get_num_threads(),
+           "time_s": statistics.median(ordered), "min_s": ordered[0],
+           "p90_s": ordered[int(0.9 * (len(ordered) - 1))], "repeats": len(ordered)}
+    if compute:
+      row["comm_paired_s"] = statistics.median(s - c for s, c in zip(samples[variant], compute))
+      row["comm_vs_slowest_s"] = statistics.median(
+          s - c for s, c in zip(samples[variant], slowest))
+    yield row
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--out", required=True, help="path prefix of the per-rank JSON files")
+  parser.add_argument("--config", required=True, help="JSON: job, options")
+
+
+def main(args: argparse.Namespace) -> int:
+  config = json.loads(args.config)
+  options = config.get("options", {})
+  rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "0")))
+  size = int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+  init(rank, size, int(options.get("threads") or 0) or None)
+  section = {"rows": [], "complete": False}
+  result = {"job": config["job"], "topology": f"{size}x1 torch", "rank": rank,
+            "backend": f"torch {torch.__version__} gloo", "init_error": None,
+            "sections": {"torch": section}}
+  path = f"{args.out}.rank{rank}.json"
+
+  def flush():
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+      json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+  start = time.perf_counter()
+  try:
+    for row in measure(options, rank):
+      section["rows"].append(row)
+      flush()
+    section["complete"] = True
+  except Exception as err:  # pylint: disable=broad-except
+    traceback.print_exc()
+    section["error"] = f"{type(err).__name__}: {err}"
+  section["wall_s"] = time.perf_counter() - start
+  flush()
+  dist.barrier()
+  dist.destroy_process_group()
+  return 0

@@ -1,0 +1,134 @@
+"""One benchmark job's process: `python -m benchmarks worker --out PREFIX --config JSON`.
+
+The driver (`python -m benchmarks`) starts it, under `mpirun` for
+multi-process jobs, with the device count already in `XLA_FLAGS`. It sets up
+jdist (the backend named in the config), runs the sections named in the
+config in order, and writes this rank's results to `PREFIX.rank<R>.json`;
+the driver merges the ranks.
+
+A section is a generator `run(ctx)` that yields one row (a dict) per
+measurement, durations under keys ending in `_s`. The file is rewritten after
+every row, so when a job hangs and the driver kills it, what was measured
+and where it stopped survive. A section that raises is recorded as an error
+and the next one runs (every rank raises alike: same code, same shapes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import importlib
+import json
+import os
+import time
+import traceback
+from typing import Any
+
+import jax
+
+import jdist
+
+
+
+
+@dataclasses.dataclass
+class Context:
+  """What a section needs to know about the job it runs in."""
+  job: str
+  quick: bool
+  topo: jdist.Topology
+  options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def sync(self) -> None:
+    """All ranks meet here, so timed rounds start together."""
+    jdist.barrier("benchmark sync")
+
+  def repeats(self, full: int) -> int:
+    """Timed rounds: `full`, or 3 in the smoke run."""
+    return 3 if self.quick else full
+
+  def warmup(self, full: int) -> int:
+    """Untimed rounds first: `full`, or 1 in the smoke run."""
+    return 1 if self.quick else full
+
+  @property
+  def rank(self) -> int:
+    return self.topo.process_index
+
+
+def init_backend(backend: str | None) -> tuple[jdist.Topology, str | None]:
+  """`jdist.init(backend=...)`; for "jax", retries with the proposed fix.
+
+  Returns:
+    The topology, and the error the unmodified `jdist.init` raised (None
+    when it worked). With Open MPI 5 `jax.distributed.initialize()` cannot
+    find the coordinator by itself (it looks for Open MPI 4's
+    OMPI_MCA_orte_hnp_uri); passing `cluster_detection_method="mpi4py"`, the
+    change proposed for jdist/runtime/topology.py, makes it work.
+  """
+  if backend != "jax":
+    return jdist.init(backend=backend), None
+  try:
+    return jdist.init(backend="jax"), None
+  except Exception as err:  # pylint: disable=broad-except
+    error = f"{type(err).__name__}: {err}"
+  original = jax.distributed.initialize
+  jax.distributed.initialize = functools.partial(original, cluster_detection_method="mpi4py")
+  try:
+    return jdist.init(backend="jax"), error
+  finally:
+    jax.distributed.initialize = original
+
+
+class Recorder:
+  """This rank's results, rewritten to its JSON file after every row."""
+
+  def __init__(self, path: str, header: dict[str, Any]):
+    self.path = path
+    self.result = dict(header, sections={})
+
+  def flush(self) -> None:
+    with open(self.path + ".tmp", "w", encoding="utf-8") as f:
+      json.dump(self.result, f, indent=1)
+    os.replace(self.path + ".tmp", self.path)
+
+  def run_section(self, qualified: str, ctx: Context) -> None:
+    """Runs the measurement module `qualified` (its `run(ctx)`), recorded under its `NAME`."""
+    module = importlib.import_module(qualified)
+    name = module.NAME
+    section: dict[str, Any] = {"rows": [], "complete": False}
+    self.result["sections"][name] = section
+    self.flush()
+    start = time.perf_counter()
+    try:
+      for row in module.run(ctx):
+        section["rows"].append(row)
+        section["wall_s"] = time.perf_counter() - start
+        self.flush()
+      section["complete"] = True
+    except Exception as err:  # pylint: disable=broad-except
+      traceback.print_exc()
+      section["error"] = f"{type(err).__name__}: {err}"
+    section["wall_s"] = time.perf_counter() - start
+    self.flush()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--out", required=True, help="path prefix of the per-rank JSON files")
+  parser.add_argument("--config", required=True, help="JSON: job, sections (measurement "
+                      "modules), quick, backend")
+
+
+def main(args: argparse.Namespace) -> int:
+  config = json.loads(args.config)
+  topo, init_error = init_backend(config.get("backend"))
+  ctx = Context(job=config["job"], quick=bool(config.get("quick")), topo=topo,
+                options=config.get("options", {}))
+  recorder = Recorder(f"{args.out}.rank{ctx.rank}.json", {
+      "job": ctx.job, "topology": str(topo), "rank": ctx.rank, "backend": topo.backend,
+      "init_error": init_error})
+  for qualified in config["sections"]:
+    recorder.run_section(qualified, ctx)
+  jdist.barrier("benchmark end")
+  return 0

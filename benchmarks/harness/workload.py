@@ -1,0 +1,174 @@
+"""Models, data and training steps the benchmarks time.
+
+Models are named so every job builds the same one: SINGA's MNIST CNN
+(`jdist.app.models.CNN`) and MLPs (`jdist.app.models.MLP`) on 28x28x1 inputs
+whose widths set the parameter count (~1M and ~10M, plus tiny ones for the
+smoke run).
+
+Three steps on the same model and data:
+  * `jdist_step`: `jdist.data_parallel` + the transformation given (usually
+    `jdist.dist_opt(optax.sgd(...))`), the way a user writes it;
+  * `pmap_step`: the hand-written `jax.pmap(axis_name="i")` + `lax.pmean`
+    step that jdist's overhead is measured against (one process only);
+  * `shard_map_step`: the same written as `jax.jit(jax.shard_map(...))`,
+    what new JAX code writes instead of pmap (one process only);
+  * `compute_step`: the same step with no reduction at all, for the compute
+    part of a step's time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import jdist
+from benchmarks.harness import timing
+from jdist.app import models
+
+IMAGE_SHAPE = (28, 28, 1)
+NUM_CLASSES = 10
+
+
+# name -> hidden widths of an MLP on 784 inputs, or None for the CNN.
+MODELS: dict[str, tuple[int, ...] | None] = {
+    "cnn": None,
+    "mlp1m": (1024, 256),      # 1.07M parameters
+    "mlp10m": (4096, 1664),    # 10.1M parameters
+    "mlp-tiny": (64,),         # smoke runs
+    "mlp-small": (256, 128),   # smoke runs, 0.24M parameters
+}
+
+
+def build(name: str) -> nn.Module:
+  """The flax module registered under `name` in `MODELS`."""
+  if name not in MODELS:
+    raise ValueError(f"Unknown benchmark model {name!r}; choose from {sorted(MODELS)}.")
+  widths = MODELS[name]
+  if widths is None:
+    return models.CNN(num_classes=NUM_CLASSES)  # SINGA's, 431,080 parameters on 28x28x1
+  return models.MLP(features=widths, num_classes=NUM_CLASSES)
+
+
+def init_params(model: nn.Module, seed: int = 0) -> Any:
+  dummy = jnp.zeros((1,) + IMAGE_SHAPE, jnp.float32)
+  return jax.jit(model.init)(jax.random.key(seed), dummy)["params"]
+
+
+def local_batch(devices: int, per_replica: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+  """Random images and labels shaped [devices, per_replica, ...] (host arrays)."""
+  rng = np.random.default_rng(seed)
+  x = rng.random((devices, per_replica) + IMAGE_SHAPE, dtype=np.float32)
+  y = rng.integers(0, NUM_CLASSES, size=(devices, per_replica)).astype(np.int32)
+  return x, y
+
+
+def loss_and_grads(model: nn.Module, params, x, y):
+  def loss_fn(p):
+    return models.cross_entropy_loss(model.apply({"params": p}, x), y)
+  loss, grads = jax.value_and_grad(loss_fn)(params)
+  return loss, grads
+
+
+def jdist_step(model: nn.Module, tx: optax.GradientTransformation, *,
+               check_inputs: bool = True):
+  """A user's jdist train step: `(params, opt_state, x, y) -> (params, opt_state, loss)`."""
+
+  @jdist.data_parallel(check_inputs=check_inputs)
+  def step(params, opt_state, x, y):
+    loss, grads = loss_and_grads(model, params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, jdist.pmean(loss)
+
+  return step
+
+
+def pmap_step(model: nn.Module, tx: optax.GradientTransformation):
+  """The hand-written pmap step: gradients averaged with `lax.pmean`, then `tx`."""
+
+  def step(params, opt_state, x, y):
+    loss, grads = loss_and_grads(model, params, x, y)
+    grads = jax.lax.pmean(grads, axis_name="i")
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, axis_name="i")
+
+  return jax.pmap(step, axis_name="i")
+
+
+def shard_map_step(model: nn.Module, tx: optax.GradientTransformation):
+  """The hand-written `jit(shard_map)` step over the local devices, pmap's calling convention."""
+  mesh = Mesh(np.array(jax.local_devices()), ("i",))
+  spec = PartitionSpec("i")
+
+  def per_device(params, opt_state, x, y):
+    params, opt_state, x, y = jax.tree.map(lambda a: a[0], (params, opt_state, x, y))
+    loss, grads = loss_and_grads(model, params, x, y)
+    grads = jax.lax.pmean(grads, axis_name="i")
+    updates, opt_state = tx.update(grads, opt_state, params)
+    out = optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, axis_name="i")
+    return jax.tree.map(lambda a: jnp.asarray(a)[None], out)
+
+  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=spec, out_specs=spec,
+                               check_vma=False))
+
+
+def compute_step(model: nn.Module, tx: optax.GradientTransformation):
+  """The same step with no reduction of its own: each replica hands `tx` its own
+  gradients and returns its own loss. With a plain optax `tx` nothing is
+  exchanged (the compute floor); with `jdist.diloco` / `jdist.local_sgd`, only
+  their syncs are (the local-update modes of `benchmarks.sections.time_to_accuracy.train`)."""
+
+  @jdist.data_parallel
+  def step(params, opt_state, x, y):
+    loss, grads = loss_and_grads(model, params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return step
+
+
+@dataclasses.dataclass
+class Setup:
+  """A model with replicated parameters and this process's batch."""
+  name: str
+  model: nn.Module
+  params: Any  # replicated: leading local-device axis
+  batch: tuple[Any, Any]  # on device, [local_devices, per_replica, ...]
+  param_count: int
+
+  def opt_state(self, tx: optax.GradientTransformation, *, init=None) -> Any:
+    """`tx`'s replicated initial state (built with `init`, default data_parallel)."""
+    return (init or jdist.data_parallel)(tx.init)(self.params)
+
+  def stepper(self, step, tx: optax.GradientTransformation, *, init=None) -> timing.Stepper:
+    """`step` training from these parameters and `tx`'s initial state on this batch."""
+    return timing.Stepper(step, (self.params, self.opt_state(tx, init=init)), self.batch)
+
+
+def setup(name: str, per_replica: int, seed: int = 0) -> Setup:
+  """Builds model `name`, the same parameters on every rank, and a batch per rank."""
+  topo = jdist.init()  # the job's topology (init is idempotent)
+  model = build(name)
+  params = init_params(model, seed)
+  x, y = local_batch(topo.local_device_count, per_replica, seed + 1 + topo.process_index)
+  return Setup(name, model, jdist.replicate(params), (shard(x), shard(y)),
+               models.param_count(params))
+
+
+@functools.cache
+def local_sharding() -> NamedSharding:
+  """Axis 0 split over this process's devices (built once: a step's inputs use it)."""
+  return NamedSharding(Mesh(np.array(jax.local_devices()), ("devices",)),
+                       PartitionSpec("devices"))
+
+
+def shard(array: np.ndarray) -> jax.Array:
+  """A host array [local_devices, ...] split over the local devices along axis 0."""
+  return jax.device_put(array, local_sharding())

@@ -1,0 +1,149 @@
+"""A node lost mid-run under `jdist launch --max-restarts`: time to resume, accuracy, the epoch log.
+
+    sudo .venv/bin/python -m benchmarks elastic_restart --nodes 2 --per-node 2 --epochs 6
+
+Builds the namespace rig (`benchmarks.harness.cluster`), runs `jdist train` under
+`jdist launch --max-restarts 1` undisturbed, then again with node B's link
+taken down in the middle of an epoch, and prints one JSON line per run: exit
+status, seconds from the fault to the restarted job's "resumed from" line and
+to its next finished epoch, final test accuracy, and whether the JSON-lines
+log holds one record per epoch with steps increasing by a whole epoch each.
+`tests/test_elastic.py` runs `run_job` with a short schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from benchmarks.harness import cluster
+from benchmarks.harness.section import Run, section
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def train_args(epochs: int, batch: int, checkpoint_dir: str, log_file: str,
+               every: int, extra=()) -> list[str]:
+  return [cluster.tool("jdist"), "train", "--model", "cnn", "--dataset", "digits", "--epochs",
+          str(epochs), "--batch-size", str(batch), "--no-progress", "--seed", "3",
+          "--timeout", "30", "--checkpoint-dir", checkpoint_dir, "--checkpoint-every",
+          str(every), "--resume", "--log-file", log_file, *extra]
+
+
+def run_job(rig, per_node: int, train: list[str], *, fault_after_epoch: int | None = None,
+            fault_delay_s: float = 1.0, fault: str = "link_down", max_restarts: int = 1,
+            timeout: float = 240, env: dict | None = None) -> dict:
+  """Runs `train` under `jdist launch` on `rig`; `fault` hits node 1 after an epoch.
+
+  `fault` is a rig method: "link_down" or "kill_node".
+
+  Returns a dict: code, output (stdout and stderr together), fault_at (monotonic
+  time or None), resumed_s (fault -> the restarted run's "resumed from"),
+  next_epoch_s (fault -> its first finished epoch).
+  """
+  argv = rig.launch_argv(train, per_node, ["--max-restarts", str(max_restarts)])
+  full_env = rig.launch_env(env or dict(os.environ))
+  job = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, cwd=REPO, start_new_session=True)
+  lines, marks = [], {"fault_at": None, "resumed_at": None, "next_epoch_at": None}
+
+  def read():
+    for line in job.stdout:
+      lines.append(line)
+      now = time.monotonic()
+      if marks["fault_at"] is None:
+        if (fault_after_epoch is not None and
+            line.startswith(f"epoch {fault_after_epoch}/")):
+          timer = threading.Timer(fault_delay_s, lambda: (getattr(rig, fault)(1),
+                                                          marks.update(fault_at=time.monotonic())))
+          timer.start()
+      elif marks["resumed_at"] is None and line.startswith("resumed from"):
+        marks["resumed_at"] = now
+      elif (marks["resumed_at"] is not None and marks["next_epoch_at"] is None
+            and line.startswith("epoch ")):
+        marks["next_epoch_at"] = now
+
+  reader = threading.Thread(target=read, daemon=True)
+  reader.start()
+  try:
+    job.wait(timeout=timeout)
+  finally:
+    if job.poll() is None:
+      os.killpg(job.pid, 9)
+      job.wait()
+  reader.join(timeout=5)
+  fault_at = marks["fault_at"]
+  since = lambda t: None if fault_at is None or t is None else round(t - fault_at, 1)  # noqa: E731
+  return {"code": job.returncode, "output": "".join(lines), "fault_at": fault_at,
+          "resumed_s": since(marks["resumed_at"]), "next_epoch_s": since(marks["next_epoch_at"])}
+
+
+def read_log(path: str) -> tuple[list[dict], dict | None]:
+  """(epoch records, the last summary) of a JSON-lines log."""
+  with open(path, encoding="utf-8") as handle:
+    records = [json.loads(line) for line in handle if line.strip()]
+  epochs = [r for r in records if r.get("event") == "epoch"]
+  summaries = [r for r in records if r.get("event") == "summary"]
+  return epochs, (summaries[-1] if summaries else None)
+
+
+def log_problems(epochs: list[dict], expected: int) -> list[str]:
+  """What makes an epoch log other than one record per epoch with steps one epoch apart."""
+  problems = []
+  numbers = [r.get("epoch") for r in epochs]
+  if numbers != list(range(1, expected + 1)):
+    problems.append(f"epochs {numbers}, expected 1..{expected} once each")
+  steps = [r.get("step") for r in epochs]
+  gaps = {b - a for a, b in zip(steps, steps[1:])}
+  if steps and (len(gaps) > 1 or any(g <= 0 for g in gaps) or (gaps and steps[0] != min(gaps))):
+    problems.append(f"steps {steps} do not grow by one epoch each")
+  seen = {r.get("train_examples") for r in epochs}
+  if len(seen) > 1:
+    problems.append(f"examples per epoch differ: {[r.get('train_examples') for r in epochs]}")
+  return problems
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--nodes", type=int, default=2)
+  parser.add_argument("--per-node", type=int, default=2)
+  parser.add_argument("--epochs", type=int, default=6)
+  parser.add_argument("--batch-size", type=int, default=8)
+  parser.add_argument("--checkpoint-every", type=int, default=10)
+  parser.add_argument("--fault-after-epoch", type=int, default=2)
+  parser.add_argument("--rate-mbit", type=float, default=1000)
+  parser.add_argument("--fault", choices=("link_down", "kill_node"), default="link_down")
+  parser.add_argument("--skip-undisturbed", action="store_true")
+
+
+def main(args: argparse.Namespace) -> int:
+  for fault in ((None,) if not args.skip_undisturbed else ()) + (args.fault_after_epoch,):
+    with tempfile.TemporaryDirectory() as tmp, \
+         cluster.Cluster(nodes=args.nodes, rate_mbit=args.rate_mbit) as rig:
+      log = os.path.join(tmp, "log.jsonl")
+      train = train_args(args.epochs, args.batch_size, os.path.join(tmp, "ckpt"), log,
+                         args.checkpoint_every)
+      result = run_job(rig, args.per_node, train, fault_after_epoch=fault, fault=args.fault,
+                       timeout=900)
+      epochs, summary = read_log(log) if os.path.exists(log) else ([], None)
+      row = {"fault": fault and args.fault, "fault_after_epoch": fault, "code": result["code"],
+             "resumed_s": result["resumed_s"], "next_epoch_s": result["next_epoch_s"],
+             "final_test_accuracy": summary and summary["final_test_accuracy"],
+             "log_problems": log_problems(epochs, args.epochs),
+             "steps": [r.get("step") for r in epochs],
+             "examples": [r.get("train_examples") for r in epochs],
+             "train_loss": [round(r.get("train_loss"), 6) for r in epochs],
+             "restart_lines": [l for l in result["output"].splitlines() if "restart 1:" in l]}
+      print(json.dumps(row), flush=True)
+      if result["code"] != 0:
+        print(result["output"][-4000:], file=sys.stderr)
+  return 0
+
+
+SECTION = section("elastic_restart", "a node lost mid-run under jdist launch --max-restarts",
+                  rig=Run.of(sys.modules[__name__]))

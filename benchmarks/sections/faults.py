@@ -1,0 +1,140 @@
+"""Lost nodes on the rig: how long until every process of a job is gone, and what it says.
+
+    python -m benchmarks faults --runs 5 --timeout 20 \\
+        --out docs/benchmarks/cluster/faults.md
+
+Each run starts `jdist train` on 2 nodes x 2 processes under `jdist launch`,
+waits for its first epoch, injects one fault on node B and measures the
+seconds from the fault to `jdist launch`'s exit, its exit status, whether
+the message names the lost host and its ranks, and whether any process is
+left on the nodes. Faults: `link_down` (node B's NIC fails), `kill_node`
+(every process on node B killed at once), `partition` (the nodes cannot
+reach each other; mpirun still reaches both). The target (issue 25): every
+run ends within timeout + 15 s, non-zero, naming the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+
+from benchmarks.harness import cluster
+from benchmarks.harness import outputs
+from benchmarks.harness.section import Run, section
+
+FAULTS = ("link_down", "kill_node", "partition")
+PROCESSES_PER_NODE = 2
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclasses.dataclass
+class FaultRun:
+  fault: str
+  exit_status: int | None
+  seconds: float  # from the fault to jdist launch's exit
+  names_host: bool  # "lost host nodeB (ranks 2, 3)" (or, in a partition, either side)
+  leftover: int  # processes still on the nodes after the exit
+  output: str
+
+
+def run_fault(rig: cluster.Cluster, fault: str, timeout_s: float, env: dict[str, str],
+              wait_s: float = 60) -> FaultRun:
+  """One job on `rig` under `jdist launch`, with `fault` injected after its first epoch."""
+  argv = rig.launch_argv(
+      [cluster.tool("jdist"), "train", "--epochs", "1000", "--batch-size", "8", "--no-progress",
+       "--timeout", f"{timeout_s:g}"], PROCESSES_PER_NODE,
+      ["-np", str(PROCESSES_PER_NODE * len(rig.nodes)), "--mpirun-args", "--map-by slot"])
+  env = rig.launch_env(env)
+  job = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, cwd=_REPO, start_new_session=True)
+  lines: list[str] = []
+  try:
+    for line in job.stdout:  # until the first epoch ended on every rank
+      lines.append(line)
+      if line.startswith("epoch 1/"):
+        break
+    if not any(line.startswith("epoch 1/") for line in lines):
+      raise RuntimeError("the job ended before its first epoch:\n" + "".join(lines)[-3000:])
+    time.sleep(1)
+    if fault == "partition":
+      rig.partition()
+    else:
+      getattr(rig, fault)(1)
+    faulted = time.monotonic()
+    try:
+      rest, _ = job.communicate(timeout=timeout_s + wait_s)
+    except subprocess.TimeoutExpired:
+      rest = ""
+    seconds = time.monotonic() - faulted
+    leftover = len(rig.namespace_pids())
+  finally:
+    if job.poll() is None:
+      os.killpg(job.pid, 9)
+      job.wait()
+  output = "".join(lines) + rest
+  names = ("lost host nodeB (ranks 2, 3)" in output if fault != "partition"
+           else "lost host node" in output and "(ranks " in output)
+  return FaultRun(fault, job.returncode, seconds, names, leftover, output)
+
+
+def table(runs: list[FaultRun], timeout_s: float) -> str:
+  """A Markdown table, one row per fault kind."""
+  lines = ["| fault | runs | seconds to exit (min / median / max) | exit status | names host + ranks "
+           "| processes left | within timeout + 15 s |", "| --- | --- | --- | --- | --- | --- | --- |"]
+  for fault in FAULTS:
+    mine = [r for r in runs if r.fault == fault]
+    if not mine:
+      continue
+    seconds = sorted(r.seconds for r in mine)
+    statuses = ", ".join(str(s) for s in sorted({r.exit_status for r in mine}, key=str))
+    within = sum(r.seconds <= timeout_s + 15 and r.exit_status not in (0, None) for r in mine)
+    lines.append(f"| {fault} | {len(mine)} | {seconds[0]:.1f} / {seconds[len(seconds) // 2]:.1f} "
+                 f"/ {seconds[-1]:.1f} | {statuses} | {sum(r.names_host for r in mine)} of "
+                 f"{len(mine)} | {max(r.leftover for r in mine)} | {within} of {len(mine)} |")
+  return "\n".join(lines)
+
+
+def markdown(results: dict) -> str:
+  """faults.md: what was run and `table` of `results["runs"]` (FaultRun) at `timeout_s`."""
+  runs, timeout_s = results["runs"], results["timeout_s"]
+  return (f"# Lost nodes on the rig\n\n`python -m benchmarks faults --runs {results['repeats']} "
+          f"--timeout {timeout_s:g}`: 2 nodes x 2 processes x 1 device, 1 Gbit/s per node, "
+          "`jdist train` under `jdist launch`, one fault per run after the first epoch (see "
+          f"the module's docstring).\n\n{table(runs, timeout_s)}\n")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--runs", type=int, default=5)
+  parser.add_argument("--timeout", type=float, default=20.0, help="jdist train --timeout")
+  parser.add_argument("--faults", default=",".join(FAULTS))
+  parser.add_argument("--out", help="Markdown file to write the table to")
+
+
+def main(args: argparse.Namespace) -> int:
+  missing = cluster.missing_requirements()
+  if missing:
+    sys.stderr.write("cluster_faults: the rig cannot be built: " + "; ".join(missing) + "\n")
+    return 1
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+             XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  runs = []
+  for _ in range(args.runs):
+    for fault in args.faults.split(","):
+      with cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
+        run = run_fault(rig, fault, args.timeout, env)
+      runs.append(run)
+      print(f"{fault}: exit {run.exit_status} after {run.seconds:.1f} s, names host "
+            f"{run.names_host}, {run.leftover} left", flush=True)
+  print(table(runs, args.timeout))
+  if args.out:
+    outputs.write_markdown(args.out, markdown({"runs": runs, "repeats": args.runs,
+                                               "timeout_s": args.timeout}))
+  return 0
+
+
+SECTION = section("faults", "lost nodes: time until a job is gone, and what it says",
+                  rig=Run.of(sys.modules[__name__], report=markdown))

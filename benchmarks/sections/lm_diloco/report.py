@@ -1,0 +1,201 @@
+"""The language-model benchmark's summary and Markdown report (`python -m benchmarks lm_diloco`).
+
+`summarize(results)` derives, from the runs of `benchmarks.sections.lm_diloco.run`:
+
+  * the loss target: plain's validation loss at its first evaluation at or
+    past `target_at` of the planned tokens, from a plain run that got there
+    (plain computes the same steps on every link; a run not capped first);
+  * plain's validation loss after all the tokens (`plain_loss`), the
+    reference of "loss at equal tokens";
+  * per link, one row per variant: the last validation loss and the tokens
+    it came after, its difference to `plain_loss` (runs that trained every
+    token only), training seconds, median step, bytes sent per step, and the
+    training seconds to the target (the first evaluation at or below it),
+    or, not reached, the seconds trained as a lower bound; and the ratio of
+    that time to plain's on the same link (`bounded_ratio`: "<=" / ">=" where
+    one side is a bound).
+
+`markdown(results)` renders lm_diloco.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.harness import report
+from benchmarks.sections.time_to_accuracy import report as time_to_accuracy_report
+from benchmarks.sections.time_to_accuracy.targets import bounded_ratio, show_ratio
+
+REFERENCE = "plain"
+
+
+def _planned_tokens(runs: list[dict]) -> int | None:
+  return next((r["final"]["steps_planned"] * r["final"]["tokens_per_step"]
+               for r in runs if r.get("final")), None)
+
+
+def _complete(run: dict) -> bool:
+  final = run.get("final") or {}
+  return bool(final) and final["steps"] == final["steps_planned"]
+
+
+def loss_target(runs: list[dict], target_at: float) -> dict[str, Any]:
+  """`{"loss", "tokens", "step", "from"}`: plain's validation loss at `target_at` of the tokens.
+
+  Every field is None when no plain run reached that point.
+  """
+  planned = _planned_tokens(runs)
+  if planned is None:
+    return {"loss": None, "tokens": None, "step": None, "from": None}
+  plains = sorted((r for r in runs if r["variant"] == REFERENCE and r.get("curve")),
+                  key=lambda r: not _complete(r))
+  for run in plains:
+    point = next((p for p in run["curve"] if p["tokens"] >= target_at * planned), None)
+    if point is not None:
+      return {"loss": point["val_loss"], "tokens": point["tokens"], "step": point["step"],
+              "from": f"{REFERENCE}@{run['link']}"}
+  return {"loss": None, "tokens": None, "step": None, "from": None}
+
+
+def time_to(run: dict, loss: float | None) -> tuple[float | None, int | None]:
+  """Training seconds and tokens at the run's first evaluation at or below `loss`."""
+  point = next((p for p in run.get("curve", []) if loss is not None and p["val_loss"] <= loss),
+               None)
+  return (point["train_s"], point["tokens"]) if point else (None, None)
+
+
+def link_rows(runs: list[dict], link: str, target: float | None,
+              plain_loss: float | None) -> list[dict]:
+  """One row per variant run on `link` (see the module docstring)."""
+  rows = []
+  for run in (r for r in runs if r["link"] == link):
+    final = run.get("final") or {}
+    seconds, tokens = time_to(run, target)
+    row = {"variant": run["variant"], "link": link, "failed": not final,
+           "val_loss": final.get("val_loss"), "tokens": final.get("tokens"),
+           "capped": final.get("capped"), "train_s": final.get("train_s"),
+           "median_step_s": final.get("median_step_s"),
+           "first_step_s": final.get("first_step_s"),
+           "wire_bytes_per_step": final.get("wire_bytes_per_step"),
+           "time_to_target_s": seconds, "tokens_to_target": tokens,
+           "loss_vs_plain": (final["val_loss"] - plain_loss
+                             if _complete(run) and plain_loss is not None else None)}
+    row["target_kind"] = ("=" if seconds is not None else ">=" if final else "")
+    rows.append(row)
+  plain = next((r for r in rows if r["variant"] == REFERENCE), None)
+  for row in rows:
+    row["vs_plain"], row["vs_plain_kind"] = (bounded_ratio(row, plain) if plain
+                                             and not row["failed"] else (None, ""))
+  return rows
+
+
+def summarize(results: dict) -> dict[str, Any]:
+  runs = results["runs"]
+  target = loss_target(runs, results["options"]["target_at"])
+  plain = next((r for r in runs if r["variant"] == REFERENCE and _complete(r)), None)
+  plain_loss = plain["final"]["val_loss"] if plain else None
+  links = list(dict.fromkeys(r["link"] for r in runs))
+  return {"target": target, "plain_loss": plain_loss,
+          "plain_loss_from": plain and f"{REFERENCE}@{plain['link']}",
+          "links": {link: link_rows(runs, link, target["loss"], plain_loss) for link in links}}
+
+
+def _loss(value: float | None) -> str:
+  return "-" if value is None else f"{value:.4f}"
+
+
+def _to_target(row: dict) -> str:
+  if row["time_to_target_s"] is not None:
+    return f"{row['time_to_target_s']:.1f} ({row['tokens_to_target'] / 1e6:.2f} M tokens)"
+  if row["train_s"] is None:
+    return "-"
+  return f">= {row['train_s']:.1f} (not reached{', capped' if row['capped'] else ''})"
+
+
+def _link_table(rows: list[dict]) -> list[str]:
+  body = []
+  for r in rows:
+    if r["failed"]:
+      body.append([r["variant"], "failed"] + ["-"] * 7)
+      continue
+    wire = r["wire_bytes_per_step"]
+    body.append([
+        r["variant"], f"{_loss(r['val_loss'])} ({r['tokens'] / 1e6:.2f} M"
+        f"{', capped' if r['capped'] else ''})",
+        "-" if r["loss_vs_plain"] is None else f"{r['loss_vs_plain']:+.4f}",
+        f"{r['train_s']:.1f}", report.ms(r["median_step_s"]), report.num(r["first_step_s"]),
+        "-" if wire is None else report.size(wire), _to_target(r),
+        show_ratio(r["vs_plain"], r["vs_plain_kind"])])
+  return report.table(["variant", "validation loss (tokens)", "- plain's at equal tokens",
+                       "training s", "median step ms", "first step s", "sent per step",
+                       "s to target (tokens)", "time to target / plain's"], body)
+
+
+def _curve_table(runs: list[dict]) -> list[str]:
+  variants = [r["variant"] for r in runs]
+  points: dict[int, dict] = {}
+  for run in runs:
+    for point in run.get("curve", []):
+      points.setdefault(point["step"], {})[run["variant"]] = point
+  body = [[step, f"{next(iter(cells.values()))['tokens'] / 1e6:.3f}"]
+          + [f"{cells[v]['val_loss']:.4f} ({cells[v]['train_s']:.0f} s)" if v in cells else ""
+             for v in variants] for step, cells in sorted(points.items())]
+  return report.table(["step", "M tokens"] + variants, body)
+
+
+def _header(results: dict) -> list[str]:
+  env, options = results["environment"], results["options"]
+  load = {key: ", ".join(f"{x:.2f}" for x in env.get(key, []))
+          for key in ("load_average_start", "load_average_end")}
+  first = next((r["final"] for r in results["runs"] if r.get("final")), None)
+  sizes = (f"{first['parameters']:,} parameters ({first['blocks']} blocks, embed "
+           f"{first['embed']}, 4 heads, seq {first['seq']}); {first['train_tokens']:,} training "
+           f"tokens in {first['train_windows']:,} windows, {first['validation_windows']} "
+           f"held-out windows; {first['replicas']} replicas x {first['batch_per_replica']} "
+           f"windows x {first['seq']} tokens = {first['tokens_per_step']:,} tokens per step, "
+           f"{first['steps_planned']} steps, validation every {first['eval_every']} steps"
+           if first else "no run finished")
+  caps = ", ".join(f"{k} {v:g} s" for k, v in options.get("caps", {}).items())
+  return [
+      "# jdist: a small language model, DiLoCo against plain at equal tokens", "",
+      f"Generated by `{results['command']}` on {env['date']} in "
+      f"{results['wall_s'] / 60:.1f} min.", "",
+      f"- Machine: {env['cpu']}, {env['cores']} cores, kernel {env.get('kernel', '?')} "
+      f"(load average 1/5/15 min {load['load_average_start']} at start, "
+      f"{load['load_average_end']} at the end).",
+      "- Versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".",
+      "- Model and data: examples/minigpt_single.py's miniGPT architecture in flax linen, no "
+      f"dropout (`benchmarks.sections.lm_diloco.workload`), byte tokens, on its generated stories: {sizes}.",
+      "- Method: 2 processes x 1 device (`mpirun -np 2`), one job per link and variant, a "
+      "fresh network namespace per shaped link (shm: none); the same initial weights and "
+      f"window order in every variant. plain: `dist_opt(optax.adamw({options['lr']}))`; "
+      "powersgdR: `powersgd=R`; dilocoH: `diloco=H` (`jdist.diloco`, inner the same "
+      "AdamW, outer `optax.sgd(0.7, momentum=0.9, nesterov=True)`), _int8: 8-bit "
+      "pseudo-gradients; local_sgdH: `local_sgd=H, local_sgd_warmup=32`. Validation loss: "
+      "nats per token on the held-out windows, of the replicas' average (for DiLoCo and "
+      "local SGD off a sync step, an exchange outside the clock). Training seconds: the "
+      "sum of step times, evaluations excluded; the step is compiled by a discarded "
+      "warm-up step before the clock starts. Sent per step: bytes across processes, the mean over the steps trained.",
+      f"- Caps (training seconds): {options.get('max_seconds') or 'none'} each"
+      f"{'; ' + caps if caps else ''}; a capped run's seconds are a lower bound on its time "
+      "to the target.", ""]
+
+
+def markdown(results: dict) -> str:
+  """lm_diloco.md from the results (summary included)."""
+  summary = results["summary"]
+  target = summary["target"]
+  lines = _header(results)
+  lines += [f"**Skipped:** {reason}." for reason in results.get("skipped", [])]
+  lines += ["## Target", "",
+            (f"Validation loss {target['loss']:.4f}: {target['from']} after "
+             f"{target['tokens']:,} tokens (step {target['step']}, "
+             f"{results['options']['target_at']:g} of the tokens). Plain's loss after every "
+             f"token: {_loss(summary['plain_loss'])} ({summary['plain_loss_from']})."
+             if target["loss"] is not None else "No plain run reached the target's tokens: "
+             "no target."), ""]
+  for link, rows in summary["links"].items():
+    lines += [f"## {link}", ""] + _link_table(rows)
+    lines += ["Validation loss (training seconds) at each evaluation:", ""]
+    lines += _curve_table([r for r in results["runs"] if r["link"] == link])
+  return "\n".join(lines + time_to_accuracy_report.failures(results["runs"])) + "\n"

@@ -1,0 +1,179 @@
+"""A small transformer language model: DiLoCo against plain at equal tokens, on shaped links.
+
+    python -m benchmarks lm_diloco [--links 10mbit,100mbit]
+        [--variants plain,powersgd1,diloco32,diloco128,diloco128_int8,local_sgd32]
+        [--tokens N] [--batch 16] [--seq 64] [--embed 64] [--blocks 2] [--lr 0.001]
+        [--eval-every 64] [--target-at 0.5] [--max-seconds S]
+        [--max-seconds-of NAME[@LINK]=S,...] [--out DIR] [--quick] [--render JSON]
+
+Issue 28's language-model measurement. Each (link, variant) is one job of 2
+processes x 1 device (`mpirun -np 2`, placed in the link's network namespace
+as `benchmarks.sections.time_to_accuracy.run` places its jobs; shm: none) running
+`benchmarks.harness.worker`'s section "lm_diloco" (`benchmarks.sections.lm_diloco.train`):
+examples/minigpt_single.py's miniGPT architecture (`benchmarks.sections.lm_diloco.workload`:
+2 blocks, embed 64, 4 heads, seq 64, byte tokens) on its generated stories,
+`--batch` windows per replica per step, the same initial weights and window
+order in every variant, for `--tokens` tokens (all replicas together).
+plain is `dist_opt(optax.adamw(lr))`; diloco32/128 `dist_opt(adamw,
+diloco=H)` (inner AdamW, the default outer SGD 0.7 with Nesterov momentum
+0.9), diloco128_int8 with 8-bit pseudo-gradients, local_sgd32 post-local SGD
+with 32 synchronous steps; any mode of `benchmarks.sections.accuracy.MODES` but DGC's
+momentum correction runs by name.
+
+Reported per link and variant (`benchmarks.sections.lm_diloco.report`): the
+validation loss (nats per token on held-out stories) at equal tokens and its
+curve every `--eval-every` steps, the training seconds (the clock stops for
+evaluations) and median step, the bytes sent across processes per step, and
+the training seconds to a loss target: plain's validation loss after
+`--target-at` of the tokens (the same on every link: plain computes the same
+steps on each). `--max-seconds S` (or per variant `--max-seconds-of
+plain@10mbit=60`) caps a run at S training seconds; a capped run reports the
+loss it had, and its seconds count as a lower bound on its time to the
+target. The results are rewritten after every run.
+
+Writes lm_diloco.json and lm_diloco.md into --out (default
+docs/benchmarks/lm_diloco). Shaped links are skipped with the reason without
+root / `ip` / `tc`. `--quick`: a tiny model (1 block, embed 32, seq 32) for
+64 steps, plain and diloco8 on shm, about a minute. `--render JSON` rewrites
+the Markdown of an earlier run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any, Callable
+
+from benchmarks.harness import jobs as jobs_lib
+from benchmarks.harness import netns
+from benchmarks.harness import outputs
+from benchmarks.harness.section import UsageError
+from benchmarks.sections.lm_diloco import report as lm_diloco_report
+from benchmarks.sections.lm_diloco import train as lm_train
+from benchmarks.sections.network import shaped as network
+from benchmarks.sections.time_to_accuracy import run as time_to_accuracy
+
+DEFAULTS = dict(lm_train.DEFAULTS, links="10mbit,100mbit",
+                variants="plain,powersgd1,diloco32,diloco128,diloco128_int8,local_sgd32")
+QUICK = dict(DEFAULTS, links="shm", variants="plain,diloco8", tokens=64 * 2 * 4 * 32, batch=4,
+             seq=32, embed=32, blocks=1, stories=400, validation_stories=40, eval_every=16)
+SIZES = ("tokens", "batch", "seq", "embed", "blocks", "lr", "stories", "validation_stories",
+         "eval_every")
+JOB_TIMEOUT = 900  # seconds per job
+
+
+def run_record(link: str, variant: str, result: dict) -> dict[str, Any]:
+  """One run's curve, final row and error (None when it went well), from its job."""
+  section = result.get("sections", {}).get(lm_train.NAME, {})
+  rows = section.get("rows", [])
+  return {"link": link, "variant": variant,
+          "curve": [r for r in rows if r["kind"] == "eval"],
+          "final": next((r for r in rows if r["kind"] == "final"), None),
+          "error": result.get("error") or section.get("error"), "wall_s": result["wall_s"]}
+
+
+def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print,
+                  progress: Callable[[dict], None] | None = None) -> dict[str, Any]:
+  """Runs every (link, variant) job of `args`; returns the results, summary included."""
+  start = time.perf_counter()
+  environment = network.environment()
+  links, skipped = network.available_links(netns.link_named(n) for n in args.links)
+  for reason in skipped:
+    log(f"[{lm_train.NAME}] SKIPPED {reason}")
+  options = {key: getattr(args, key) for key in SIZES}
+  netns.remove_stale()
+  runs = []
+
+  def results_now() -> dict[str, Any]:
+    environment["load_average_end"] = list(os.getloadavg())
+    results = {"command": args.command, "environment": environment, "skipped": skipped,
+               "options": dict(options, target_at=args.target_at, max_seconds=args.max_seconds,
+                               caps={f"{v}@{l}": c for (v, l), c in args.caps.items()}),
+               "runs": list(runs), "wall_s": time.perf_counter() - start}
+    results["summary"] = lm_diloco_report.summarize(results)
+    return results
+
+  for link in links:
+    variants = [v for v, l in args.variants if l == link.name]
+    if not variants:
+      continue
+    with network.link_namespace(link) as name:
+      for variant in variants:
+        cap = args.caps.get((variant, link.name), args.max_seconds)
+        job = jobs_lib.Job(f"{variant}@{link.name}", 2, 1, (lm_train,), options=tuple(
+            dict(options, variant=variant, max_seconds=cap).items()))
+        result = jobs_lib.run(network.in_namespace(job, name), quick=False,
+                              timeout=args.timeout, log=log)
+        runs.append(run_record(link.name, variant, result))
+        if progress is not None:
+          progress(results_now())
+  return results_now()
+
+
+def write_outputs(results: dict, out_dir: str) -> list[str]:
+  """lm_diloco.json and lm_diloco.md into `out_dir`; returns the files written."""
+  return outputs.write_report(out_dir, results, lm_diloco_report.markdown,
+                              json_name="lm_diloco.json", md_name="lm_diloco.md")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  """The section's options; `--quick` (the settings of `QUICK`) and `--out` are common."""
+  parser.add_argument("--links", help=f"comma-separated, from "
+                      f"{','.join(l.name for l in netns.LINKS)} (default {DEFAULTS['links']})")
+  parser.add_argument("--variants", help="comma-separated NAME or NAME@LINK, NAME from "
+                      f"{','.join(lm_train.VARIANTS)} (default "
+                      f"{DEFAULTS['variants']})".replace("%", "%%"))
+  for key, kind, text in (
+      ("tokens", int, "tokens trained, all replicas together"),
+      ("batch", int, "windows per replica per step"), ("seq", int, "tokens per window"),
+      ("embed", int, "embedding width (feed-forward: 4x)"), ("blocks", int, "transformer blocks"),
+      ("lr", float, "AdamW's learning rate (the inner one of DiLoCo and local SGD)"),
+      ("stories", int, "training stories generated"),
+      ("validation_stories", int, "held-out stories generated"),
+      ("eval_every", int, "steps between two validation losses")):
+    parser.add_argument(f"--{key.replace('_', '-')}", type=kind,
+                        help=f"{text} (default {DEFAULTS[key]}; --quick {QUICK[key]})")
+  parser.add_argument("--target-at", type=float, default=0.5,
+                      help="the loss target is plain's validation loss after this fraction "
+                      "of the tokens (default 0.5)")
+  time_to_accuracy.add_cap_arguments(parser, "lm_diloco.json", JOB_TIMEOUT)
+
+
+def check(args: argparse.Namespace) -> None:
+  """Fills the defaults (of --quick or the full run) and parses the variant lists."""
+  base = QUICK if args.quick else DEFAULTS
+  for key, value in base.items():
+    if getattr(args, key) is None:
+      setattr(args, key, value)
+  try:
+    args.links = [netns.link_named(n.strip()).name for n in args.links.split(",")]
+    args.variants = time_to_accuracy.parse_variants(args.variants, args.links, lm_train.VARIANTS)
+    args.caps = time_to_accuracy.parse_caps(args.max_seconds_of, args.links, lm_train.VARIANTS)
+  except ValueError as err:
+    raise UsageError(str(err)) from err
+  if (min(args.tokens, args.batch, args.seq, args.embed, args.blocks, args.stories,
+          args.validation_stories) < 1 or args.eval_every < 0 or args.lr <= 0
+      or not 0 < args.target_at <= 1 or args.max_seconds < 0):
+    raise UsageError("--tokens, --batch, --seq, --embed, --blocks and the story "
+                              "counts must be >= 1, --eval-every >= 0 (0: at the end only), "
+                              "--lr > 0, --target-at in (0, 1], --max-seconds >= 0.")
+
+
+def main(args: argparse.Namespace) -> int:
+  if args.render:
+    network.render(args.render, lm_diloco_report.summarize, write_outputs, args.out)
+    return 0
+  netns.terminate_on_sigterm()  # so a killed run still deletes its namespace
+  results = run_benchmark(args, progress=lambda partial: write_outputs(partial, args.out))
+  written = write_outputs(results, args.out)
+  target = results["summary"]["target"]
+  print(f"target: validation loss {target['loss']} (plain's after {target['tokens']} tokens)")
+  for row in (r for rows in results["summary"]["links"].values() for r in rows):
+    print(f"{row['variant']}@{row['link']}: validation loss {row['val_loss']} after "
+          f"{row['tokens']} tokens in {row['train_s']} s; time to target "
+          f"{row['time_to_target_s']} ({row['target_kind']})")
+  for run in (r for r in results["runs"] if r["error"]):
+    print(f"{run['variant']}@{run['link']}: FAILED: {run['error'].splitlines()[0][:200]}")
+  print(f"Wrote {', '.join(written)} into {args.out} in {results['wall_s']:.0f} s.")
+  return 1 if any(run["error"] for run in results["runs"]) else 0

@@ -1,0 +1,17 @@
+"""The network section: jdist's modes against PyTorch DDP, whole training steps and
+all-reduce, on shaped links of one host (`shaped`, network.md) or on the cluster
+rig (`rig`, cluster/results.md); `steps` and `rig_allreduce` are the worker
+measurements, `report` and `rig_report` the reports, `timeline` the native
+engine's per-exchange times inside a step."""
+
+from benchmarks.harness.section import Run, section
+from benchmarks.sections.network import report
+from benchmarks.sections.network import rig
+from benchmarks.sections.network import rig_report
+from benchmarks.sections.network import shaped
+
+SECTION = section(
+    "network", "jdist's modes against PyTorch DDP, whole training steps and all-reduce, over "
+    "shaped links (network.md) or on the rig (cluster/results.md)",
+    shaped=Run.of(shaped, report=report.markdown, out="docs/benchmarks", quick=True),
+    rig=Run.of(rig, report=rig_report.markdown, out="docs/benchmarks/cluster", quick=True))

@@ -1,0 +1,163 @@
+"""Worker section "cluster_allreduce": all-reduce across the nodes of the cluster rig.
+
+Runs inside one job of `python -m benchmarks network --on rig`: P processes x 1
+device on N nodes of `benchmarks.harness.cluster` (network namespaces, a shaped link
+per node), launched by `mpirun --hostfile`. At each float32 size these run
+interleaved round by round in the same processes (`timing.interleaved`):
+
+  * `mpi`: mpi4py `Allreduce` between numpy buffers, on a communicator of
+    the benchmark's own (`allreduce.baseline_comm`): Open MPI's own choice of
+    algorithm (its `tuned` component's decision for this size and rank count);
+  * `hierarchical`: the node-aware exchange written by hand in mpi4py, the
+    reference for what a node-aware jdist could reach: reduce-scatter within
+    the node (a communicator from `Split_type(COMM_TYPE_SHARED)`: shared
+    memory), all-reduce of each slice across the nodes among the ranks of the
+    same local rank (one link carries each byte of the node's sum once per
+    direction, striped over the node's ranks), then all-gather within the node;
+  * `jdist_psum`: `jdist.psum` inside `jdist.data_parallel` (a jitted step),
+    whatever route the topology picks, as `benchmarks.sections.suite.allreduce` measures it
+    (on the native route across several nodes of several processes each:
+    node-aware, `native.hierarchical()`);
+  * `jdist_flat`: the same step with the native engine's sums switched to
+    flat (`native.set_hierarchical(False)`) for each call, where it runs
+    node-aware: both exchanges in the same job.
+
+The first call of `hierarchical` is checked against `mpi`'s result. Rounds
+follow from a warm-up round's length on the slowest rank (`repeats_for`), the
+same on every rank, so a point takes a few seconds on any link and load.
+
+Options (ctx.options): `sizes` (bytes per rank, required), `seconds` (target time per
+variant and size), `variants` (a subset of `VARIANTS`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jdist
+from benchmarks.harness import timing
+from benchmarks.sections.suite import allreduce
+from jdist import collectives
+from jdist.collectives import native
+
+VARIANTS = ("mpi", "hierarchical", "jdist_psum", "jdist_flat")
+SECONDS = 3.0  # target timed seconds per variant and size
+MOST_REPEATS = 15
+
+
+def repeats_for(calls: dict[str, Callable[[], object]], seconds: float, quick: bool) -> int:
+  """Runs one untimed round of `calls` and returns the timed rounds for them.
+
+  About `seconds` per variant from the warm-up round's length, 3 to
+  `MOST_REPEATS`. The slowest rank's round decides (an MPI max), so every
+  rank runs as many rounds.
+  """
+  from mpi4py import MPI  # pylint: disable=import-outside-toplevel
+  start = time.perf_counter()
+  for call in calls.values():
+    jax.block_until_ready(call())
+  elapsed = allreduce.baseline_comm().allreduce(time.perf_counter() - start, op=MPI.MAX)
+  if quick:
+    return 3
+  per_call = elapsed / max(1, len(calls))
+  return int(max(3, min(MOST_REPEATS, seconds // max(per_call, 1e-6))))
+
+
+class Hierarchical:
+  """Node-aware all-reduce in mpi4py: reduce-scatter in the node, cross-node
+  all-reduce of each slice among same-local-rank peers, all-gather in the node.
+
+  Args:
+    comm: the communicator over every rank (its nodes found by
+      `Split_type(COMM_TYPE_SHARED)`; every node must hold as many ranks).
+    count: float32 elements per rank, a multiple of the ranks per node.
+  """
+
+  def __init__(self, comm, count: int):
+    from mpi4py import MPI  # pylint: disable=import-outside-toplevel
+    self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    local = self.node.Get_rank()
+    self.cross = comm.Split(color=local, key=comm.Get_rank())
+    sizes = comm.allgather(self.node.Get_size())
+    if len(set(sizes)) != 1 or count % self.node.Get_size():
+      raise ValueError(f"hierarchical all-reduce needs equal nodes and a count divisible by "
+                       f"the ranks per node: ranks per node {sizes}, count {count}.")
+    self.part = np.empty(count // self.node.Get_size(), np.float32)
+    self.sum = MPI.SUM
+    self.in_place = MPI.IN_PLACE
+
+  @property
+  def nodes(self) -> int:
+    return self.cross.Get_size()
+
+  def __call__(self, src: np.ndarray, dst: np.ndarray) -> None:
+    self.node.Reduce_scatter_block(src, self.part, op=self.sum)
+    self.cross.Allreduce(self.in_place, self.part, op=self.sum)
+    self.node.Allgather(self.part, dst)
+
+  def free(self) -> None:
+    self.cross.Free()
+    self.node.Free()
+
+
+def flat(call: Callable[[], object]) -> object:
+  """`call` with the native engine's sums flat, waited for, then node-aware again."""
+  previous = native.set_hierarchical(False)
+  try:
+    return jax.block_until_ready(call())
+  finally:
+    native.set_hierarchical(previous)
+
+
+def variants_at(count: int, names) -> tuple[dict[str, Callable[[], object]], Callable[[], None]]:
+  """The variants at `count` float32 elements per rank, and a function freeing them."""
+  from mpi4py import MPI  # pylint: disable=import-outside-toplevel
+  comm = allreduce.baseline_comm()
+  src = np.random.default_rng(comm.Get_rank()).random(count, dtype=np.float32)
+  dst_mpi, dst_hier = np.empty_like(src), np.empty_like(src)
+  calls: dict[str, Callable[[], object]] = {}
+  hier = Hierarchical(comm, count)
+  if "mpi" in names or "hierarchical" in names:
+    comm.Allreduce(src, dst_mpi, op=MPI.SUM)
+  if "mpi" in names:
+    calls["mpi"] = lambda: comm.Allreduce(src, dst_mpi, op=MPI.SUM)
+  if "hierarchical" in names:
+    hier(src, dst_hier)
+    if not np.allclose(dst_hier, dst_mpi, rtol=1e-5):
+      raise AssertionError("the hierarchical all-reduce disagrees with MPI_Allreduce")
+    calls["hierarchical"] = lambda: hier(src, dst_hier)
+  if "jdist_psum" in names or "jdist_flat" in names:
+    buffer = jdist.replicate(jnp.asarray(src))
+    step = jdist.data_parallel(jdist.psum)
+    jax.block_until_ready(step(buffer))  # compiles
+    if "jdist_psum" in names:
+      calls["jdist_psum"] = lambda: step(buffer)
+    if "jdist_flat" in names and native.hierarchical():
+      calls["jdist_flat"] = lambda: flat(lambda: step(buffer))
+  return calls, hier.free
+
+
+NAME = "cluster_allreduce"  # the job results' key (benchmarks.harness.worker)
+
+
+def run(ctx):
+  """Yields one row per variant and size, smallest size first."""
+  names = tuple(ctx.options.get("variants", VARIANTS))
+  seconds = float(ctx.options.get("seconds", SECONDS))
+  for nbytes in ctx.options["sizes"]:
+    count = nbytes // 4
+    calls, free = variants_at(count, names)
+    repeats = repeats_for(calls, seconds, ctx.quick)  # also the warm-up round
+    series = timing.interleaved(calls, repeats=repeats, warmup=0, sync=ctx.sync)
+    free()
+    route = collectives.route() if "jdist_psum" in calls else None
+    for name, times in series.items():
+      yield {"variant": name, "route": route if name.startswith("jdist") else "host",
+             "bytes": nbytes, "processes": ctx.topo.process_count, "nodes": ctx.topo.node_count,
+             "replicas": ctx.topo.replica_count, "node_aware": native.hierarchical(),
+             **times.as_dict()}

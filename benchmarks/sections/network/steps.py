@@ -1,0 +1,185 @@
+"""Worker section "network": jdist's modes, a hand-written step and raw MPI on one link.
+
+Runs inside one job of `python -m benchmarks network` (2x1 or 2x2, in a
+shaped namespace or over shared memory). On SINGA's CNN (431,080
+parameters, 1.7 MB of float32 gradients) with 64 synthetic images per
+replica, these steps train interleaved round by round (`timing.interleaved`):
+
+  * `compute`: the same step with no exchange (`workload.compute_step`):
+    communication time = step - compute (`comm_paired_s`: this rank's own
+    compute in the same round; `comm_vs_slowest_s`: the slowest rank's, as a
+    step that exchanges waits for the slowest rank's backward pass, and with
+    more ranks than cores that wait is the machine's load, not the link);
+  * jdist's modes: `jdist.dist_opt(optax.sgd(...))` plain, fp16, bf16,
+    top-K 1% (exact and block), threshold (~1%) and partial sync 4, built by
+    `benchmarks.sections.suite.compression.transformation`;
+  * `handwritten` (one device per process only): a pmapped step that ravels
+    the gradients into one float32 buffer and sums it with a raw
+    `mpi4jax.allreduce`, as a user would write without jdist
+    (`handwritten_per_leaf`: one `mpi4jax.allreduce` per parameter leaf).
+    Across processes a `pmap` + `lax.pmean` step cannot exist (pmean spans
+    one process's devices), and mpi4jax refuses more than one local device,
+    so there is no hand-written step in 2x2.
+
+With option `torch` (torch installed), the PyTorch peer trains in the same
+processes and the same rounds (`benchmarks.harness.torch_peer`: `torch_compute`,
+`ddp`, `ddp_fp16`, `ddp_powersgd`, gloo over the same link), so jdist and DDP
+are timed side by side under the same machine load. Each process is one
+torch rank training its local replicas' images (64 x local devices).
+
+On the native route (`JDIST_NATIVE_TRACE` set by `benchmarks.sections.network.shaped`),
+`benchmarks.sections.network.timeline` then records when each exchange of a few plain and
+fp16 steps ran, against the step's start.
+
+Then the floor: mpi4py `Allreduce` of the gradient's size in float32
+(`mpi_f32`) and of half its bytes (`mpi_f32_half_bytes`, what a 16-bit
+payload moves), on the same link, between numpy buffers.
+
+Options (ctx.options): `modes` (jdist modes to run), `repeats`, `warmup`,
+`model` (default the CNN), `handwritten`, `floor` (default on), `torch`
+(a list of torch variants; default none).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import jax
+import jax.flatten_util
+import numpy as np
+import optax
+
+import jdist
+from benchmarks.harness import analysis
+from benchmarks.harness import timing
+from benchmarks.harness import workload
+from benchmarks.sections.network import timeline
+from benchmarks.sections.suite import compression
+from jdist.runtime import host
+
+MODEL = "cnn"
+PER_REPLICA_BATCH = 64
+LEARNING_RATE = compression.LEARNING_RATE
+MODES = ("plain", "fp16", "bf16", "topk1%", "topk1%-block", "threshold", "partial4",
+         "powersgd4", "powersgd1")
+REPEATS = 15
+WARMUP = 3
+# Each row's step against these, round by round (the torch peer's when present).
+PAIRED_REFERENCES = ("compute", "torch_compute", "ddp", "ddp_fp16")
+
+
+def handwritten_step(model, tx: optax.GradientTransformation, *, per_leaf: bool):
+  """A pmapped step (one device per process) summing gradients with raw mpi4jax.
+
+  Args:
+    model: the flax module.
+    tx: the optimizer applied to the averaged gradients.
+    per_leaf: one all-reduce per parameter leaf instead of one fused buffer.
+
+  Returns:
+    `(params, opt_state, x, y) -> (params, opt_state, loss)`, pmapped.
+  """
+  import mpi4jax  # pylint: disable=import-outside-toplevel
+  from mpi4py import MPI  # pylint: disable=import-outside-toplevel
+  comm = MPI.COMM_WORLD.Clone()
+  size = comm.Get_size()
+
+  def average(tree):
+    if per_leaf:
+      return jax.tree.map(lambda g: mpi4jax.allreduce(g, op=MPI.SUM, comm=comm) / size, tree)
+    flat, unravel = jax.flatten_util.ravel_pytree(tree)
+    return unravel(mpi4jax.allreduce(flat, op=MPI.SUM, comm=comm) / size)
+
+  def step(params, opt_state, x, y):
+    loss, grads = workload.loss_and_grads(model, params, x, y)
+    updates, opt_state = tx.update(average(grads), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return jax.pmap(step, axis_name="i")
+
+
+def mpi_floor(ctx, param_count: int, repeats: int, warmup: int) -> list[dict]:
+  """Raw mpi4py Allreduce of the gradient's float32 bytes, and of half of them."""
+  from mpi4py import MPI  # pylint: disable=import-outside-toplevel
+  comm = MPI.COMM_WORLD
+  buffers = {"mpi_f32": param_count, "mpi_f32_half_bytes": param_count // 2}
+  calls = {}
+  for name, count in buffers.items():
+    send, recv = np.ones(count, np.float32), np.empty(count, np.float32)
+    calls[name] = lambda s=send, r=recv: comm.Allreduce(s, r, op=MPI.SUM)
+  series = timing.interleaved(calls, repeats=repeats, warmup=warmup, sync=ctx.sync)
+  return [{"variant": name, "kind": "floor", "params": param_count,
+           "wire_bytes": float(count * 4), **series[name].as_dict()}
+          for name, count in buffers.items()]
+
+
+def torch_steppers(ctx, variants) -> dict:
+  """The PyTorch peer's variants as step functions, named `torch_compute`, `ddp`, ..."""
+  from benchmarks.harness import torch_peer  # pylint: disable=import-outside-toplevel
+  torch_peer.init(ctx.rank, ctx.topo.process_count)
+  batch = PER_REPLICA_BATCH * ctx.topo.local_device_count
+  return {("torch_compute" if v == "compute" else v):
+          torch_peer.Trainer(v, batch, seed=0, rank=ctx.rank) for v in variants}
+
+
+def slowest_compute(series: dict[str, timing.Series]) -> dict[str, list[float]]:
+  """Round by round, the slowest process's compute-only step (jdist's and torch's).
+
+  Every process runs the same rounds, so round i's samples line up across
+  processes; one host gather after the timed rounds (outside them).
+  """
+  mine = {name: series[name].samples for name in ("compute", "torch_compute") if name in series}
+  every = host.allgather_object(mine, "network: compute steps per round")
+  return {name: analysis.slowest_per_round([rank[name] for rank in every]) for name in mine}
+
+
+NAME = "network"  # the job results' key (benchmarks.harness.worker)
+
+
+def run(ctx):
+  """Yields one row per variant: median step time (`time_s`) and its spread."""
+  repeats = 3 if ctx.quick else int(ctx.options.get("repeats", REPEATS))
+  warmup = 1 if ctx.quick else int(ctx.options.get("warmup", WARMUP))
+  modes = ctx.options.get("modes", MODES)
+  bench = workload.setup(ctx.options.get("model", MODEL), PER_REPLICA_BATCH)
+  sgd = optax.sgd(LEARNING_RATE)
+  steppers = {"compute": bench.stepper(workload.compute_step(bench.model, sgd), sgd)}
+  kinds = {"compute": "compute"}
+  for mode in modes:
+    tx = compression.transformation(mode, bench)
+    steppers[mode] = bench.stepper(workload.jdist_step(bench.model, tx), tx)
+    kinds[mode] = "jdist"
+  if ctx.topo.local_device_count == 1 and ctx.topo.process_count > 1 and \
+      ctx.options.get("handwritten", True):
+    for name, per_leaf in (("handwritten", False), ("handwritten_per_leaf", True)):
+      steppers[name] = bench.stepper(handwritten_step(bench.model, sgd, per_leaf=per_leaf),
+                                     sgd, init=jax.pmap)
+      kinds[name] = "handwritten"
+  if ctx.options.get("torch"):
+    for name, trainer in torch_steppers(ctx, ctx.options["torch"]).items():
+      steppers[name] = trainer
+      kinds[name] = "torch"
+  series = timing.interleaved(steppers, repeats=repeats, warmup=warmup, sync=ctx.sync)
+  slowest = slowest_compute(series)
+  for name, stepper in steppers.items():
+    own = "torch_compute" if kinds[name] == "torch" else "compute"
+    compute = series[own].samples
+    wire = 0.0
+    if kinds[name] == "jdist":
+      wire = float(jdist.wire_bytes(jdist.unreplicate(stepper.state[1])))
+    elif kinds[name] == "handwritten":
+      wire = float(bench.param_count * 4)
+    paired = statistics.median(s - c for s, c in zip(series[name].samples, compute))
+    vs_slowest = statistics.median(s - c for s, c in zip(series[name].samples, slowest[own]))
+    extra = {"threads": stepper.threads} if kinds[name] == "torch" else {}
+    for reference in PAIRED_REFERENCES:  # medians of per-round ratios: drift cancels
+      if reference in series:
+        extra[f"paired_vs_{reference}"] = timing.paired_ratio(series[name], series[reference])
+    yield {"variant": name, "kind": kinds[name], "params": bench.param_count, **extra,
+           "per_replica_batch": PER_REPLICA_BATCH, "wire_bytes": wire,
+           "comm_paired_s": paired, "comm_vs_slowest_s": vs_slowest,
+           **series[name].as_dict()}
+  if ctx.topo.process_count > 1:  # when each exchange ran, on the native route
+    yield from timeline.record(steppers, series["compute"].median, ctx.sync)
+  if ctx.topo.process_count > 1 and ctx.options.get("floor", True):
+    yield from mpi_floor(ctx, bench.param_count, max(repeats, 10), warmup)

@@ -1,0 +1,151 @@
+"""The two step styles, timed against each other: a jit step over global arrays / `data_parallel`.
+
+Under mpirun (2x1, 2x2) each process trains the same model on the same global
+batch both ways, interleaved step by step (`timing.interleaved`):
+
+  * `data_parallel`: `jdist.data_parallel` + `jdist.dist_opt(optax.sgd)`, the
+    batch as [local_devices, per_replica, ...] (`workload.jdist_step`);
+  * `jit`: `jax.jit` over global arrays under `jax.set_mesh(jdist.mesh())`,
+    parameters replicated and this process's rows sharded over the mesh
+    (`jdist.shard_global_batch`), the same transformation (the README's
+    quickstart step).
+
+Models: SINGA's MNIST CNN (`workload.build("cnn")`) and a small transformer
+classifier (2 pre-norm blocks, embedding 64, sequence 64, 4 heads). Each row
+gives both medians, the ratio of medians and the median of per-round ratios
+(jit / data_parallel), the route each style took and the load average.
+
+  bash scripts/mpirun.sh -np 2 -x XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
+      python -m benchmarks styles [--repeats 40] [--global-batch 64] [--models cnn,transformer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+import jdist
+from benchmarks.harness import timing
+from benchmarks.harness import workload
+from benchmarks.harness.section import Run, section
+from jdist.app import models
+
+SEQUENCE, EMBED, HEADS, BLOCKS, VOCAB = 64, 64, 4, 2, 256
+LEARNING_RATE = 0.01
+
+
+class _Block(nn.Module):
+  """Pre-norm self-attention and MLP, each with a residual."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = x + nn.MultiHeadDotProductAttention(num_heads=HEADS)(nn.LayerNorm()(x))
+    h = nn.Dense(4 * EMBED)(nn.LayerNorm()(x))
+    return x + nn.Dense(EMBED)(nn.gelu(h))
+
+
+class SmallTransformer(nn.Module):
+  """Token classifier: embedding + positions, `BLOCKS` blocks, mean pool, dense."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(VOCAB, EMBED)(tokens)
+    x = x + self.param("positions", nn.initializers.normal(0.02), (SEQUENCE, EMBED))
+    for _ in range(BLOCKS):
+      x = _Block()(x)
+    return nn.Dense(workload.NUM_CLASSES)(nn.LayerNorm()(x).mean(axis=1))
+
+
+def _model_and_batch(name: str, global_batch: int, seed: int = 0):
+  """The model, its parameters and a global batch (host arrays, the same on every rank)."""
+  rng = np.random.default_rng(seed)
+  y = rng.integers(0, workload.NUM_CLASSES, size=(global_batch,)).astype(np.int32)
+  if name == "transformer":
+    model = SmallTransformer()
+    x = rng.integers(0, VOCAB, size=(global_batch, SEQUENCE)).astype(np.int32)
+  else:
+    model = workload.build(name)
+    x = rng.random((global_batch,) + workload.IMAGE_SHAPE, dtype=np.float32)
+  params = jax.jit(model.init)(jax.random.key(seed), jnp.asarray(x[:1]))["params"]
+  return model, params, x, y
+
+
+def _jit_step(model: nn.Module, tx: optax.GradientTransformation):
+  """A user's jit step over global arrays (the README's quickstart)."""
+
+  @jax.jit
+  def step(params, opt_state, x, y):
+    loss, grads = workload.loss_and_grads(model, params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, jdist.pmean(loss)
+
+  return step
+
+
+def measure(name: str, global_batch: int, repeats: int, warmup: int = 3) -> dict[str, Any]:
+  """Interleaved jit and data_parallel steps of model `name` on one global batch."""
+  topo = jdist.init()
+  if global_batch % topo.replica_count:
+    raise ValueError(f"--global-batch {global_batch} must be a multiple of the "
+                     f"{topo.replica_count} replicas.")
+  model, params, x, y = _model_and_batch(name, global_batch)
+  tx = jdist.dist_opt(optax.sgd(LEARNING_RATE))
+  mesh = jdist.mesh()
+  mine_x, mine_y = jdist.process_slice((x, y))
+  devices, per_replica = topo.local_device_count, global_batch // topo.replica_count
+  dp_batch = (workload.shard(mine_x.reshape((devices, per_replica) + x.shape[1:])),
+              workload.shard(mine_y.reshape(devices, per_replica)))
+  replicated = NamedSharding(mesh, PartitionSpec())
+  with jax.set_mesh(mesh):
+    jit_params = jax.device_put(params, replicated)
+    jit_state = jax.jit(tx.init, out_shardings=replicated)(jit_params)
+    jit_batch = jdist.shard_global_batch((x, y))
+    dp_params = jdist.replicate(params)
+    variants = {
+        "data_parallel": timing.Stepper(workload.jdist_step(model, tx),
+                                        (dp_params, jdist.data_parallel(tx.init)(dp_params)),
+                                        dp_batch),
+        "jit": timing.Stepper(_jit_step(model, tx), (jit_params, jit_state), jit_batch),
+    }
+    series = timing.interleaved(variants, repeats=repeats, warmup=warmup, sync=jdist.barrier)
+  jit, dp = series["jit"], series["data_parallel"]
+  return {"model": name, "params": models.param_count(params), "global_batch": global_batch,
+          "processes": topo.process_count, "devices": devices, "route": topo.route,
+          "jit_route": topo.jit_route, "repeats": repeats,
+          **jit.as_dict("jit_"), **dp.as_dict("data_parallel_"),
+          "ratio_of_medians": jit.median / dp.median,
+          "paired_ratio": timing.paired_ratio(jit, dp),
+          "load_average": os.getloadavg()}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--models", default="cnn,transformer")
+  parser.add_argument("--global-batch", type=int, default=64)
+  parser.add_argument("--repeats", type=int, default=40)
+  parser.add_argument("--out", default=None, help="append JSON lines here (rank 0)")
+
+
+def main(args: argparse.Namespace) -> int:
+  topo = jdist.init()
+  for name in args.models.split(","):
+    row = measure(name, args.global_batch, args.repeats)
+    if topo.is_primary:
+      line = json.dumps(row)
+      print(line, flush=True)
+      if args.out:
+        with open(args.out, "a", encoding="utf-8") as out:
+          out.write(line + "\n")
+
+
+SECTION = section("styles", "a jit step over global arrays against data_parallel",
+                  mpirun=Run.of(sys.modules[__name__]))

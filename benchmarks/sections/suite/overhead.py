@@ -1,0 +1,63 @@
+"""Section 2: what jdist adds to a train step, against a hand-written pmap step.
+
+In one process with forced host devices (jobs 1x2 and 1x4), the same model,
+parameters and batch go through
+
+  * `jdist`: `jdist.data_parallel` + `jdist.dist_opt(optax.sgd(...))`;
+  * `pmap`: `jax.pmap(axis_name="i")` + `lax.pmean` of the gradients +
+    `optax.sgd(...)`, written by hand;
+  * `shard_map`: the same step as `jax.jit(jax.shard_map(...))`, written by
+    hand (jdist's `data_parallel` is built on shard_map);
+  * `jdist_nocheck`: the jdist step without `data_parallel`'s Python check
+    of the inputs' leading axes (`check_inputs=False`), which separates that
+    per-call host cost from differences in the compiled step;
+
+interleaved step by step. Each variant feeds its own outputs back (a real
+training loop). The row holds both medians; the driver reports their ratio
+and the median of per-round ratios.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+import jdist
+from benchmarks.harness import timing
+from benchmarks.harness import workload
+
+MODELS = ("mlp1m", "cnn")
+QUICK_MODELS = ("mlp-tiny",)
+PER_REPLICA_BATCH = 32
+REPEATS = 60
+LEARNING_RATE = 0.01
+
+
+def measure(ctx, name: str) -> dict:
+  """Interleaved jdist and hand-written pmap steps of model `name`."""
+  bench = workload.setup(name, PER_REPLICA_BATCH)
+  sgd = optax.sgd(LEARNING_RATE)
+  jdist_tx = jdist.dist_opt(sgd)
+  variants = {
+      "jdist": bench.stepper(workload.jdist_step(bench.model, jdist_tx), jdist_tx),
+      "pmap": bench.stepper(workload.pmap_step(bench.model, sgd), sgd, init=jax.pmap),
+      "shard_map": bench.stepper(workload.shard_map_step(bench.model, sgd), sgd),
+      "jdist_nocheck": bench.stepper(
+          workload.jdist_step(bench.model, jdist_tx, check_inputs=False), jdist_tx),
+  }
+  series = timing.interleaved(variants, repeats=ctx.repeats(REPEATS), warmup=ctx.warmup(3),
+                              sync=ctx.sync)
+  return {"model": name, "params": bench.param_count, "devices": ctx.topo.local_device_count,
+          "per_replica_batch": PER_REPLICA_BATCH, **series["jdist"].as_dict("jdist_"),
+          **series["pmap"].as_dict("pmap_"), **series["jdist_nocheck"].as_dict("jdist_nocheck_"),
+          **series["shard_map"].as_dict("shard_map_"),
+          "paired_ratio": timing.paired_ratio(series["jdist"], series["pmap"]),
+          "paired_ratio_shard_map": timing.paired_ratio(series["jdist"], series["shard_map"])}
+
+
+NAME = "overhead"  # the job results' key (benchmarks.harness.worker)
+
+
+def run(ctx):
+  for name in QUICK_MODELS if ctx.quick else MODELS:
+    yield measure(ctx, name)

@@ -1,0 +1,14 @@
+"""The time-to-accuracy section: seconds to a test accuracy, jdist's modes against
+PyTorch DDP over shaped links (`run`); `train` is the worker measurement (and
+`torch_trainer` its DDP side, imported only for a torch variant), `report` and
+`targets` the report."""
+
+from benchmarks.harness.section import Run, section
+from benchmarks.sections.time_to_accuracy import report
+from benchmarks.sections.time_to_accuracy import run
+
+SECTION = section(
+    "time_to_accuracy", "seconds to a test accuracy, jdist's modes against PyTorch DDP over "
+    "shaped links",
+    shaped=Run.of(run, report=report.markdown, out="docs/benchmarks/time_to_accuracy",
+                  quick=True))

@@ -1,0 +1,312 @@
+"""Time to a test accuracy: jdist's modes against PyTorch DDP on shaped links.
+
+    python -m benchmarks time_to_accuracy [--links 1gbit,100mbit]
+        [--variants ddp,plain@1gbit,powersgd4,powersgd1] [--full plain,powersgd4,powersgd1]
+        [--target 0.88] [--epochs 4] [--eval-every N] [--dataset auto|fashion_mnist|digits]
+        [--max-seconds S] [--max-seconds-of NAME[@LINK]=S,...]
+        [--limit N] [--out DIR] [--quick] [--render JSON]
+
+How long, in training seconds, each variant needs to reach `--target` test
+accuracy on Fashion-MNIST (the issue's 88%) on each link of `netns.LINKS`
+(shm: shared memory, no namespace; 1gbit, 100mbit, ...: a fresh network
+namespace per link whose loopback `tc` shapes, as `benchmarks.sections.network.shaped`).
+Each (link, variant) is its own job of 2 processes x 1 device (`mpirun -np
+2`), run by `benchmarks.harness.worker`'s section "time_to_accuracy"
+(`benchmarks.sections.time_to_accuracy.train`): SINGA's CNN, batch 32 per replica, SGD(0.005,
+momentum 0.9), the same initial weights, data order and rows per rank for
+jdist's modes (`benchmarks.sections.accuracy.MODES`: plain, fp16, topk1%, powersgd4,
+powersgd1, ..., and the modes that exchange parameters every H steps:
+diloco8/32/128, sdiloco32 (Streaming DiLoCo, 4 fragments), diloco32_int8 and
+diloco128_int8 (8-bit pseudo-gradients, `diloco_payload="int8"`), sdiloco32_int8/_int4,
+sdiloco32_bg and diloco128_bg (the outer sync in the background: `diloco_delay`,
+`diloco_mix=0.5`; these local-update modes return each replica's own loss, so
+nothing crosses processes between syncs), local_sgd8/32
+(post-local SGD after 32 synchronous steps)), for `compute_floor` (the same
+inner SGD steps with no exchange at all), for `<mode>_nosync` (a DiLoCo
+mode's own floor: its step with a sync period longer than the run), for
+`<mode>_paired` (a DiLoCo mode, `compute_floor` and `<mode>_nosync` a step of
+each in turn in one job, `train_to_target.PairedTrainer`: the floor ratios on the
+same machine) and for DDP over gloo (`ddp`,
+`ddp_fp16`, `ddp_powersgd`, `ddp_postlocal`: PyTorch's post-local SGD with
+local_sgd32's warm-up and period; `benchmarks.sections.time_to_accuracy.torch_trainer`), so DDP
+plain follows jdist plain's accuracy curve and only the wall time differs.
+`diloco_best@LINK` runs the DiLoCo mode (diloco*, sdiloco*) that reached
+the target soonest on the links run before LINK (list LINK later in
+--links). The test accuracy is measured every
+`--eval-every` steps (default a quarter epoch) with the clock stopped, and a
+run ends at the first evaluation at or above the target, except the variants
+in `--full`, which train every epoch so their accuracy after `--epochs`
+epochs is known (the default `--full` goes with the default `--variants`;
+naming `--variants` leaves it empty). A variant is `NAME` (every link) or
+`NAME@LINK` (that link only), in `--variants` and `--full` alike.
+
+`--max-seconds S` caps each run at S training seconds (0: no cap;
+`--max-seconds-of plain@10mbit=120,ddp=120` per variant): a run capped
+before the target reports the accuracy it had, and the report's ratios use
+its training seconds as a lower bound on its time to the target. The
+results are rewritten after every run, so a run stopped early keeps those
+done.
+
+Writes time_to_accuracy.json and time_to_accuracy.md into --out (default
+docs/benchmarks/time_to_accuracy; --quick: a temporary directory): per link,
+each variant's time and steps to the target, median step, last accuracy,
+bytes sent per step and time / DDP plain's; the accuracy curves; and the
+issue's targets at 100 Mbit/s (`benchmarks.sections.time_to_accuracy.report`).
+Shaped links are skipped with the reason without root / `ip` / `tc`, the
+torch variants without torch (`pip install -e '.[torch-peer]'`); neither
+fails the run. `--render JSON` rewrites the Markdown of an earlier run.
+
+The defaults are the full measurement, about 40 minutes on the 2-core
+machine (DDP plain at 100 Mbit/s alone about 12), best run in the background:
+
+    nohup .venv/bin/python -m benchmarks time_to_accuracy > /tmp/tta.log 2>&1 &
+
+`--quick` (digits, 1 epoch, target 0.5, plain and DDP on shm and 1gbit) is a
+smoke run of about two minutes, most of it each job's start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any, Callable
+
+from benchmarks.harness import jobs as jobs_lib
+from benchmarks.harness import netns
+from benchmarks.harness import outputs
+from benchmarks.harness.section import UsageError
+from benchmarks.sections import accuracy
+from benchmarks.sections.network import shaped as network
+from benchmarks.sections.time_to_accuracy import report as time_to_accuracy_report
+from benchmarks.sections.time_to_accuracy import train as train_to_target
+
+BEST_DILOCO = "diloco_best"  # resolved when its link comes: see resolve_best_diloco
+VARIANTS = (tuple(accuracy.MODES) + (train_to_target.FLOOR,) + train_to_target.TORCH_VARIANTS
+            + tuple(mode + accuracy.PAIRED for mode, options in accuracy.MODES.items()
+                    if "diloco" in options and not accuracy.never_syncs(mode))
+            + (BEST_DILOCO,))
+DEFAULTS = {"links": "1gbit,100mbit", "variants": "ddp,plain@1gbit,powersgd4,powersgd1",
+            "full": "plain,powersgd4,powersgd1", "dataset": "auto", "epochs": 4,
+            "target": 0.88}
+QUICK = {"links": "shm,1gbit", "variants": "plain,ddp", "full": "", "dataset": "digits",
+         "epochs": 1, "target": 0.5}
+JOB_TIMEOUT = 3600  # seconds per job: DDP plain at 100 Mbit/s needs about 12 minutes
+
+
+def parse_variants(text: str, links: list[str],
+                   choices: tuple[str, ...] = VARIANTS) -> list[tuple[str, str]]:
+  """`(variant, link)` pairs of `"NAME,NAME@LINK,..."` over `links`, in order (NAME in `choices`).
+
+  Raises:
+    ValueError: an unknown variant, or a link not in `links`.
+  """
+  pairs = []
+  for entry in filter(None, (e.strip() for e in text.split(","))):
+    name, _, link = entry.partition("@")
+    if name not in choices:
+      raise ValueError(f"unknown variant {name!r}; choose from {', '.join(choices)}")
+    if link and link not in links:
+      raise ValueError(f"{entry!r}: link {link!r} is not in --links ({', '.join(links)})")
+    pairs += [(name, l) for l in ([link] if link else links) if (name, l) not in pairs]
+  return pairs
+
+
+def parse_caps(text: str, links: list[str],
+               choices: tuple[str, ...] = VARIANTS) -> dict[tuple[str, str], float]:
+  """`{(variant, link): seconds}` of `"NAME=S,NAME@LINK=S,..."` over `links`.
+
+  Raises:
+    ValueError: an entry without `=S`, S not a positive number, or a bad name or link.
+  """
+  caps = {}
+  for entry in filter(None, (e.strip() for e in text.split(","))):
+    name, sep, seconds = entry.partition("=")
+    try:
+      value = float(seconds) if sep else -1.0
+    except ValueError:
+      value = -1.0
+    if value <= 0:
+      raise ValueError(f"{entry!r} must be NAME=SECONDS or NAME@LINK=SECONDS with "
+                       "SECONDS > 0, e.g. ddp@10mbit=120")
+    caps.update({pair: value for pair in parse_variants(name, links, choices)})
+  return caps
+
+
+def is_diloco(variant: str) -> bool:
+  """A DiLoCo mode that syncs (not a `*_nosync` floor)."""
+  return (variant in accuracy.MODES and "diloco" in accuracy.MODES[variant]
+          and not accuracy.never_syncs(variant))
+
+
+def resolve_best_diloco(runs: list[dict]) -> str | None:
+  """The DiLoCo mode that reached the target in the fewest training seconds in `runs`."""
+  reached = [r for r in runs if is_diloco(r["variant"]) and r.get("final")
+             and r["final"].get("time_to_target_s") is not None]
+  best = min(reached, key=lambda r: r["final"]["time_to_target_s"], default=None)
+  return best and best["variant"]
+
+
+def variant_job(link: netns.Link, variant: str, options: dict[str, Any]) -> jobs_lib.Job:
+  """The job training `variant` on `link` (placed in its namespace by the caller)."""
+  env = network.gloo_env() if variant in train_to_target.TORCH_VARIANTS else ()
+  return jobs_lib.Job(f"{variant}@{link.name}", 2, 1, (train_to_target,), env=env,
+                      options=tuple(dict(options, variant=variant).items()))
+
+
+def run_record(link: str, variant: str, result: dict) -> dict[str, Any]:
+  """One run's curve, final row and error (None when it went well), from its job."""
+  section = result.get("sections", {}).get(train_to_target.NAME, {})
+  rows = section.get("rows", [])
+  final = next((r for r in rows if r["kind"] == "final"), None)
+  framework = ("torch" if variant in train_to_target.TORCH_VARIANTS else "none"
+               if variant == train_to_target.FLOOR else "jdist")
+  return {"link": link, "variant": variant, "framework": framework,
+          "curve": [r for r in rows if r["kind"] == "eval"], "final": final,
+          "error": result.get("error") or section.get("error"), "wall_s": result["wall_s"]}
+
+
+def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print,
+                  progress: Callable[[dict], None] | None = None) -> dict[str, Any]:
+  """Runs every (link, variant) job of `args` and returns the results (summary included).
+
+  Args:
+    args: `parse_args`'s namespace.
+    log: takes each progress line.
+    progress: called with the results so far (summary included) after each run.
+  """
+  start = time.perf_counter()
+  environment = network.environment()  # load average at the start
+  links, skipped = network.available_links(netns.link_named(n) for n in args.links)
+  plan = [(variant, link) for variant, link in args.variants
+          if link in {l.name for l in links}]
+  torch_reason = network.torch_missing()
+  if torch_reason and any(v in train_to_target.TORCH_VARIANTS for v, _ in plan):
+    skipped.append(torch_reason)
+    plan = [(v, l) for v, l in plan if v not in train_to_target.TORCH_VARIANTS]
+  for reason in skipped:
+    log(f"[time_to_accuracy] SKIPPED {reason}")
+  options = {"dataset": args.dataset, "limit": args.limit, "epochs": args.epochs,
+             "batch": args.batch, "target": args.target, "eval_every": args.eval_every}
+  netns.remove_stale()
+  runs = []
+  resolved = {}
+
+  def results_now() -> dict[str, Any]:
+    environment["load_average_end"] = list(os.getloadavg())
+    results = {"command": args.command, "environment": environment, "skipped": skipped,
+               "options": dict(options, stop_at_target=args.stop_at_target,
+                               full=[f"{v}@{l}" for v, l in plan if (v, l) in args.full],
+                               max_seconds=args.max_seconds, resolved=resolved,
+                               caps={f"{v}@{l}": c for (v, l), c in args.caps.items()},
+                               learning_rate=accuracy.LEARNING_RATE,
+                               momentum=accuracy.MOMENTUM),
+               "runs": list(runs), "wall_s": time.perf_counter() - start}
+    results["summary"] = time_to_accuracy_report.summarize(results)
+    return results
+
+  for link in links:
+    variants = [v for v, l in plan if l == link.name]
+    if not variants:
+      continue
+    with network.link_namespace(link) as name:
+      for variant in variants:
+        stop = args.stop_at_target and (variant, link.name) not in args.full
+        cap = args.caps.get((variant, link.name), args.max_seconds)
+        if variant == BEST_DILOCO:
+          variant = resolve_best_diloco(runs)
+          if variant is None:
+            log(f"[time_to_accuracy] SKIPPED {BEST_DILOCO}@{link.name}: no DiLoCo mode "
+                "reached the target on an earlier link")
+            continue
+          resolved[f"{BEST_DILOCO}@{link.name}"] = variant
+        job = network.in_namespace(variant_job(link, variant, dict(
+            options, stop_at_target=stop, max_seconds=cap)), name)
+        result = jobs_lib.run(job, quick=False, timeout=args.timeout, log=log)
+        runs.append(run_record(link.name, variant, result))
+        if progress is not None:
+          progress(results_now())
+  return results_now()
+
+
+def write_outputs(results: dict, out_dir: str) -> list[str]:
+  """time_to_accuracy.json and .md into `out_dir`; returns the files written."""
+  return outputs.write_report(out_dir, results, time_to_accuracy_report.markdown,
+                              json_name="time_to_accuracy.json", md_name="time_to_accuracy.md")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  """The section's options; `--quick` (the settings of `QUICK`) and `--out` are common."""
+  parser.add_argument("--links", help=f"comma-separated, from "
+                      f"{','.join(l.name for l in netns.LINKS)} (default {DEFAULTS['links']})")
+  parser.add_argument("--variants", help="comma-separated NAME or NAME@LINK, NAME from "
+                      f"{','.join(VARIANTS)} (default {DEFAULTS['variants']})".replace("%", "%%"))
+  parser.add_argument("--full", help="variants (NAME or NAME@LINK) that train every epoch "
+                      f"instead of stopping at the target (default {DEFAULTS['full']} with "
+                      "the default --variants, else none)")
+  parser.add_argument("--target", type=float, help="test accuracy to reach (default 0.88)")
+  parser.add_argument("--epochs", type=int, help="the most epochs a run trains (default 4)")
+  parser.add_argument("--stop-at-target", action=argparse.BooleanOptionalAction, default=True,
+                      help="end a run (not in --full) at the target (default on)")
+  parser.add_argument("--eval-every", type=int, default=0,
+                      help="steps between two evaluations (default a quarter epoch)")
+  parser.add_argument("--dataset", choices=("auto", "fashion_mnist", "digits"),
+                      help="auto: Fashion-MNIST where installed, else digits")
+  parser.add_argument("--limit", type=int, help="use only the first N training examples")
+  parser.add_argument("--batch", type=int, default=32, help="examples per replica per step")
+  add_cap_arguments(parser, "time_to_accuracy.json", JOB_TIMEOUT)
+
+
+def add_cap_arguments(parser: argparse.ArgumentParser, json_name: str, timeout: float) -> None:
+  """--max-seconds, --max-seconds-of, --timeout and --render (also `benchmarks.sections.lm_diloco.run`'s)."""
+  parser.add_argument("--max-seconds", type=float, default=0.0,
+                      help="cap each run at this many training seconds (default 0: none)")
+  parser.add_argument("--max-seconds-of", default="", metavar="NAME[@LINK]=S,...",
+                      help="per-variant caps, over --max-seconds")
+  parser.add_argument("--timeout", type=float, default=timeout,
+                      help="seconds before a job is killed")
+  parser.add_argument("--render", metavar="JSON", help="measure nothing: re-derive the "
+                      f"summary of a {json_name} and rewrite its .md into --out "
+                      "(default the JSON's directory)")
+
+
+def check(args: argparse.Namespace) -> None:
+  """Fills the defaults (of --quick or the full run) and parses the variant lists."""
+  base = dict(QUICK if args.quick else DEFAULTS)
+  if args.variants is not None:  # the default --full goes with the default --variants
+    base["full"] = ""
+  for key, value in base.items():
+    if getattr(args, key) is None:
+      setattr(args, key, value)
+  try:
+    args.links = [netns.link_named(n.strip()).name for n in args.links.split(",")]
+    args.variants = parse_variants(args.variants, args.links)
+    args.full = set(parse_variants(args.full, args.links))
+    args.caps = parse_caps(args.max_seconds_of, args.links)
+  except ValueError as err:
+    raise UsageError(str(err)) from err
+  if (args.epochs < 1 or args.batch < 1 or args.eval_every < 0 or not 0 < args.target <= 1
+      or args.max_seconds < 0):
+    raise UsageError("--epochs and --batch must be >= 1, --eval-every >= 0 (0: a "
+                              "quarter epoch), --target in (0, 1], --max-seconds >= 0 (0: no "
+                              "cap).")
+
+
+def main(args: argparse.Namespace) -> int:
+  if args.render:
+    network.render(args.render, time_to_accuracy_report.summarize, write_outputs, args.out)
+    return 0
+  netns.terminate_on_sigterm()  # so a killed run still deletes its namespace
+  results = run_benchmark(args, progress=lambda partial: write_outputs(partial, args.out))
+  written = write_outputs(results, args.out)
+  for target in results["summary"]["targets"]:
+    print(f"{target['target']} [{target['where']}]: {target['measured']} (bound "
+          f"{target['bound']}) {time_to_accuracy_report.STATUS[target['met']]}; "
+          f"{target['note']}")
+  for run in results["runs"]:
+    final = run["final"] or {}
+    print(f"{run['variant']}@{run['link']}: time to target "
+          f"{final.get('time_to_target_s')} s, last accuracy {final.get('final_accuracy')}"
+          + (f", FAILED: {run['error'].splitlines()[0][:200]}" if run["error"] else ""))
+  print(f"Wrote {', '.join(written)} into {args.out} in {results['wall_s']:.0f} s.")
+  return 1 if any(run["error"] for run in results["runs"]) else 0

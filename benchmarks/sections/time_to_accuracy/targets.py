@@ -1,0 +1,347 @@
+"""The time-to-accuracy benchmark's analysis: ratios, bounds, best mode, targets.
+
+Its Markdown is `benchmarks.sections.time_to_accuracy.report`'s.
+
+`summarize` reads the runs of `benchmarks.sections.time_to_accuracy.run` (one per link
+and variant: its evaluation curve and final row) and derives, per link, each
+variant's time to the target against DDP plain's on the same link, the
+fastest jdist mode, and the issue's two targets at `TARGET_LINK`:
+
+  * the fastest jdist mode's time to the target / DDP plain's <= 0.4;
+  * that mode's test accuracy after all the epochs within one point of
+    jdist plain's. Accuracy does not depend on the link (the same weights,
+    data order and arithmetic), so where a variant did not train every
+    epoch on `TARGET_LINK` its figure from another link of the same run is
+    used and the report says so; where no run of it trained every epoch the
+    target is "not measured". No figure comes from outside the run.
+
+Where the run has `SLOW_LINK` (10 Mbit/s), the targets are issue 28's
+instead (`slow_targets`): the fastest DiLoCo mode there against jdist's
+fastest other mode (<= 0.5x), DDP plain (<= 0.1x) and the fastest DDP
+variant (<= 0.5x); DiLoCo at `TARGET_LINK` against its compute floor (the
+floor's training seconds for the same steps, <= 1.1x); DiLoCo's accuracy
+against jdist plain's at the same step (at most one point below). A run that did
+not reach the target (capped by --max-seconds, or out of epochs) gives a
+lower bound, its training seconds, so a ratio against it is a bound ("<=" or
+">="), decided only when the bound settles it; the note then also gives the
+time projected from its median step and the steps plain took on a link
+where it reached the target (same weights, data and arithmetic).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.harness import report
+
+TARGET_LINK = "100mbit"
+TIME_RATIO_BOUND = 0.4
+ACCURACY_BOUND = 0.01
+REFERENCE = "ddp"  # DDP plain
+PLAIN = "plain"
+FLOOR = "compute_floor"
+NO_SYNC = "_nosync"  # benchmarks.sections.accuracy.NO_SYNC: a DiLoCo mode's own floor, never syncing
+PAIRED = "_paired"  # benchmarks.sections.accuracy.PAIRED: a DiLoCo mode and its floors in one job
+STATUS = {True: "met", False: "MISSED", None: "not measured"}
+
+
+SLOW_LINK = "10mbit"
+SLOW_BOUNDS = {"current": 0.5, "ddp": 0.1, "ddp_best": 0.5, "floor": 1.1}
+DDP_VARIANTS = ("ddp", "ddp_fp16", "ddp_powersgd", "ddp_postlocal")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+  return None if a is None or b is None or b <= 0 else a / b
+
+
+def is_diloco(variant: str) -> bool:
+  """A DiLoCo mode that syncs (its `*_nosync` floor is not one)."""
+  return "diloco" in variant and not variant.endswith(NO_SYNC)
+
+
+def is_local(variant: str) -> bool:
+  """DiLoCo and local SGD modes: not one of jdist's current (every-step) modes."""
+  return is_diloco(variant) or variant.startswith("local_sgd")
+
+
+def time_or_bound(row: dict) -> tuple[float | None, bool]:
+  """`(seconds, exact)`: the time to the target, or (not reached: capped or out of
+  epochs) the training seconds it ran, a lower bound on it."""
+  if row.get("time_to_target_s") is not None:
+    return row["time_to_target_s"], True
+  return row.get("train_s"), False
+
+
+def bounded_ratio(a: dict, b: dict) -> tuple[float | None, str]:
+  """a's time / b's time, and "=" (exact), "<=" (b not reached), ">=" (a not reached)."""
+  (ta, ea), (tb, eb) = time_or_bound(a), time_or_bound(b)
+  if not (ea or eb) or ta is None or tb is None or tb <= 0:
+    return None, ""
+  return ta / tb, "=" if ea and eb else "<=" if ea else ">="
+
+
+def decide(value: float | None, kind: str, bound: float) -> bool | None:
+  """Whether `value` (exact or a bound of `kind`) is <= `bound`; None: undecided."""
+  if value is None:
+    return None
+  if kind == "=":
+    return value <= bound
+  if kind == "<=":
+    return True if value <= bound else None
+  return False if value > bound else None
+
+
+def show_ratio(value: float | None, kind: str) -> str:
+  if value is None:
+    return "—"
+  return (kind + " " if kind in ("<=", ">=") else "") + report.num(value, 3)
+
+
+def link_rows(runs: list[dict], link: str) -> list[dict]:
+  """One row per variant run on `link`: its final figures and the ratio to DDP plain."""
+  mine = [r for r in runs if r["link"] == link]
+  finals = {r["variant"]: r.get("final") or {} for r in mine}
+  reference = finals.get(REFERENCE)
+  rows = []
+  for run in mine:
+    final = finals[run["variant"]]
+    ratio, kind = bounded_ratio(final, reference) if reference else (None, "")
+    rows.append({"variant": run["variant"], "framework": run.get("framework"),
+                 "error": run.get("error"), **final, "vs_ddp": ratio, "vs_ddp_kind": kind})
+  return rows
+
+
+def fastest_jdist(rows: list[dict]) -> dict | None:
+  """The jdist row with the shortest time to the target (None: none reached it)."""
+  reached = [r for r in rows if r.get("framework") == "jdist"
+             and r.get("time_to_target_s") is not None and not is_local(r["variant"])]
+  return min(reached, key=lambda r: r["time_to_target_s"], default=None)
+
+
+def accuracy_after_all_epochs(runs: list[dict], variant: str,
+                              link: str) -> tuple[float | None, str | None]:
+  """`variant`'s accuracy after every epoch, from `link`'s run or else another link's.
+
+  Returns:
+    `(accuracy, the link it was measured on)`, or `(None, None)` when no run
+    of `variant` trained every epoch.
+  """
+  candidates = sorted((r for r in runs if r["variant"] == variant and r.get("final")
+                       and r["final"].get("completed_all_epochs")),
+                      key=lambda r: r["link"] != link)
+  if not candidates:
+    return None, None
+  return candidates[0]["final"]["final_accuracy"], candidates[0]["link"]
+
+
+def targets(runs: list[dict], epochs: int) -> list[dict]:
+  """The issue's two targets at `TARGET_LINK` (measured None: not measured, with why)."""
+  rows = link_rows(runs, TARGET_LINK)
+  best = fastest_jdist(rows)
+  reference = next((r for r in rows if r["variant"] == REFERENCE), None)
+  time_target = {"target": "time to target: fastest jdist mode / DDP plain",
+                 "where": TARGET_LINK, "bound": f"<= {TIME_RATIO_BOUND}", "measured": None,
+                 "met": None, "note": ""}
+  accuracy_target = {"target": f"accuracy after {epochs} epochs: fastest jdist mode - "
+                     "jdist plain", "where": TARGET_LINK, "bound": f"within {ACCURACY_BOUND}",
+                     "measured": None, "met": None, "note": ""}
+  if not rows:
+    note = f"{TARGET_LINK} was not run"
+    time_target["note"] = accuracy_target["note"] = note
+    return [time_target, accuracy_target]
+  if best is None:
+    time_target["note"] = accuracy_target["note"] = "no jdist mode reached the target"
+    return [time_target, accuracy_target]
+  time_target["where"] = accuracy_target["where"] = f"{TARGET_LINK} ({best['variant']})"
+  if reference is None or reference.get("time_to_target_s") is None:
+    time_target["note"] = ("DDP plain did not run" if reference is None
+                           else "DDP plain did not reach the target")
+  else:
+    time_target["measured"] = best["vs_ddp"]
+    time_target["met"] = best["vs_ddp"] <= TIME_RATIO_BOUND
+    time_target["note"] = (f"{best['time_to_target_s']:.0f} s / "
+                           f"{reference['time_to_target_s']:.0f} s")
+  mode, mode_link = accuracy_after_all_epochs(runs, best["variant"], TARGET_LINK)
+  plain, plain_link = accuracy_after_all_epochs(runs, PLAIN, TARGET_LINK)
+  if mode is None or plain is None:
+    missing = [name for name, value in ((best["variant"], mode), (PLAIN, plain))
+               if value is None]
+    accuracy_target["note"] = (f"{' and '.join(missing)} did not train all {epochs} "
+                               f"epochs on any link of this run (add it to --full)")
+  else:
+    accuracy_target["measured"] = mode - plain
+    accuracy_target["met"] = abs(mode - plain) <= ACCURACY_BOUND
+    accuracy_target["note"] = (f"{best['variant']} {mode:.4f} (on {mode_link}) - plain "
+                               f"{plain:.4f} (on {plain_link})")
+  return [time_target, accuracy_target]
+
+
+def fastest(rows: list[dict], keep) -> dict | None:
+  """Among the rows `keep` accepts, the one reached soonest, else the one with the
+  longest lower bound (None: no row)."""
+  mine = [r for r in rows if keep(r) and r.get("train_s") is not None]
+  reached = [r for r in mine if r.get("time_to_target_s") is not None]
+  if reached:
+    return min(reached, key=lambda r: r["time_to_target_s"])
+  return max(mine, key=lambda r: r["train_s"], default=None)
+
+
+def projected(row: dict, runs: list[dict]) -> str:
+  """A not-reached row's time projected from plain's steps to the target, or ""."""
+  if row.get("time_to_target_s") is not None or not row.get("median_step_s"):
+    return ""
+  steps = [r["final"]["reached_step"] for r in runs if r["variant"] in (PLAIN, REFERENCE)
+           and r.get("final") and r["final"].get("reached_step")]
+  if not steps:
+    return ""
+  guess = row["first_step_s"] + row["median_step_s"] * (min(steps) - 1)
+  return (f"; {row['variant']} projected {guess:.0f} s ({min(steps)} steps, plain's on "
+          f"another link, x median step {row['median_step_s'] * 1e3:.0f} ms)")
+
+
+def _describe(row: dict) -> str:
+  seconds, exact = time_or_bound(row)
+  return (f"{row['variant']} {seconds:.0f} s" if exact else
+          f"{row['variant']} not reached in {seconds:.0f} s")
+
+
+def _slow_ratio(name: str, best: dict, other: dict | None, bound: float, where: str,
+                runs: list[dict]) -> dict:
+  target = {"target": f"time to target: fastest DiLoCo / {name}", "where": where,
+            "bound": f"<= {bound}", "measured": None, "kind": "", "met": None, "note": ""}
+  if other is None:
+    target["note"] = f"{name} did not run"
+    return target
+  value, kind = bounded_ratio(best, other)
+  target.update(measured=value, kind=kind, met=decide(value, kind, bound),
+                where=f"{where} ({best['variant']} / {other['variant']})",
+                note=f"{_describe(best)} / {_describe(other)}" + projected(other, runs))
+  if value is None:
+    target["note"] += " (neither reached the target)"
+  return target
+
+
+def at_step(runs: list[dict], variant: str, step: int) -> tuple[float | None, str | None]:
+  """`variant`'s test accuracy after `step` steps, from any link's curve."""
+  for run in runs:
+    for point in run.get("curve", []) if run["variant"] == variant else []:
+      if point["step"] == step:
+        return point["test_accuracy"], run["link"]
+  return None, None
+
+
+FLOOR_TARGET = "time to target: DiLoCo / its compute floor (same steps, no exchange)"
+OWN_FLOOR_TARGET = "time to target: DiLoCo / the same DiLoCo step never syncing (same steps)"
+
+
+def _floor_row(target: str, diloco: dict | None = None, floor: str = "",
+               runs: tuple = ()) -> dict:
+  """`diloco`'s time to target over run `floor`'s training seconds at the same
+  step, both at `TARGET_LINK`; without `diloco`, the row saying none reached it."""
+  row = {"target": target, "where": TARGET_LINK, "bound": f"<= {SLOW_BOUNDS['floor']}",
+         "measured": None, "kind": "", "met": None,
+         "note": "no DiLoCo mode reached the target there"}
+  if diloco is None:
+    return row
+  row["where"] = f"{TARGET_LINK} ({diloco['variant']})"
+  run = next((r for r in runs if r["link"] == TARGET_LINK and r["variant"] == floor), None)
+  point = run and next((p for p in run.get("curve", [])
+                        if p["step"] == diloco["reached_step"]), None)
+  if point is None:
+    row["note"] = (f"{floor} did not run there" if run is None
+                   else f"{floor} has no evaluation at step {diloco['reached_step']}")
+    return row
+  value = diloco["time_to_target_s"] / point["train_s"]
+  row.update(measured=value, kind="=", met=value <= SLOW_BOUNDS["floor"],
+             note=f"{diloco['time_to_target_s']:.0f} s / {point['train_s']:.0f} s "
+             f"at step {point['step']}")
+  return row
+
+
+def floor_targets(runs: list[dict]) -> list[dict]:
+  """At `TARGET_LINK`: the fastest DiLoCo mode against the compute floor and
+  against its own never-syncing step (`*_nosync`), each a run of its own, at
+  the same step; then every `*_paired` run's floors from its own job. [] without
+  a DiLoCo run there."""
+  paired = [row for run in runs if run["link"] == TARGET_LINK
+            for row in _paired_floors(run)]
+  separate = [r for r in link_rows(runs, TARGET_LINK) if is_diloco(r["variant"])
+              and not r["variant"].endswith(PAIRED)]
+  fast = [r for r in separate if r.get("reached_step")]
+  if not fast:
+    return paired if paired or not separate else [_floor_row(FLOOR_TARGET)]
+  diloco = min(fast, key=lambda r: r["time_to_target_s"])
+  return [_floor_row(FLOOR_TARGET, diloco, FLOOR, runs),
+          _floor_row(OWN_FLOOR_TARGET, diloco, diloco["variant"] + NO_SYNC, runs)] + paired
+
+
+def _paired_floors(run: dict) -> list[dict]:
+  """A `<mode>_paired` run (`train_to_target.PairedTrainer`) that reached the target:
+  its time against each floor's seconds for the same steps, in the same job."""
+  final = run.get("final") or {}
+  floors, step = final.get("paired_floors"), final.get("reached_step")
+  if not floors or not step or final.get("time_to_target_s") is None:
+    return []
+  names = {FLOOR: "the compute floor", final["paired_mode"] + NO_SYNC:
+           "the same DiLoCo step never syncing"}
+  rows = []
+  for name, totals in floors.items():
+    value = final["time_to_target_s"] / totals[step - 1]
+    rows.append({"target": f"time to target: DiLoCo / {names.get(name, name)}, "
+                           "step by step in the same job",
+                 "where": f"{TARGET_LINK} ({run['variant']})",
+                 "bound": f"<= {SLOW_BOUNDS['floor']}", "measured": value, "kind": "=",
+                 "met": value <= SLOW_BOUNDS["floor"],
+                 "note": f"{final['time_to_target_s']:.1f} s / {totals[step - 1]:.1f} s "
+                         f"at step {step}"})
+  return rows
+
+
+def slow_targets(runs: list[dict]) -> list[dict]:
+  """Issue 28's targets: DiLoCo at `SLOW_LINK` and against its floor at `TARGET_LINK`."""
+  rows = link_rows(runs, SLOW_LINK)
+  best = fastest(rows, lambda r: is_diloco(r["variant"]))
+  if best is None:
+    return [{"target": "time to target: fastest DiLoCo", "where": SLOW_LINK, "bound": "",
+             "measured": None, "kind": "", "met": None, "note": "no DiLoCo mode ran"}]
+  found = [
+      _slow_ratio("jdist's fastest current mode", best, fastest(
+          rows, lambda r: r.get("framework") == "jdist" and not is_local(r["variant"])),
+                  SLOW_BOUNDS["current"], SLOW_LINK, runs),
+      _slow_ratio("DDP plain", best, next((r for r in rows if r["variant"] == REFERENCE),
+                                          None), SLOW_BOUNDS["ddp"], SLOW_LINK, runs),
+      _slow_ratio("fastest DDP variant", best, fastest(
+          rows, lambda r: r["variant"] in DDP_VARIANTS), SLOW_BOUNDS["ddp_best"], SLOW_LINK,
+                  runs)]
+  found += floor_targets(runs) or [_floor_row(FLOOR_TARGET)]
+  accuracy = {"target": "test accuracy at equal steps: fastest DiLoCo - jdist plain",
+              "where": best["variant"], "bound": f">= -{ACCURACY_BOUND} (at most one point "
+              "below)",
+              "measured": None, "kind": "", "met": None, "note": ""}
+  curve = next(r["curve"] for r in runs if r["link"] == SLOW_LINK
+               and r["variant"] == best["variant"])
+  for point in reversed(curve):  # the last step plain was also evaluated at
+    plain, plain_link = at_step(runs, PLAIN, point["step"])
+    if plain is not None:
+      accuracy.update(measured=point["test_accuracy"] - plain, kind="=",
+                      met=point["test_accuracy"] - plain >= -ACCURACY_BOUND,
+                      note=f"step {point['step']} (epoch {point['epoch']:.2f}): "
+                      f"{best['variant']} {point['test_accuracy']:.4f} (on {SLOW_LINK}) - "
+                      f"plain {plain:.4f} (on {plain_link})")
+      break
+  else:
+    accuracy["note"] = "plain has no evaluation at any of its steps (add plain@shm)"
+  return found + [accuracy]
+
+
+def summarize(results: dict) -> dict[str, Any]:
+  """Per link rows and fastest jdist mode, and the targets."""
+  runs = results["runs"]
+  links = list(dict.fromkeys(r["link"] for r in runs))
+  per_link = {link: link_rows(runs, link) for link in links}
+  return {"links": per_link,
+          "fastest_jdist": {link: (fastest_jdist(rows) or {}).get("variant")
+                            for link, rows in per_link.items()},
+          "targets": (slow_targets(runs) if SLOW_LINK in links
+                      else targets(runs, int(results["options"]["epochs"]))
+                      + floor_targets(runs))}

@@ -1,0 +1,204 @@
+"""PyTorch DDP trained like jdist in `benchmarks.sections.time_to_accuracy.run`.
+
+The time-to-accuracy comparison is fair only if DDP trains the same run as
+jdist plain: the same initial weights, the same examples on each rank in the
+same order, the same SGD. So `TorchTrainer` builds
+`benchmarks.harness.torch_peer.SingaCNN` (sized for the data: "SAME" convolutions on
+inputs under 28x28, as `jdist.app.models.CNN`) and loads the flax
+parameters of `benchmarks.sections.accuracy.build_model` into it (`torch_state`):
+
+  * conv kernels: flax HWIO -> torch OIHW;
+  * dense kernels: flax [in, out] -> torch [out, in];
+  * the first dense layer's inputs: flax flattens NHWC feature maps in
+    (h, w, c) order, torch NCHW ones in (c, h, w) order, so its rows are
+    permuted.
+
+It trains with `torch.optim.SGD(lr=accuracy.LEARNING_RATE,
+momentum=accuracy.MOMENTUM)` (optax's trace momentum: v = g + mu v, the
+same update) on the mean cross-entropy, wrapped by `torch_peer.wrap` (DDP
+plain, fp16 hook or PowerSGD) or by `post_local_sgd` ("ddp_postlocal":
+PyTorch's post-local SGD, `post_localSGD_hook` and `PostLocalSGDOptimizer`
+with a `PeriodicModelAverager`, the warm-up and period of jdist's
+`local_sgd32`), and rank r trains on the rows of the replicas it owns in
+jdist's 2x1 layout. torch is a benchmark-only extra, never a
+jdist dependency: only this module and `torch_peer` import it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from benchmarks.harness import torch_peer
+from benchmarks.sections import accuracy
+
+POST_LOCAL = "ddp_postlocal"
+# PyTorch's post-local SGD run like jdist's local SGD mode of the same name.
+POST_LOCAL_MODE = "local_sgd32"
+
+EVAL_CHUNK = 1000
+# SingaCNN's layers that hold parameters, by their flax names.
+LAYERS = {"Conv_0": "features.0", "Conv_1": "features.3", "Dense_0": "classifier.1",
+          "Dense_1": "classifier.3"}
+
+
+def nchw(images: np.ndarray) -> np.ndarray:
+  """NHWC images (jdist's datasets) as the NCHW array torch's convolutions take."""
+  return np.ascontiguousarray(np.asarray(images, np.float32).transpose(0, 3, 1, 2))
+
+
+def torch_state(params: Any, feature_shape: Sequence[int]) -> dict[str, torch.Tensor]:
+  """SingaCNN's state dict holding the flax CNN's `params`.
+
+  Args:
+    params: the flax CNN's "params" collection (Conv_0, Conv_1, Dense_0, Dense_1).
+    feature_shape: (channels, height, width) of the last pooled feature map,
+      which the first dense layer flattens.
+
+  Returns:
+    Tensors keyed as `SingaCNN.state_dict()`.
+  """
+  channels, height, width = feature_shape
+  state = {}
+  for flax_name, torch_name in LAYERS.items():
+    kernel = np.asarray(params[flax_name]["kernel"], np.float32)
+    if kernel.ndim == 4:  # HWIO -> OIHW
+      weight = kernel.transpose(3, 2, 0, 1)
+    elif flax_name == "Dense_0":  # rows (h, w, c) -> columns (c, h, w)
+      weight = kernel.reshape(height, width, channels, -1).transpose(3, 2, 0, 1)
+      weight = weight.reshape(kernel.shape[1], -1)
+    else:
+      weight = kernel.T
+    state[f"{torch_name}.weight"] = torch.from_numpy(np.ascontiguousarray(weight))
+    state[f"{torch_name}.bias"] = torch.from_numpy(
+        np.asarray(params[flax_name]["bias"], np.float32).copy())
+  return state
+
+
+def singa_cnn_from_flax(flax_model, params: Any, input_shape: Sequence[int]) -> nn.Module:
+  """`torch_peer.SingaCNN` shaped as `flax_model` and holding its `params`.
+
+  Args:
+    flax_model: the `jdist.app.models.CNN` (its `padding` and `num_classes`).
+    params: its "params" collection.
+    input_shape: one example's (height, width, channels).
+  """
+  net = torch_peer.SingaCNN(num_classes=flax_model.num_classes)
+  if flax_model.padding == "SAME":  # 5x5 kernels, stride 1: two pixels each side
+    for index in (0, 3):
+      net.features[index].padding = (2, 2)
+  height, width, channels = input_shape
+  with torch.no_grad():
+    feature_shape = net.features(torch.zeros(1, channels, height, width)).shape[1:]
+  flat = int(np.prod(feature_shape))
+  if net.classifier[1].in_features != flat:  # inputs other than 28x28
+    net.classifier[1] = nn.Linear(flat, net.classifier[1].out_features)
+  net.load_state_dict(torch_state(params, tuple(feature_shape)))
+  return net
+
+
+def post_local_sgd(net: nn.Module, optimizer: torch.optim.Optimizer, *, period: int,
+                   warmup_steps: int):
+  """`net` in DDP with PyTorch's post-local SGD, and the optimizer that averages.
+
+  The hook all-reduces gradients for the first `warmup_steps` steps and then
+  nothing (`post_local_gradient_allreduce=False`: one process stands for one
+  machine here, so there is no intra-machine group to reduce in); the
+  optimizer's `PeriodicModelAverager` then averages the parameters over every
+  rank once every `period` steps (at steps warmup_steps, warmup_steps +
+  period, ... counted from 0, where jdist.local_sgd averages after steps
+  warmup_steps + period - 1, ...: the same period, one step apart).
+
+  Returns:
+    `(ddp_model, optimizer)`.
+  """
+  # pylint: disable=import-outside-toplevel
+  from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
+  from torch.distributed.algorithms.model_averaging import averagers
+  from torch.distributed.optim import PostLocalSGDOptimizer
+  from torch.nn.parallel import DistributedDataParallel
+  ddp = DistributedDataParallel(net)
+  state = post_localSGD_hook.PostLocalSGDState(process_group=None, subgroup=None,
+                                               start_localSGD_iter=warmup_steps,
+                                               post_local_gradient_allreduce=False)
+  ddp.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)
+  averager = averagers.PeriodicModelAverager(period=period, warmup_steps=warmup_steps)
+  return ddp, PostLocalSGDOptimizer(optim=optimizer, averager=averager)
+
+
+class TorchTrainer:
+  """One torch variant's run: `step(indices)` trains on a batch, `evaluate()` tests.
+
+  Args:
+    variant: "ddp", "ddp_fp16" or "ddp_powersgd" (see `torch_peer.wrap`), or
+      "ddp_postlocal" (`post_local_sgd`).
+    flax_model: the flax CNN whose initial `params` every rank starts from.
+    params: those parameters.
+    data: the `jdist.app.datasets.Dataset`.
+    replicas: the replica indices whose rows this rank trains on.
+  """
+
+  framework = "torch"
+
+  def __init__(self, variant: str, flax_model, params: Any, data, replicas: Sequence[int]):
+    self.net = singa_cnn_from_flax(flax_model, params, data.train_x.shape[1:])
+    sgd = torch.optim.SGD(self.net.parameters(), lr=accuracy.LEARNING_RATE,
+                          momentum=accuracy.MOMENTUM)
+    self.test_net = self.net  # the model `evaluate` tests
+    self.average_net = None
+    if variant == POST_LOCAL:
+      self.average_net = singa_cnn_from_flax(flax_model, params, data.train_x.shape[1:])
+      mode = accuracy.MODES[POST_LOCAL_MODE]
+      self.model, self.optimizer = post_local_sgd(
+          self.net, sgd, period=mode["local_sgd"], warmup_steps=mode["local_sgd_warmup"])
+    else:
+      self.model, self.optimizer = torch_peer.wrap(variant, self.net), sgd
+    self.loss_fn = nn.CrossEntropyLoss()
+    self.replicas = list(replicas)
+    self.train_x, self.train_y = nchw(data.train_x), data.train_y.astype(np.int64)
+    self.test_x, self.test_y = nchw(data.test_x), data.test_y.astype(np.int64)
+
+  def step(self, indices: np.ndarray) -> float:
+    """One SGD step on this rank's rows of `indices` ([replicas, batch]); its loss."""
+    rows = indices[self.replicas].reshape(-1)
+    self.optimizer.zero_grad(set_to_none=True)
+    loss = self.loss_fn(self.model(torch.from_numpy(self.train_x[rows])),
+                        torch.from_numpy(self.train_y[rows]))
+    loss.backward()  # DDP: returns once every bucket's all-reduce is done
+    self.optimizer.step()
+    return float(loss.detach())
+
+  def evaluate(self) -> float:
+    """Test accuracy of the bare model (no DDP forward: no collective, one rank may call)."""
+    hits = 0
+    with torch.no_grad():
+      for start in range(0, len(self.test_y), EVAL_CHUNK):
+        logits = self.test_net(torch.from_numpy(self.test_x[start:start + EVAL_CHUNK]))
+        hits += int((logits.argmax(1) == torch.from_numpy(
+            self.test_y[start:start + EVAL_CHUNK])).sum())
+    return hits / len(self.test_y)
+
+  def sync(self) -> None:
+    """DDP keeps every rank's parameters equal: nothing to gather before a test.
+
+    Post-local SGD's ranks differ between averagings: their average is
+    tested, as for jdist's local SGD (a collective, outside the clock)."""
+    if self.average_net is None:
+      return
+    world = torch.distributed.get_world_size()
+    with torch.no_grad():
+      for mine, average in zip(self.net.parameters(), self.average_net.parameters()):
+        average.copy_(mine)
+        torch.distributed.all_reduce(average)
+        average /= world
+    self.test_net = self.average_net
+
+  def wire_bytes(self) -> None:
+    """DDP does not report what it sends (the report shows a dash)."""
+    return None
+
+  def details(self) -> dict[str, Any]:
+    return {"threads": torch.get_num_threads(), "torch": torch.__version__}
