@@ -346,10 +346,8 @@ _FLIGHT_STEP = "Flight recorder: the ranks first disagree at exchange ordinal "
 _FLIGHT_HOST = "Flight recorder: the ranks first disagree at host exchange "
 _NEVER_1 = "never posted by rank(s) 1."
 # What JAX's coordination client and Open MPI's signal handler print on the
-# other ranks while the job ends; the aborting rank silences them (abort.py).
-# Not a rank that exited early: its watchdog is gone, and JAX's shutdown
-# still waits for the others (the coordinator's end then shows on it).
-_DEPARTED = ("exit", "hostexit")
+# other ranks while the job ends; the aborting rank silences them (abort.py),
+# and a rank that leaves while others still run silences itself.
 _FOREIGN = ("Check failure stack trace", "coordination service", "Terminating process",
             "Process received signal")
 _RETRACE = ("rank 1 dispatched only", "Rank 1 is re-tracing a step the other ranks run compiled",
@@ -421,5 +419,4 @@ def test_fault_job_ends_as_expected(fault_jobs, job):
     assert text in result.stderr, _explain(result)
   for text in expected.get("absent", ()):
     assert text not in result.stderr, _explain(result)
-  if job not in _DEPARTED:
-    assert not [text for text in _FOREIGN if text in result.stderr], _explain(result)
+  assert not [text for text in _FOREIGN if text in result.stderr], _explain(result)

@@ -31,6 +31,7 @@ from jdist.app.optimizer_spec import OptimizerSpec
 from jdist.app.train_loop import TrainError
 from jdist.collectives import native
 from jdist.consistency import ReplicaMismatchError
+from jdist.runtime import abort
 from jdist.runtime import host
 from jdist.runtime import topology
 
@@ -225,7 +226,8 @@ def _add_runtime_flags(parser: argparse.ArgumentParser,
   group.add_argument("--timeline-steps", metavar="A:B",
                      help="with --timeline: record train steps A to B-1 only")
   group.add_argument("--debug", action="store_true",
-                     help="show the full traceback when the run fails")
+                     help="show the full traceback when the run fails, and every library's "
+                          "output while a failed job ends (JDIST_DEBUG=1)")
 
 
 def parse_train_args(argv, prog: str = "jdist train") -> tuple[config_lib.TrainConfig, bool]:
@@ -274,6 +276,8 @@ def _report_failure(prog: str, err: BaseException) -> int:
 def train_main(argv=None, prog: str = "jdist train") -> int:
   """`jdist train`: parse, validate, train; returns the exit status."""
   config, debug = parse_train_args(sys.argv[1:] if argv is None else argv, prog)
+  if debug:  # every library's output too while a failed job ends (jdist.runtime.abort)
+    os.environ.setdefault(abort.DEBUG_ENV, "1")
   # Imported here: the trainer loads the models (Flax), which `--help` need not.
   try:
     from jdist.app import train as train_lib  # pylint: disable=g-import-not-at-top

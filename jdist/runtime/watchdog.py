@@ -66,6 +66,7 @@ _DEPART_TAG = 7403
 DEPARTURE_GRACE_S = 5.0  # a wait this old, that a departed rank never reached, is a stall
 DIVERGENCE_GRACE_S = 5.0  # waits this old, in a step and a host exchange that exclude each other
 _POLL_S = 0.1
+_LEAVING_ALONE_S = 1.0  # at exit: peers that have not left by then still run
 
 @dataclasses.dataclass
 class _Wait:
@@ -146,6 +147,21 @@ class Watchdog:
     self._announce_departure()
     self._stopping.set()
     self._threads[0].join(timeout=10 * _POLL_S + 10)
+    if self.size > 1 and not self._peers_departed(_LEAVING_ALONE_S):
+      # This rank leaves while others still run: they will report it, and all
+      # this one prints from now on is JAX's shutdown dying with the job.
+      abort.silence_stderr()
+
+  def _peers_departed(self, wait_s: float) -> bool:
+    """Whether every peer announced its departure within `wait_s` (exit, threads stopped)."""
+    mpi_status = self._mpi.Status()
+    deadline = time.monotonic() + wait_s
+    while len(self._departed) < self.size - 1 and time.monotonic() < deadline:
+      while self.comm.Iprobe(source=self._mpi.ANY_SOURCE, tag=_DEPART_TAG, status=mpi_status):
+        counts = self.comm.recv(source=mpi_status.Get_source(), tag=_DEPART_TAG)
+        self._departed[counts["rank"]] = counts
+      time.sleep(0.01)
+    return len(self._departed) >= self.size - 1
 
   @property
   def step(self) -> int:
