@@ -8,7 +8,7 @@ then, so jdist must know whether changing them can still work).
 
 And the jit step being traced (`jit_trace`): jdist's reductions in a
 `jax.jit` step over global arrays note which step their exchanges belong to,
-so `jdist.timeline` can record that step (`jdist.collectives.jit_steps`).
+so `jdist.timeline` can record that step (`jdist.runtime.jit_steps`).
 
 (The callback route's exchange chain once read the current trace from here;
 it now keys on the public `jax.extend.core.get_opaque_trace_state()`, and

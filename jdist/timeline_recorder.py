@@ -28,7 +28,7 @@ import time
 import warnings
 from typing import Any
 
-from jdist.collectives import jit_steps
+from jdist.runtime import jit_steps
 from jdist import timeline_counters
 from jdist import timeline_format
 from jdist.collectives import native
@@ -41,7 +41,7 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _ROWS_PER_TAKE = 512
 _DRAIN_S = 30.0  # longest wait at close() for the window's dispatched steps to be reported
 _PENDING_COUNTERS = 64  # dispatched counters not yet read; beyond, observe() waits for the oldest
-_JIT_POLL_S = 0.25  # how often jit steps' exchanges are collected (jdist.collectives.jit_steps)
+_JIT_POLL_S = 0.25  # how often jit steps' exchanges are collected (jdist.runtime.jit_steps)
 _JIT_OPEN_LIMIT = 64  # jit steps' calls waiting for their other exchanges
 _JIT_QUIET_S = 0.6  # at close(): no new exchange for this long, the jit steps are over
 
@@ -196,7 +196,7 @@ class Timeline:
       for record in exchanges:
         self._append(record)
 
-  # -- jit steps (jdist.collectives.jit_steps) ------------------------------------------
+  # -- jit steps (jdist.runtime.jit_steps) ---------------------------------
 
   def _poll_jit_steps(self) -> None:
     """The poller thread: assembles jit steps from their exchanges while recording."""

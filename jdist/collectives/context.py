@@ -37,7 +37,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdist import errors
-from jdist.collectives import jit_steps
+from jdist.runtime import jit_steps
 from jdist.runtime import topology as topology_lib
 from jdist.collectives import mesh_axes
 from jdist.collectives import routes
