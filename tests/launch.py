@@ -15,6 +15,12 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def under_mpirun() -> bool:
+  """Whether this pytest session is itself an MPI job (then it never launches jobs)."""
+  import jdist  # pylint: disable=g-import-not-at-top (conftest has set up JAX first)
+  return jdist.get_topology().process_count > 1
+
+
 def mpirun_binary() -> str:
   here = os.path.join(os.path.dirname(sys.executable), "mpirun")
   return here if os.path.exists(here) else (shutil.which("mpirun") or "mpirun")

@@ -22,6 +22,7 @@ import pytest
 import jdist
 from jdist.runtime import flight_report
 from jdist.runtime import stall_report
+from tests import launch
 from tests.jobs import faults
 
 JOB = "tests/jobs/diverged_host.py"
@@ -65,14 +66,10 @@ def test_flight_recorder_tells_a_host_exchange_of_different_calls():
           "jdist.barrier.") in text
 
 
-def _under_mpirun():
-  return jdist.get_topology().process_count > 1
-
-
 @pytest.fixture(scope="module")
 def diverged_jobs(tmp_path_factory):
   """Starts every job at once (two at a time); maps job name to a future."""
-  if _under_mpirun():
+  if launch.under_mpirun():
     yield {}  # never launch a job from inside an MPI job
     return
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -90,7 +87,7 @@ def diverged_jobs(tmp_path_factory):
 @pytest.mark.parametrize("job", list(_JOBS))
 def test_fault_different_host_collectives_end_the_job_naming_ranks_and_calls(diverged_jobs,
                                                                                job):
-  if _under_mpirun():
+  if launch.under_mpirun():
     pytest.skip("fault jobs are launched from plain pytest only")
   result = diverged_jobs[job].result()
   faults.report(job, result)

@@ -24,6 +24,7 @@ import pytest
 
 import jdist
 from jdist.runtime import watchdog
+from tests import launch
 from tests.jobs import faults
 
 
@@ -277,14 +278,10 @@ _JOBS = {
 _PARALLEL_JOBS = 2  # jobs run two at a time: each is mostly start-up and waiting
 
 
-def _under_mpirun():
-  return jdist.get_topology().process_count > 1
-
-
 @pytest.fixture(scope="module")
 def fault_jobs(request):
   """Starts the jobs of the selected fault tests at once; maps job name to a future."""
-  if _under_mpirun():
+  if launch.under_mpirun():
     yield {}  # never launch a job from inside an MPI job
     return
   wanted = []
@@ -303,7 +300,7 @@ def fault_jobs(request):
 
 
 def _job(fault_jobs, name):
-  if _under_mpirun():
+  if launch.under_mpirun():
     assert not fault_jobs
     pytest.skip("fault jobs are launched from plain pytest only")
   result = fault_jobs[name].result()
