@@ -98,11 +98,12 @@ class Archive:
       for directory in sorted(glob.glob(pattern)):
         for name in _steps(directory):
           path = os.path.join(directory, name)
-          try:  # the record's file: written once per save (the directory's times change
-            info = os.stat(_record_file(path))  # while it is deleted)
+          try:  # the record: written once per save, with its time to the microsecond (an
+            with open(_record_file(path), "rb") as stream:  # inode and mtime can both repeat
+              record = hashlib.sha1(stream.read()).hexdigest()  # when a save follows a delete)
           except OSError:
             continue  # not complete yet, or gone
-          key = (label, path, info.st_ino, info.st_mtime_ns)
+          key = (label, path, record)
           if key in self.seen:
             continue
           target = os.path.join(self.root, label, f"{name}-{self.count}")
