@@ -5,8 +5,17 @@ recorder's own bookkeeping (`flight_recorder`). The hang tests of
 tests/test_watchdog.py check the recorder's section in real abort reports.
 """
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 
+import jdist
+from jdist.compression import half
+from jdist.compression import protocol
+from jdist.compression import qsgd
+from jdist.compression import sparse
 from jdist.runtime import flight_recorder
 from jdist.runtime import flight_report
 
@@ -112,22 +121,48 @@ def test_trace_level_steps_and_host_exchanges():
   assert flight_recorder.snapshot()[-1].state == "done"
 
 
-def test_labels_name_the_scheme_that_traced_the_exchange():
-  from jdist.compression import powersgd  # pylint: disable=import-outside-toplevel
+def test_labels_name_the_schemes_that_traced_the_exchange():
+  with flight_recorder.scheme("DiLoCo"), flight_recorder.scheme("16-bit"):
+    assert flight_recorder.scheme_label("sum16") == "DiLoCo / 16-bit: 16-bit sum"
+    with flight_recorder.scheme("DiLoCo"):  # a scheme named twice reads once
+      assert flight_recorder.scheme_label("sum") == "DiLoCo / 16-bit: dense sum"
+  assert flight_recorder.scheme_label("gather") == "psum/pmean: gather"
 
-  class Code:
-    def __init__(self, path):
-      self.co_filename = path
 
-  class Frame:
-    def __init__(self, path, back):
-      self.f_code, self.f_back = Code(path), back
+@jax.tree_util.register_pytree_node_class
+class _Probe(protocol.WirePayload):
+  """A payload that notes the label its exchange would carry."""
 
-  outer = Frame("/x/jdist/transforms/diloco.py", None)
-  inner = Frame(powersgd.__file__.replace("powersgd", "half"), outer)
-  assert flight_recorder.scheme_label("sum16", inner) == "DiLoCo / 16-bit: 16-bit sum"
-  assert flight_recorder.scheme_label("gather", Frame("/u/train.py", None)) == \
-      "psum/pmean: gather"
+  SCHEME = "probe"
+  labels: list = []
+
+  def __init__(self, tree):
+    self.tree = tree
+
+  def tree_flatten(self):
+    return (self.tree,), None
+
+  @classmethod
+  def tree_unflatten(cls, _, children):
+    return cls(*children)
+
+  def reduce_over_replicas(self, exchange, factor):
+    _Probe.labels.append(flight_recorder.scheme_label("sum"))
+    return jax.tree.map(lambda x: x * factor, exchange.sum(self.tree))
+
+
+def test_a_payloads_exchange_is_named_by_the_transformation_and_the_payload():
+  probe = optax.GradientTransformation(lambda p: optax.EmptyState(),
+                                       lambda u, s, p=None: (_Probe(u), s))
+  tx = optax.chain(probe, jdist.allreduce())
+  params = {"w": jnp.arange(8.0)}
+  step = jdist.data_parallel(lambda g, s: tx.update(g, s)[0])
+  _Probe.labels.clear()
+  out = step(jdist.replicate(params), jdist.replicate(tx.init(params)))
+  np.testing.assert_allclose(jdist.unreplicate(out)["w"], params["w"])
+  assert _Probe.labels == ["allreduce / probe: dense sum"]
+  assert [cls.SCHEME for cls in (half.HalfPayload, sparse.SparsePayload, qsgd.QSGDPayload)] == [
+      "16-bit", "sparse", "QSGD"]
 
 
 def test_the_ring_keeps_the_last_slots():

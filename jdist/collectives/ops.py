@@ -34,6 +34,7 @@ from jdist import fusion
 from jdist.collectives import routes
 from jdist.collectives.route_base import HALF_DTYPES
 from jdist.collectives import transport
+from jdist.runtime import flight_recorder
 from jdist.runtime import host
 
 
@@ -136,7 +137,8 @@ class Reductions:
     def reduce(replicas: ReplicaExchange, values: Any) -> Any:
       factor = 1.0 / replicas.replicas if mean else 1.0
       if callable(getattr(type(values), "reduce_over_replicas", None)):
-        return values.reduce_over_replicas(replicas, factor)
+        with flight_recorder.scheme(type(values).SCHEME):
+          return values.reduce_over_replicas(replicas, factor)
       if not mean:
         return replicas.sum(values)
       return _averaged(replicas.span, replicas.sum, values, replicas.replicas)

@@ -12,6 +12,8 @@ import contextlib
 import contextvars
 import dataclasses
 
+from jdist.runtime import flight_recorder
+
 DATA_AXIS = "data"
 
 
@@ -27,12 +29,18 @@ _ledger: contextvars.ContextVar[WireLedger | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def measure():
-  """Collects the cross-process traffic of the collectives traced inside."""
+def measure(scheme: str | None = None):
+  """Collects the cross-process traffic of the collectives traced inside.
+
+  Args:
+    scheme: the communication scheme tracing them ("DiLoCo"), which names
+      their exchanges in the flight recorder and the timeline.
+  """
   ledger = WireLedger()
   token = _ledger.set(ledger)
   try:
-    yield ledger
+    with flight_recorder.scheme(scheme):
+      yield ledger
   finally:
     _ledger.reset(token)
 

@@ -34,6 +34,8 @@ class HalfCtx:
 class HalfPayload(protocol.WirePayload):
   """A gradient tree whose leaves travel in 16 bits, pre-scaled."""
 
+  SCHEME = "16-bit"
+
   def __init__(self, tree: Any, ctx: HalfCtx):
     self.tree = tree
     self.ctx = ctx

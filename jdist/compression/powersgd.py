@@ -157,7 +157,7 @@ def powersgd(rank: int, *, error_feedback: bool = True, mean: bool = True,
     if error_feedback:
       matrices = [x + residual for x, residual in zip(matrices, state.residual)]
     dense = [leaf for index, leaf in enumerate(leaves) if index not in compressed]
-    with collectives.measure() as ledger:
+    with collectives.measure("PowerSGD factors") as ledger:
       approximations, new_qs, dense = collectives.exchange(
           reduce, (matrices, state.q, dense), bucket_bytes=bucket_bytes,
           what="jdist.powersgd")

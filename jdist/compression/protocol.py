@@ -62,7 +62,13 @@ class WirePayload:
 
   Subclasses are registered pytree nodes (they pass through jit, pmap and
   `optax.chain` like a gradient tree) and implement `reduce_over_replicas`.
+
+  Attributes:
+    SCHEME: the scheme's name in the flight recorder's and the timeline's
+      labels of its exchanges ("sparse": "allreduce / sparse: gather").
   """
+
+  SCHEME = ""
 
   def reduce_over_replicas(self, exchange: Exchange, factor: float) -> Any:
     """Reduces this payload over every replica and decodes it.

@@ -67,6 +67,8 @@ class QSGDPayload(protocol.WirePayload):
   -7..7 and travel packed, two per byte.
   """
 
+  SCHEME = "QSGD"
+
   def __init__(self, levels: jax.Array, scales: jax.Array, ctx: QSGDCtx):
     self.levels = levels
     self.scales = scales

@@ -63,6 +63,8 @@ class SparsePayload(protocol.WirePayload):
   replica (unused slots hold value 0 at index 0, which adds nothing).
   """
 
+  SCHEME = "sparse"
+
   def __init__(self, values: jax.Array, indices: jax.Array, ctx: SparseCtx):
     self.values = values
     self.indices = indices

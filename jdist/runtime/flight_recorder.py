@@ -33,6 +33,8 @@ on (a few stores).
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import dataclasses
 import os
 import sys
@@ -44,12 +46,6 @@ SLOTS = 256
 ENABLE_ENV = "JDIST_FLIGHT_RECORDER"  # "0": Python side off (benchmark A/B only)
 STATES = ("posted", "wire", "done")
 _LABEL_LIMIT = 4096  # traced exchanges remembered for labels
-# The module whose code traced an exchange names its payload, outermost first.
-_SCHEMES = (("transforms/diloco.py", "DiLoCo"), ("transforms/local_sgd.py", "local SGD"),
-            ("transforms/partial.py", "partial sync"), ("transforms/finite.py", "finite check"),
-            ("compression/powersgd.py", "PowerSGD factors"),
-            ("compression/sparse.py", "sparse"), ("compression/half.py", "16-bit"),
-            ("transforms/allreduce.py", "allreduce"))
 _KIND_WORDS = {"sum": "dense sum", "sum16": "16-bit sum", "gather": "gather", "host": "host"}
 
 
@@ -126,27 +122,37 @@ def add_source(source: Callable[[], list[Entry]]) -> None:
     _state.sources.append(source)
 
 
-def scheme_label(kind: str, frame=None) -> str:
-  """'PowerSGD factors: dense sum': who traced the exchange, and its kind.
+# The communication schemes tracing an exchange, outermost first (`scheme`).
+_schemes: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "jdist_schemes", default=())
 
-  Read from the Python stack at trace time: the jdist transformations and
-  compressors whose code is on it, outermost first.
+
+@contextlib.contextmanager
+def scheme(name: str | None):
+  """Names the exchanges traced inside after scheme `name` ("DiLoCo", "sparse").
+
+  Transformations and payloads say what they are while they trace their
+  exchanges; nested schemes read outermost first. None names nothing.
   """
-  found = []
-  frame = frame if frame is not None else sys._getframe(1)  # pylint: disable=protected-access
-  while frame is not None:
-    path = frame.f_code.co_filename.replace(os.sep, "/")
-    for suffix, name in _SCHEMES:
-      if path.endswith("jdist/" + suffix) and name not in found:
-        found.append(name)
-    frame = frame.f_back
-  scheme = " / ".join(reversed(found)) if found else "psum/pmean"
-  return f"{scheme}: {_KIND_WORDS.get(kind, kind)}"
+  if not name:
+    yield
+    return
+  token = _schemes.set(_schemes.get() + (name,))
+  try:
+    yield
+  finally:
+    _schemes.reset(token)
+
+
+def scheme_label(kind: str) -> str:
+  """'PowerSGD factors: dense sum': the schemes tracing the exchange, and its kind."""
+  found = tuple(dict.fromkeys(_schemes.get()))  # each once, outermost first
+  return f"{' / '.join(found) if found else 'psum/pmean'}: {_KIND_WORDS.get(kind, kind)}"
 
 
 def note_traced(route: str, kind: str, ordinal: int, nbytes: int, step: str | None) -> None:
   """Records, at trace time, what exchange `ordinal` of step `step` carries."""
-  label = scheme_label(kind, sys._getframe(1))  # pylint: disable=protected-access
+  label = scheme_label(kind)
   with _state.lock:
     if len(_state.labels) >= _LABEL_LIMIT:
       _state.labels.clear()

@@ -56,7 +56,7 @@ def allreduce(mean: bool = True, *,
   def update_fn(updates, state, params=None):
     del state, params
     start_check.check_at_step()
-    with collectives.measure() as ledger:
+    with collectives.measure("allreduce") as ledger:
       reduced = collectives.reduce_payload(updates, mean=mean, bucket_bytes=bucket_bytes)
     return reduced, AllReduceState(wire_bytes=jnp.asarray(ledger.bytes, jnp.float32))
 

@@ -254,7 +254,7 @@ class _Fragments:
   def exchange(self, p, updates, params, outer_now, residual):
     """Fragment p's pseudo-gradient averaged over every replica, and the residual."""
     delta = self.pseudo_gradient(p, updates, params, outer_now)
-    with collectives.measure() as ledger:
+    with collectives.measure("DiLoCo") as ledger:
       if self.bits:
         averaged, missed = quantized_mean(delta, [residual[i] for i in self.plan[p]],
                                           self.bits)

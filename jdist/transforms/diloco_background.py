@@ -41,7 +41,7 @@ def start(delta: list[jax.Array], pending: list[jax.Array],
   """
   share = fusion.ravel(delta, jnp.float32) * jnp.float32(
       1.0 / topology_lib.current().replica_count)  # as collectives.reduce_payload's mean
-  with collectives.measure() as ledger:
+  with collectives.measure("DiLoCo") as ledger:
     token = deferred.start(share)
   pending = list(pending)
   for i, value in zip(leaves, fusion.unravel(share, fusion.flat_spec(delta))):

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from jdist import collectives
+from jdist.runtime import flight_recorder
 
 
 class SkipNonFiniteState(NamedTuple):
@@ -107,7 +108,8 @@ def skip_nonfinite(inner: optax.GradientTransformation, *,
     # wire (or a decode produce NaN) although every replica's gradients were
     # finite. Summed over every replica: the same decision everywhere.
     local = jnp.maximum(_count_nonfinite(updates), _count_nonfinite(new_updates))
-    nonfinite = collectives.psum(local) > 0
+    with flight_recorder.scheme("finite check"):
+      nonfinite = collectives.psum(local) > 0
     skip = nonfinite
     if max_consecutive is not None:
       skip = nonfinite & (state.consecutive < max_consecutive)

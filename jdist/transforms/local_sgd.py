@@ -80,7 +80,7 @@ def local_sgd(inner: optax.GradientTransformation, *, sync_every: int,
     sent = jnp.zeros([], jnp.float32)
     if warmup_steps:
       warm = t < warmup_steps
-      with collectives.measure() as ledger:
+      with collectives.measure("local SGD") as ledger:
         grads = lax.cond(warm, lambda g: collectives.reduce_payload(g, mean=True),
                          lambda g: g, grads)
       sent = jnp.where(warm, float(ledger.bytes), 0.0)
@@ -92,7 +92,7 @@ def local_sgd(inner: optax.GradientTransformation, *, sync_every: int,
       return jax.tree.map(lambda a, p, u: (a - p).astype(u.dtype), averaged, params, updates)
 
     sync = (t >= warmup_steps) & ((t + 1 - warmup_steps) % sync_every == 0)
-    with collectives.measure() as ledger:
+    with collectives.measure("local SGD") as ledger:
       updates = lax.cond(sync, average, lambda u, p: u, updates, params)
     sent = sent + jnp.where(sync, float(ledger.bytes), 0.0)
     return updates, LocalSGDState(t + 1, inner_state, state.syncs + sync.astype(jnp.int32),

@@ -121,7 +121,7 @@ def partial_sync(num_chunks: int) -> optax.GradientTransformation:
     chunk = state.step % len(plan)
     local = lax.switch(chunk, [functools.partial(take, p) for p in plan], update_leaves,
                        param_leaves)
-    with collectives.measure() as ledger:
+    with collectives.measure("partial sync") as ledger:
       averaged = collectives.pmean(local)
     new_leaves = lax.switch(chunk, [functools.partial(put, p) for p in plan], averaged,
                             update_leaves, param_leaves)
