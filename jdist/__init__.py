@@ -29,12 +29,12 @@ from jdist.collectives import pmean
 from jdist.collectives import psum
 from jdist.collectives import replica_index
 from jdist.collectives import replica_key
-from jdist.data import ShardedLoader
-from jdist.grain_data import GrainLoader
-from jdist.grain_data import grain_shard_options
-from jdist.batches import process_slice
-from jdist.batches import shard_global_batch
-from jdist.batches import shard_batch as shard
+from jdist.data.loader import ShardedLoader
+from jdist.data.grain import GrainLoader
+from jdist.data.grain import grain_shard_options
+from jdist.data.batches import process_slice
+from jdist.data.batches import shard_global_batch
+from jdist.data.batches import shard_batch as shard
 from jdist.metrics import MetricAccumulator
 from jdist.metrics import metric_sums
 from jdist.parallel import data_parallel
@@ -68,7 +68,7 @@ from jdist.transforms.local_sgd import LocalSGDState
 from jdist.transforms.local_sgd import local_sgd
 from jdist.transforms.partial import PartialSyncState
 from jdist.transforms.partial import partial_sync
-from jdist.timeline_recorder import timeline
+from jdist.tracing.recorder import timeline
 
 __version__ = "0.1.0"
 

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jdist import batches
+from jdist.data import batches
 from jdist import errors
 from jdist.runtime import topology as topology_lib
 from jdist.runtime import host

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from jdist import batches
+from jdist.data import batches
 from jdist.runtime import host
 from jdist.runtime import topology as topology_lib
 from jdist.collectives import context

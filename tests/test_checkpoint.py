@@ -26,8 +26,8 @@ from flax import nnx
 
 import jdist
 from jdist import errors
-from jdist import checkpoint_layout as layout
-from jdist.checkpoint import CheckpointManager
+from jdist.checkpoint import layout
+from jdist.checkpoint.manager import CheckpointManager
 from jdist.runtime import host
 from tests import launch
 from tests import reference

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from jdist import batches as batches_lib
+from jdist.data import batches as batches_lib
 from jdist import data
 from jdist import errors
 from jdist.runtime.topology import Topology

@@ -1,4 +1,4 @@
-"""jdist.grain_data: grain shard options from the topology, batches that train like
+"""jdist.data.grain: grain shard options from the topology, batches that train like
 one device on the global batch, and iterator positions kept in checkpoints.
 
 Runs in all three topologies (1x4, 2x1, 2x2); the other processes' batches
@@ -20,9 +20,9 @@ import pytest
 
 import jdist
 from jdist import errors
-from jdist import grain_data
-from jdist.checkpoint import CheckpointManager
-from jdist.grain_data import GrainLoader
+from jdist.data import grain as grain_data
+from jdist.checkpoint.manager import CheckpointManager
+from jdist.data.grain import GrainLoader
 from jdist.runtime import host
 from tests import launch
 from tests import reference

@@ -1,4 +1,4 @@
-"""`jdist.jax_internals`: the one module that reads JAX's private modules."""
+"""`jdist.runtime.jax_internals`: the one module that reads JAX's private modules."""
 
 import os
 import re
@@ -8,7 +8,8 @@ import jax
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from jdist import jax_internals
+import jdist
+from jdist.runtime import jax_internals
 
 JDIST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jdist")
 
@@ -23,7 +24,7 @@ def test_no_private_jax_import_outside_the_compatibility_module():
           text = source.read()
         if re.search(r"^\s*(from|import)\s+jax\._src", text, re.MULTILINE):
           offenders.append(os.path.relpath(path, JDIST))
-  assert not offenders, f"jax._src imported outside jdist/jax_internals.py: {offenders}"
+  assert not offenders, f"jax._src imported outside jdist/runtime/jax_internals.py: {offenders}"
 
 
 def test_declared_jax_range_is_the_tested_one_and_installed():
@@ -38,7 +39,7 @@ def test_internals_answer_on_this_jax(topo):
 
 
 def test_the_collective_layer_reads_no_jax_internals():
-  collectives_dir = os.path.join(os.path.dirname(jax_internals.__file__), "collectives")
+  collectives_dir = os.path.join(os.path.dirname(jdist.__file__), "collectives")
   for root, _, files in os.walk(collectives_dir):
     for name in files:
       if name.endswith(".py"):

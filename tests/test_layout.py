@@ -22,14 +22,13 @@ MAX_FUNCTION_LINES = 80  # not counting the docstring
 
 # Layers from the bottom up; a module may import its own layer or lower ones.
 LAYERS = (
-    ("jdist.errors", "jdist.jax_internals", "jdist.fusion"),
+    ("jdist.errors", "jdist.runtime.jax_internals", "jdist.fusion"),
     ("jdist.runtime",),
     ("jdist.collectives",),
     ("jdist.compression",),
     ("jdist.transforms",),
-    ("jdist.parallel", "jdist.batches", "jdist.consistency", "jdist.metrics", "jdist.data",
-     "jdist.epoch_order", "jdist.checkpoint", "jdist.checkpoint_layout", "jdist.flax_nnx",
-     "jdist.grain_data"),
+    ("jdist.parallel", "jdist.consistency", "jdist.metrics", "jdist.data", "jdist.checkpoint",
+     "jdist.flax_nnx", "jdist.tracing"),
     ("jdist",),  # the package's __init__: the public API
     ("jdist.app",),
 )

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import pytest
 
 import jdist
-from jdist import timeline_format
-from jdist import timeline_recorder
+from jdist.tracing import chrome_trace as timeline_format
+from jdist.tracing import recorder as timeline_recorder
 from jdist.app import timeline_cli
 from jdist.runtime import flight_recorder
 from jdist.runtime import host

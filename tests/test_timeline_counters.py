@@ -1,4 +1,4 @@
-"""jdist.timeline_counters: the compression ratio and residual norm in a timeline.
+"""jdist.tracing.counters: the compression ratio and residual norm in a timeline.
 
 A short top-K run (and a plain one) inside `jdist.timeline`: each recorded
 step's "residual norm" and "compression ratio" counters must equal what the
@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import jdist
-from jdist import timeline_counters
+from jdist.tracing import counters as timeline_counters
 from jdist.runtime import flight_recorder
 from jdist.runtime import host
 
@@ -137,7 +137,7 @@ def test_residual_norm_finds_every_residual_and_nothing_else():
 
 
 def test_summarize_reports_the_ratio_over_the_window_and_the_mean_residual(tmp_path, capsys):
-  from jdist import timeline_format  # pylint: disable=g-import-not-at-top
+  from jdist.tracing import chrome_trace as timeline_format  # pylint: disable=g-import-not-at-top
   from jdist.app import timeline_cli  # pylint: disable=g-import-not-at-top
   ms = 1_000_000
   steps = [("step", n, "train_step", 10 * n * ms, (10 * n + 8) * ms) for n in (1, 2, 3)]

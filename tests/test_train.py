@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jdist
-from jdist import checkpoint_layout
+from jdist.checkpoint import layout as checkpoint_layout
 from jdist import consistency
 from jdist.app import datasets
 from jdist.app import train_guard

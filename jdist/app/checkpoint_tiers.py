@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jdist
-from jdist import checkpoint_layout as layout
+from jdist.checkpoint import layout
 from jdist import errors
 from jdist.runtime import host
 

@@ -267,7 +267,7 @@ def _check_checkpoints_and_recovery(config: TrainConfig) -> None:
 
 
 def _check_timeline(config: TrainConfig) -> None:
-  from jdist import timeline_recorder  # pylint: disable=g-import-not-at-top
+  from jdist.tracing import recorder as timeline_recorder  # pylint: disable=g-import-not-at-top
   if config.timeline_steps is not None and not config.timeline:
     raise ConfigError("timeline_steps (--timeline-steps) needs --timeline FILE.")
   try:

@@ -11,7 +11,7 @@ import os
 
 import jax
 
-from jdist import jax_internals
+from jdist.runtime import jax_internals
 from jdist.app.config import ConfigError
 
 CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"

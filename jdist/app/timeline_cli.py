@@ -20,7 +20,7 @@ import statistics
 import sys
 from typing import Any
 
-from jdist import timeline_format
+from jdist.tracing import chrome_trace as timeline_format
 
 
 def load(path: str) -> tuple[dict[int, dict[str, Any]], bool]:

@@ -37,7 +37,7 @@ import time
 import jax
 
 from jdist import errors
-from jdist import jax_internals
+from jdist.runtime import jax_internals
 from jdist.runtime import multihost
 
 ENV = "JDIST_JAX_DISTRIBUTED"

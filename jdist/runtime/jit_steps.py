@@ -18,7 +18,7 @@ import dataclasses
 import threading
 import weakref
 
-from jdist import jax_internals
+from jdist.runtime import jax_internals
 
 
 @dataclasses.dataclass

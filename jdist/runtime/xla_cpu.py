@@ -18,7 +18,7 @@ import os
 import jax
 
 from jdist import errors
-from jdist import jax_internals
+from jdist.runtime import jax_internals
 
 MIN_HOST_THREADS = 16
 

@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 
 import jdist
-from jdist.checkpoint import CheckpointManager
+from jdist.checkpoint.manager import CheckpointManager
 
 ROWS_PER_REPLICA = 2
 

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 
 import jdist
-from jdist.checkpoint import CheckpointManager
+from jdist.checkpoint.manager import CheckpointManager
 
 KILL_LEAF_SIZE = 1 << 22  # 16 MB of float32 per copy: a write that takes a while
 

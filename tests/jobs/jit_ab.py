@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jdist  # noqa: E402
-from jdist import batches  # noqa: E402
+from jdist.data import batches  # noqa: E402
 from jdist.runtime import start_check  # noqa: E402
 from jdist.app import datasets, models  # noqa: E402
 

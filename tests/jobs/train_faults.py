@@ -30,7 +30,7 @@ def mark(me, what):
 
 def poison(me, first: int, last: int | None) -> None:
   """Makes the training loader's batches NaN for global steps first..last."""
-  from jdist import data  # pylint: disable=import-outside-toplevel
+  from jdist.data import loader as data  # pylint: disable=import-outside-toplevel
   original = data.ShardedLoader._generate  # pylint: disable=protected-access
   steps = itertools.count(1)
 

@@ -209,7 +209,7 @@ def check_same_batch(global_batch: Any, what: str) -> None:
       f"must pass the same whole global batch (the same size and structure) at each step; "
       f"{what} keeps each process's own rows of it. Feed every process the same global "
       f"batches (the same batch size and order), or a per-process loader's rows through "
-      f"jdist.batches.place_process_rows.")
+      f"jdist.data.batches.place_process_rows.")
 
 
 def place_process_rows(rows: Any, topology) -> Any:

@@ -15,7 +15,7 @@ and checkpoints its position exactly. This module fits it to a jdist job:
     batch (each process reads `global_batch_size / process_count` examples
     per step from its own shard, shuffled within it each epoch) and places
     each batch as the step wants it: as one array over `jdist.mesh()` for a
-    jit step (`jdist.batches.place_process_rows`, as `jdist.shard_global_batch`
+    jit step (`jdist.data.batches.place_process_rows`, as `jdist.shard_global_batch`
     places), or with a leading local-device axis for `jdist.data_parallel`
     (`jdist.shard`, as `jdist.ShardedLoader` places).
   * Its iterator's `get_state()` / `set_state()` is the position of the
@@ -36,10 +36,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from jdist import batches
-from jdist import data
+from jdist.data import batches
+from jdist.data import loader as data
 from jdist import errors
-from jdist.epoch_order import check_int
+from jdist.data.epoch_order import check_int
 from jdist.runtime import topology as topology_lib
 
 STYLES = ("global", "replicated")

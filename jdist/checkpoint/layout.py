@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
-from jdist import batches
+from jdist.data import batches
 from jdist import errors
 from jdist.collectives import context
 from jdist.runtime import host

@@ -4,7 +4,7 @@ Each replica (one local device of one process, see `jdist.runtime.topology`) rea
 own slice of each epoch, as PyTorch's `DistributedSampler` does: all ranks
 draw the same permutation from `(seed, epoch)` and replica `r` of `R` takes
 `permutation[r::R]`, so no communication is needed to agree on the split
-(`jdist.epoch_order`, whose public names are importable from here).
+(`jdist.data.epoch_order`).
 
 `ShardedLoader` turns those index lists into batches shaped
 `[local_device_count, batch_size, ...]`, already placed on the local devices,
@@ -25,12 +25,10 @@ from jax.sharding import NamedSharding
 from jdist import errors
 from jdist.collectives import context
 # Re-exported: the epoch order and partition are part of this module's API.
-from jdist.epoch_order import batches_per_epoch
-from jdist.epoch_order import check_int
-from jdist.epoch_order import check_partition_args
-from jdist.epoch_order import epoch_order
-from jdist.epoch_order import epoch_permutation  # pylint: disable=unused-import
-from jdist.epoch_order import replica_indices  # pylint: disable=unused-import
+from jdist.data.epoch_order import batches_per_epoch
+from jdist.data.epoch_order import check_int
+from jdist.data.epoch_order import check_partition_args
+from jdist.data.epoch_order import epoch_order
 from jdist.runtime.topology import Topology
 
 Batch = dict[str, Any]

@@ -5,7 +5,7 @@ compiled step (when it ran on the devices, from the watchdog's step monitor)
 and every cross-process exchange in the window (from the native engine's
 exchange trace, or the flight recorder on the other routes), and, where the
 loop calls `observe`, each step's compression ratio and error-feedback
-residual norm (`jdist.timeline_counters`). At `close()`
+residual norm (`jdist.tracing.counters`). At `close()`
 (the end of a `with` block, or of `jdist train --timeline`) rank 0 gathers
 the rings over the host exchange and writes one file: ranks on several
 nodes need no shared filesystem, and nothing is written during the steps.
@@ -29,8 +29,8 @@ import warnings
 from typing import Any
 
 from jdist.runtime import jit_steps
-from jdist import timeline_counters
-from jdist import timeline_format
+from jdist.tracing import counters as timeline_counters
+from jdist.tracing import chrome_trace as timeline_format
 from jdist.collectives import native
 from jdist.runtime import flight_recorder
 from jdist.runtime import host

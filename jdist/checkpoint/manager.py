@@ -1,6 +1,6 @@
 """Checkpoints of training state in either step style, written by rank 0 with orbax.
 
-A state comes in one of two styles (`jdist.checkpoint_layout`): *replicated*
+A state comes in one of two styles (`jdist.checkpoint.layout`): *replicated*
 (the data_parallel style: a leading axis of one copy per local device, as
 `jdist.replicate` lays it out) or *global* (the jit style: arrays over
 `jdist.mesh()`, one copy per process, e.g. `nnx.state(model)`). The copies
@@ -48,14 +48,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jdist import checkpoint_layout as layout
+from jdist.checkpoint import layout
 from jdist import errors
-from jdist import grain_data
+from jdist.data import grain as grain_data
 from jdist.collectives import start as start_lib
 from jdist.runtime import topology as topology_lib
 from jdist.runtime import host
 # Re-exported: the record's format and `fingerprint` are part of this module's API.
-from jdist.checkpoint_layout import (  # pylint: disable=unused-import
+from jdist.checkpoint.layout import (  # pylint: disable=unused-import
     FORMAT, FORMAT_VERSION, fingerprint)
 
 log = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ class CheckpointManager:
       metadata: a JSON-serializable dict stored alongside (step, epoch,
         batch in epoch, seed, model name, config...). Rank 0's is written.
       style: "replicated" or "global"; None tells them apart by the leaves'
-        placement (`jdist.checkpoint_layout.detect_style`).
+        placement (`jdist.checkpoint.layout.detect_style`).
       data_iterator: a data iterator (jdist.GrainLoader's); every process's position is kept.
 
     Raises:

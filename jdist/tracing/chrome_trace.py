@@ -1,13 +1,13 @@
 """The Chrome / Perfetto trace `jdist.timeline()` writes: building and splitting it.
 
-Pure functions over each rank's records (see `jdist.timeline_recorder`):
+Pure functions over each rank's records (see `jdist.tracing.recorder`):
 
   * a step: ("step", number, name, start_ns, done_ns) on the rank's own
     `time.monotonic_ns()` clock;
   * an exchange: ("x", ordinal, call, kind, label, nbytes, first_post_ns,
     last_post_ns, wire_ns, done_ns, route);
   * a step's counters: ("c", number, residual_norm or None, dense_bytes,
-    sent_bytes) (`jdist.timeline_counters.Counters`).
+    sent_bytes) (`jdist.tracing.counters.Counters`).
 
 `chrome_trace` turns every rank's records into one "traceEvents" JSON
 object: a process per rank, a "steps" track and as many "exchanges" lanes as
@@ -185,7 +185,7 @@ def chrome_trace(ranks: dict[int, dict[str, Any]], complete: bool = True) -> dic
 
   Args:
     ranks: rank -> its part: {"steps", "exchanges", "wall_minus_mono_ns",
-      "host", "dropped"} (see `jdist.timeline_recorder.Timeline.part`).
+      "host", "dropped"} (see `jdist.tracing.recorder.Timeline.part`).
     complete: every rank's part is here (else: a part written on abort).
   """
   starts = [r["wall_minus_mono_ns"] + min([s[3] for s in r["steps"]] +
