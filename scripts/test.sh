@@ -24,15 +24,17 @@ mpi_selection=(tests --ignore=tests/test_data.py --ignore=tests/test_datasets.py
                --ignore=tests/test_models.py --ignore=tests/test_benchmarks.py
                --ignore=tests/test_watchdog.py --ignore=tests/test_network_bench.py
                --ignore=tests/test_launch.py --ignore=tests/test_cluster.py
+               --ignore=tests/test_layout.py --ignore=tests/test_registry.py
+               --ignore=tests/test_jax_internals.py
                -k "not test_fault and not subprocess"
                --capture=sys)
 
 echo "== tests: 1 process x 4 devices"
-"$python" -m pytest tests "$@"
+"$python" -m pytest tests --durations=15 "$@"
 for devices in 1 2; do
   echo "== tests: 2 processes x $devices device(s)"
   bash scripts/mpirun.sh -np 2 -x JDIST_TEST_DEVICES=$devices \
-    "$python" -m pytest "${mpi_selection[@]}" "$@"
+    "$python" -m pytest "${mpi_selection[@]}" --durations=10 "$@"
 done
 if [ -f mkdocs.yml ]; then
   echo "== docs: mkdocs build --strict"
