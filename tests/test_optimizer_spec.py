@@ -34,6 +34,7 @@ FLAG_CASES = {
     "--partial": ([], ["--partial", "2"]),
     "--powersgd": ([], ["--powersgd", "2"]),
     "--qsgd": ([], ["--qsgd"]),
+    "--signsgd": ([], ["--signsgd"]),
     "--skip-nonfinite": ([], ["--skip-nonfinite"]),
     "--diloco": ([], ["--diloco", "2"]),
     "--diloco-fragments": (["--diloco", "2"], ["--diloco", "2", "--diloco-fragments", "2"]),

@@ -12,10 +12,10 @@ optimizer is this" derives from it instead of listing settings again:
 - `spec.check()` is `jdist.dist_opt`'s own check of which schemes combine
   (the schemes' declarations), with the errors naming flags.
 
-A new optimizer setting is one new field here (with its `resume` metadata,
-and a `flag` entry: the arguments of its `jdist train` flag) and its use in
-`build`; `TrainConfig` takes its optimizer fields from this class and the
-command line adds the flags, and `tests/test_optimizer_spec.py` fails for
+A new optimizer setting is one new field here (with its `resume` metadata)
+and its use in `build`; a new communication scheme declares its flag in its
+`Scheme` and gets its field from there (`_with_scheme_fields`). `TrainConfig`
+takes its optimizer fields from this class and the command line adds the flags, and `tests/test_optimizer_spec.py` fails for
 any optimizer flag of `jdist train` that does not change the optimizer that
 runs.
 """
@@ -47,12 +47,24 @@ _STATE = {"resume": "must_match"}
 _HYPER = {"resume": "may_differ"}
 
 
-def _scheme(**flag: Any) -> dict[str, Any]:
-  """A communication scheme's field: must match on resume; `flag`: its argparse arguments."""
-  return {**_STATE, "flag": flag}
+def _with_scheme_fields(cls):
+  """Adds a field for each scheme that declares its `jdist train` flag (`Scheme.flag`).
+
+  Off by default (False for a switch, else None); it shapes the optimizer
+  state, so it must match on resume. A scheme with a flag is then one
+  module and one `jdist.dist_opt` keyword: nothing here names it.
+  """
+  for scheme in dist_opt_lib.SCHEMES.values():
+    if scheme.flag is not None:
+      switch = scheme.flag.get("action") == "store_true"
+      cls.__annotations__[scheme.keyword] = "bool" if switch else "Any"
+      setattr(cls, scheme.keyword, dataclasses.field(
+          default=False if switch else None, metadata={**_STATE, "flag": scheme.flag}))
+  return cls
 
 
 @dataclasses.dataclass(frozen=True)
+@_with_scheme_fields
 class OptimizerSpec:
   """Every setting that decides which optimizer a training run builds.
 
@@ -68,8 +80,8 @@ class OptimizerSpec:
     partial: None or a number of chunks (SINGA's partial update).
     powersgd: None or a rank: gradient matrices cross replicas as rank-r
       factors (PowerSGD, with error feedback).
-    qsgd: gradients cross replicas as 8-bit stochastically rounded levels
-      (QSGD, buckets of 512, with error feedback).
+    (schemes with a flag): one field per `jdist.dist_opt` scheme that
+      declares its flag (`Scheme.flag`: qsgd, ...), off by default.
     skip_nonfinite: every replica skips steps whose gradients hold NaN/Inf.
     diloco: None or H: DiLoCo, H local inner steps between outer steps
       (`jdist.diloco`; with `half`, the pseudo-gradient travels in 16 bits).
@@ -108,9 +120,6 @@ class OptimizerSpec:
   momentum_correction: bool = dataclasses.field(default=False, metadata=_STATE)
   partial: int | None = dataclasses.field(default=None, metadata=_STATE)
   powersgd: int | None = dataclasses.field(default=None, metadata=_STATE)
-  qsgd: bool = dataclasses.field(default=False, metadata=_scheme(
-      action="store_true", help="QSGD: gradients cross replicas as 8-bit stochastically "
-      "rounded levels, one float32 scale per 512 entries, with error feedback"))
   skip_nonfinite: bool = dataclasses.field(default=False, metadata=_STATE)
   diloco: int | None = dataclasses.field(default=None, metadata=_STATE)
   diloco_fragments: int = dataclasses.field(default=1, metadata=_STATE)
@@ -255,7 +264,8 @@ class OptimizerSpec:
                    + (" with momentum correction" if self.momentum_correction else ""))
     parts += [f"partial {self.partial}"] if self.partial else []
     parts += [f"powersgd rank {self.powersgd}"] if self.powersgd else []
-    parts += ["qsgd 8-bit"] if self.qsgd else []
+    parts += [scheme.describe(getattr(self, name)) for name, scheme in dist_opt_lib.SCHEMES.items()
+              if scheme.flag is not None and getattr(self, name) not in (None, False)]
     parts += ["skip non-finite"] if self.skip_nonfinite else []
     return ", ".join(parts) or "plain all-reduce"
 

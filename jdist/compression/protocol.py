@@ -122,6 +122,12 @@ class Scheme:
     combines_with: the keywords of the schemes it works with. Two schemes
       combine only when each names the other.
     does: what it does, in words, for error messages ("sends ...").
+    flag: `jdist train`'s flag for it, as argparse's keyword arguments
+      (`action`, `type`, `metavar`, `help`); the flag is `--KEYWORD` and
+      the setting a field of `jdist.app.optimizer_spec.OptimizerSpec`,
+      default off. None: the application declares its flag itself.
+    mode: the chosen setting -> the scheme in the trainer's mode line
+      ("qsgd 8-bit"); None: the keyword and the setting.
   """
   keyword: str
   stage: str
@@ -130,6 +136,14 @@ class Scheme:
   options: tuple[str, ...] = ()
   combines_with: tuple[str, ...] = ()
   does: str = ""
+  flag: dict[str, Any] | None = None
+  mode: Callable[[Any], str] | None = None
+
+  def describe(self, setting: Any) -> str:
+    """The chosen `setting` in the trainer's mode line."""
+    if self.mode is not None:
+      return self.mode(setting)
+    return self.keyword if setting is True else f"{self.keyword} {setting}"
 
   def __post_init__(self):
     if self.stage not in STAGES:

@@ -214,4 +214,8 @@ SCHEME = protocol.Scheme(
     "qsgd", "encode", protocol.enabled,
     lambda setting, o: qsgd(512 if setting is True else setting,
                             error_feedback=o.error_feedback),
-    options=("error_feedback",), does="sends gradients as 8-bit stochastic levels (QSGD)")
+    options=("error_feedback",), does="sends gradients as 8-bit stochastic levels (QSGD)",
+    flag={"action": "store_true", "help": "QSGD: gradients cross replicas as 8-bit "
+          "stochastically rounded levels, one float32 scale per 512 entries, with error "
+          "feedback"},
+    mode=lambda setting: "qsgd 8-bit")

@@ -13,6 +13,7 @@ the schemes added since:
 |   (DGC momentum correction)    | ..., momentum_correction=0.9  | topk(momentum=0.9), ...; inner w/o mom. |
 | backward_and_partial_update    | partial=4                     | inner, partial_sync(4)                  |
 | (QSGD, 8-bit)                  | qsgd=True                     | qsgd, allreduce, inner                  |
+| (EF-signSGD, 1-bit)            | signsgd=True                  | signsgd, allreduce, inner               |
 | (PowerSGD, low-rank)           | powersgd=4                    | powersgd(4), inner                      |
 | (DiLoCo)                       | diloco=8 [, half=...]         | diloco(inner, sync_every=8)             |
 | (post-local SGD)               | local_sgd=8                   | local_sgd(inner, sync_every=8)          |
@@ -38,6 +39,7 @@ from jdist.compression import half as half_lib
 from jdist.compression import powersgd as powersgd_lib
 from jdist.compression import protocol
 from jdist.compression import qsgd as qsgd_lib
+from jdist.compression import signsgd as signsgd_lib
 from jdist.compression import sparse as sparse_lib
 from jdist.transforms import partial as partial_lib
 from jdist.transforms.allreduce import allreduce
@@ -63,7 +65,7 @@ _LOCAL_SGD = protocol.Scheme(
 # Every scheme, by keyword; when two conflict, the error names the earlier first.
 SCHEMES = {scheme.keyword: scheme for scheme in (
     _DILOCO, _LOCAL_SGD, partial_lib.SCHEME, powersgd_lib.SCHEME, qsgd_lib.SCHEME,
-    sparse_lib.SCHEME, half_lib.SCHEME)}
+    signsgd_lib.SCHEME, sparse_lib.SCHEME, half_lib.SCHEME)}
 _ALWAYS = ("bucket_bytes",)  # read by the all-reduce, or by the exchange that replaces it
 
 
@@ -135,6 +137,7 @@ def dist_opt(inner: optax.GradientTransformation, *,
              half: Any = False,
              sparsify: str | tuple[str, float] | None = None,
              qsgd: bool | int = False,
+             signsgd: bool | int = False,
              powersgd: int | None = None,
              partial: int | None = None,
              diloco: int | None = None,
@@ -166,6 +169,9 @@ def dist_opt(inner: optax.GradientTransformation, *,
     qsgd: True (buckets of 512) or a bucket size: gradients travel as 8-bit
       stochastically rounded levels with one float32 scale per bucket
       (`jdist.qsgd`).
+    signsgd: True (chunks of 512) or a chunk size: gradients travel as one
+      sign bit per entry and a float32 scale per chunk, with error feedback
+      (EF-signSGD, `jdist.compression.signsgd`).
     powersgd: a rank: gradient matrices travel as rank-r factors
       (`jdist.powersgd`, in place of `jdist.allreduce`).
     partial: a number of chunks: local updates and one rotating chunk of
@@ -175,8 +181,8 @@ def dist_opt(inner: optax.GradientTransformation, *,
     local_sgd: H: post-local SGD, parameters averaged every H local steps
       (`jdist.local_sgd`).
     mean: average (True) or sum (False) the gradients.
-    error_feedback: keep what was not sent for later steps (sparsify, qsgd
-      and powersgd).
+    error_feedback: keep what was not sent for later steps (sparsify, qsgd,
+      signsgd and powersgd).
     threshold_capacity: most entries sent per step in threshold mode.
     momentum_correction: sparsify only: the momentum, applied locally before
       the selection (Deep Gradient Compression), so `inner` must have none
