@@ -130,6 +130,38 @@ def test_dist_opt_signsgd_is_the_chain_and_trains_like_one_device(topo):
   assert distance(jdist.unreplicate(by_keyword)) < 0.6 * distance(params)
 
 
+def test_momentum_before_the_signs_is_the_heavy_ball_sum_they_encode():
+  grads = [jnp.asarray(np.random.default_rng(s).normal(size=(CHUNK,)).astype(np.float32))
+           for s in range(3)]
+  tx = signsgd_lib.signsgd(CHUNK, momentum=0.9)
+  state = tx.init({"x": grads[0]})
+  velocity = np.zeros(CHUNK, np.float32)
+  residual = np.zeros(CHUNK, np.float32)
+  for g in grads:
+    payload, state = tx.update({"x": g}, state)
+    velocity = 0.9 * velocity + np.asarray(g)
+    x = velocity + residual
+    np.testing.assert_allclose(np.asarray(payload.scales), [np.abs(x).mean()], rtol=1e-5)
+    residual = x - np.where(x >= 0, 1.0, -1.0) * np.abs(x).mean()
+  np.testing.assert_allclose(np.asarray(state.momentum), velocity, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(state.residual), residual, rtol=1e-5, atol=1e-5)
+
+
+def test_jdist_train_moves_an_sgd_momentum_before_the_signs():
+  from jdist.app.optimizer_spec import OptimizerSpec  # pylint: disable=import-outside-toplevel
+  spec = OptimizerSpec(momentum=0.9, signsgd=True)
+  assert "signsgd 1-bit with error feedback (SGD momentum 0.9 before it)" in spec.describe()
+  params = {"w": jnp.ones(16)}
+  state = spec.build().init(params)
+  found = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(
+      x, signsgd_lib.SignSGDState)) if isinstance(s, signsgd_lib.SignSGDState)]
+  assert len(found) == 1 and found[0].momentum.shape == (512,)
+  # No momentum is left in the inner optimizer: the only trace state is gone.
+  assert not [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(
+      x, optax.TraceState)) if isinstance(s, optax.TraceState)]
+  assert "before it" not in OptimizerSpec(momentum=0.0, signsgd=True).describe()
+
+
 def test_bad_settings_and_combinations_are_refused():
   for other in ({"half": True}, {"sparsify": "topk:0.1"}, {"powersgd": 2}, {"qsgd": True},
                 {"partial": 2}, {"diloco": 4}, {"local_sgd": 4}):
@@ -138,6 +170,8 @@ def test_bad_settings_and_combinations_are_refused():
   for chunk in (0, 12, True, 2.0):
     with pytest.raises(ValueError, match=f"chunk_size={chunk!r} must be a positive multiple"):
       signsgd_lib.signsgd(chunk)
+  with pytest.raises(ValueError, match=r"momentum=1.0 must be a number in \[0, 1\)"):
+    signsgd_lib.signsgd(64, momentum=1.0)
   with pytest.raises(ValueError, match="chunk_size=100"):
     jdist.dist_opt(optax.sgd(0.1), signsgd=100)
   with pytest.raises(ValueError, match="jdist.cast cannot follow SignPayload"):

@@ -235,11 +235,11 @@ def _check_communication(config: TrainConfig) -> None:
   if config.backend not in BACKENDS:
     raise ConfigError(f"backend (--backend)={config.backend!r} is unknown; choose one of "
                       f"{', '.join(BACKENDS)}.")
-  if config.momentum_correction and (config.sparsify is None or config.optimizer != "sgd"
-                                     or not config.momentum):
+  if config.momentum_correction and (config.optimizer != "sgd" or not config.momentum):
     raise ConfigError(
-        "--momentum-correction moves SGD's momentum before the gradient selection: it needs "
-        "--sparsify, --optimizer sgd and a --momentum above 0.")
+        "--momentum-correction moves SGD's momentum before the gradient compression: it needs "
+        "--optimizer sgd and a --momentum above 0 (and a scheme that applies it, such as "
+        "--sparsify).")
   _check_local_modes(config)
   try:  # which schemes combine: their own declarations, as jdist.dist_opt reads them
     config.optimizer_spec.check()

@@ -144,7 +144,7 @@ class OptimizerSpec:
       `jdist.dist_opt` around the inner optimizer, wrapped in
       `jdist.skip_nonfinite` when asked.
     """
-    correction = self.momentum if self.momentum_correction else 0.0
+    correction = self.momentum if self.momentum_correction or self._local_momentum() else 0.0
     if self.optimizer == "sgd":
       # With momentum correction the momentum lives in the compressor instead.
       inner = optax.sgd(self.lr, momentum=None if correction else (self.momentum or None))
@@ -158,6 +158,12 @@ class OptimizerSpec:
       raise ValueError(f"optimizer={self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}.")
     tx = dist_opt_lib.dist_opt(inner, **self._settings(), **self._options(correction))
     return skip_nonfinite(tx) if self.skip_nonfinite else tx
+
+  def _local_momentum(self) -> bool:
+    """An SGD momentum that a chosen scheme wants before it (`Scheme.local_momentum`)."""
+    return self.optimizer == "sgd" and bool(self.momentum) and any(
+        scheme.local_momentum and getattr(self, name) not in (None, False)
+        for name, scheme in dist_opt_lib.SCHEMES.items())
 
   def _settings(self) -> dict[str, Any]:
     """The `jdist.dist_opt` scheme keywords this spec sets (the fields of the same names)."""
@@ -236,7 +242,8 @@ class OptimizerSpec:
         scheme reads (`jdist.transforms.dist_opt.check_schemes`).
     """
     flags = {"diloco_outer": "--diloco-outer-lr/--diloco-outer-momentum"}
-    options = self._options(self.momentum if self.momentum_correction else 0.0)
+    options = self._options(self.momentum if self.momentum_correction or self._local_momentum()
+                            else 0.0)
     dist_opt_lib.check_schemes(self._settings(), options,
                                spell=lambda name: flags.get(name, spell(name)))
 
@@ -264,7 +271,10 @@ class OptimizerSpec:
                    + (" with momentum correction" if self.momentum_correction else ""))
     parts += [f"partial {self.partial}"] if self.partial else []
     parts += [f"powersgd rank {self.powersgd}"] if self.powersgd else []
-    parts += [scheme.describe(getattr(self, name)) for name, scheme in dist_opt_lib.SCHEMES.items()
+    parts += [scheme.describe(getattr(self, name))
+              + (f" (SGD momentum {self.momentum:g} before it)" if scheme.local_momentum
+                 and self._local_momentum() else "")
+              for name, scheme in dist_opt_lib.SCHEMES.items()
               if scheme.flag is not None and getattr(self, name) not in (None, False)]
     parts += ["skip non-finite"] if self.skip_nonfinite else []
     return ", ".join(parts) or "plain all-reduce"

@@ -128,6 +128,9 @@ class Scheme:
       default off. None: the application declares its flag itself.
     mode: the chosen setting -> the scheme in the trainer's mode line
       ("qsgd 8-bit"); None: the keyword and the setting.
+    local_momentum: the scheme compresses the momentum, not the gradient:
+      `jdist train` moves an SGD momentum before it (the `momentum_correction`
+      option, which the scheme then reads) without being asked.
   """
   keyword: str
   stage: str
@@ -138,6 +141,7 @@ class Scheme:
   does: str = ""
   flag: dict[str, Any] | None = None
   mode: Callable[[Any], str] | None = None
+  local_momentum: bool = False
 
   def describe(self, setting: Any) -> str:
     """The chosen `setting` in the trainer's mode line."""
