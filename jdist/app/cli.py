@@ -109,25 +109,14 @@ def _add_communication_flags(parser: argparse.ArgumentParser,
   `--help` shows it.
   """
   group = parser.add_argument_group("communication (jdist.dist_opt modes)")
-  group.add_argument("--half", choices=config_lib.HALF_CHOICES,
-                     help="gradients cross replicas as 16-bit floats")
-  group.add_argument("--sparsify", metavar="topk:RATIO|topk_block:RATIO|threshold:VALUE",
-                     help="send only the top RATIO of gradient entries (topk_block: the "
-                     "largest of each block, one pass), or those above VALUE, with error "
-                     "feedback")
-  group.add_argument("--momentum-correction", action="store_true",
-                     help="with --sparsify and sgd: apply the momentum locally before the "
-                     "selection (Deep Gradient Compression)")
-  group.add_argument("--partial", type=int, metavar="CHUNKS",
-                     help="SINGA's partial update: local steps, one of CHUNKS parameter "
-                     "chunks averaged per step (not with --half/--sparsify)")
-  group.add_argument("--powersgd", type=int, metavar="RANK",
-                     help="PowerSGD: gradient matrices cross replicas as rank-RANK factors, "
-                     "with error feedback (not with --half/--sparsify/--partial)")
-  _add_periodic_sync_flags(group, defaults)
   for field in dataclasses.fields(OptimizerSpec):  # schemes whose spec field declares its flag
     if "flag" in field.metadata:
       group.add_argument("--" + field.name.replace("_", "-"), **field.metadata["flag"])
+  group.add_argument("--momentum-correction", action="store_true",
+                     help="with --sparsify (or --signsgd, where it is the default) and sgd: "
+                     "apply the momentum locally before the compression (Deep Gradient "
+                     "Compression)")
+  _add_periodic_sync_flags(group, defaults)
   _add_step_guard_flags(group, defaults)
 
 

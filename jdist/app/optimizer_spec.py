@@ -54,7 +54,7 @@ def _with_scheme_fields(cls):
   state, so it must match on resume. A scheme with a flag is then one
   module and one `jdist.dist_opt` keyword: nothing here names it.
   """
-  for scheme in dist_opt_lib.SCHEMES.values():
+  for scheme in reversed(dist_opt_lib.SCHEMES.values()):  # the plainest first: half, sparsify
     if scheme.flag is not None:
       switch = scheme.flag.get("action") == "store_true"
       cls.__annotations__[scheme.keyword] = "bool" if switch else "Any"
@@ -73,15 +73,12 @@ class OptimizerSpec:
     lr: learning rate.
     momentum: SGD momentum, or Adam's b1.
     weight_decay: decoupled weight decay (adamw's, or added to sgd).
-    half: None, "fp16" or "bf16": gradients cross replicas in 16 bits.
-    sparsify: None, "topk:RATIO", "topk_block:RATIO" or "threshold:VALUE".
-    momentum_correction: with sparsify and sgd, the momentum is applied
-      before the selection (Deep Gradient Compression).
-    partial: None or a number of chunks (SINGA's partial update).
-    powersgd: None or a rank: gradient matrices cross replicas as rank-r
-      factors (PowerSGD, with error feedback).
+    momentum_correction: with sparsify (or signsgd) and sgd, the momentum
+      is applied before the compression (Deep Gradient Compression).
     (schemes with a flag): one field per `jdist.dist_opt` scheme that
-      declares its flag (`Scheme.flag`: qsgd, ...), off by default.
+      declares its flag (`Scheme.flag`), off by default: half (None, "fp16"
+      or "bf16"), sparsify ("topk:RATIO", "topk_block:RATIO",
+      "threshold:VALUE"), partial (chunks), powersgd (a rank), qsgd, signsgd.
     skip_nonfinite: every replica skips steps whose gradients hold NaN/Inf.
     diloco: None or H: DiLoCo, H local inner steps between outer steps
       (`jdist.diloco`; with `half`, the pseudo-gradient travels in 16 bits).
@@ -115,11 +112,7 @@ class OptimizerSpec:
   lr: float = dataclasses.field(default=0.05, metadata=_HYPER)
   momentum: float = dataclasses.field(default=0.9, metadata=_HYPER)
   weight_decay: float = dataclasses.field(default=0.0, metadata=_HYPER)
-  half: str | None = dataclasses.field(default=None, metadata=_STATE)
-  sparsify: str | None = dataclasses.field(default=None, metadata=_STATE)
   momentum_correction: bool = dataclasses.field(default=False, metadata=_STATE)
-  partial: int | None = dataclasses.field(default=None, metadata=_STATE)
-  powersgd: int | None = dataclasses.field(default=None, metadata=_STATE)
   skip_nonfinite: bool = dataclasses.field(default=False, metadata=_STATE)
   diloco: int | None = dataclasses.field(default=None, metadata=_STATE)
   diloco_fragments: int = dataclasses.field(default=1, metadata=_STATE)
@@ -247,6 +240,16 @@ class OptimizerSpec:
     dist_opt_lib.check_schemes(self._settings(), options,
                                spell=lambda name: flags.get(name, spell(name)))
 
+  def _describe_scheme(self, name: str) -> str:
+    """One chosen scheme with a flag in the mode line ("sparsify topk:0.01")."""
+    scheme = dist_opt_lib.SCHEMES[name]
+    words = scheme.describe(getattr(self, name))
+    if scheme.local_momentum and self._local_momentum():
+      return words + f" (SGD momentum {self.momentum:g} before it)"
+    if self.momentum_correction and "momentum_correction" in scheme.options:
+      return words + " with momentum correction"
+    return words
+
   def describe(self) -> str:
     """The communication mode in words, e.g. "half bf16, sparsify topk:0.01"."""
     if self.diloco:
@@ -265,17 +268,8 @@ class OptimizerSpec:
                 if self.local_sgd_warmup else "")
       return (f"local SGD, parameters averaged every {self.local_sgd} steps{warmup}"
               + (", skip non-finite" if self.skip_nonfinite else ""))
-    parts = [f"half {self.half}"] if self.half else []
-    if self.sparsify:
-      parts.append(f"sparsify {self.sparsify}"
-                   + (" with momentum correction" if self.momentum_correction else ""))
-    parts += [f"partial {self.partial}"] if self.partial else []
-    parts += [f"powersgd rank {self.powersgd}"] if self.powersgd else []
-    parts += [scheme.describe(getattr(self, name))
-              + (f" (SGD momentum {self.momentum:g} before it)" if scheme.local_momentum
-                 and self._local_momentum() else "")
-              for name, scheme in dist_opt_lib.SCHEMES.items()
-              if scheme.flag is not None and getattr(self, name) not in (None, False)]
+    parts = [self._describe_scheme(name) for name, scheme in reversed(dist_opt_lib.SCHEMES.items())
+             if scheme.flag is not None and getattr(self, name) not in (None, False)]
     parts += ["skip non-finite"] if self.skip_nonfinite else []
     return ", ".join(parts) or "plain all-reduce"
 

@@ -138,4 +138,6 @@ def _half_setting(half: Any):
 
 SCHEME = protocol.Scheme(
     "half", "encode", _half_setting, lambda dtype, options: cast(dtype),
-    combines_with=("sparsify", "diloco"), does="sends gradients as 16-bit floats")
+    combines_with=("sparsify", "diloco"), does="sends gradients as 16-bit floats",
+    flag={"choices": ("fp16", "bf16"), "help": "gradients cross replicas as 16-bit floats"},
+    mode=lambda half: f"half {half}")

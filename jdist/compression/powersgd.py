@@ -178,4 +178,8 @@ SCHEME = protocol.Scheme(
     lambda rank, o: powersgd(rank, error_feedback=o.error_feedback, mean=o.mean,
                              bucket_bytes=o.bucket_bytes),
     options=("error_feedback", "mean"),
-    does="sends low-rank factors of the gradients in its own exchange")
+    does="sends low-rank factors of the gradients in its own exchange",
+    flag={"type": int, "metavar": "RANK", "help": "PowerSGD: gradient matrices cross "
+          "replicas as rank-RANK factors, with error feedback (not with "
+          "--half/--sparsify/--partial)"},
+    mode=lambda rank: f"powersgd rank {rank}")

@@ -161,7 +161,10 @@ SCHEME = protocol.Scheme(
     lambda setting, o: sparsify(setting, error_feedback=o.error_feedback,
                                 capacity=o.threshold_capacity, momentum=o.momentum_correction),
     options=("error_feedback", "threshold_capacity", "momentum_correction"),
-    combines_with=("half",), does="sends only selected gradient entries")
+    combines_with=("half",), does="sends only selected gradient entries",
+    flag={"metavar": "topk:RATIO|topk_block:RATIO|threshold:VALUE",
+          "help": "send only the top RATIO of gradient entries (topk_block: the largest of "
+          "each block, one pass), or those above VALUE, with error feedback"})
 
 
 class SparsifyState(NamedTuple):

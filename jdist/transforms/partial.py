@@ -133,4 +133,6 @@ def partial_sync(num_chunks: int) -> optax.GradientTransformation:
 
 SCHEME = protocol.Scheme(
     "partial", "after", protocol.enabled, lambda chunks, o: partial_sync(chunks),
-    does="averages parameters with a full-precision exchange of one chunk per step")
+    does="averages parameters with a full-precision exchange of one chunk per step",
+    flag={"type": int, "metavar": "CHUNKS", "help": "SINGA's partial update: local steps, "
+          "one of CHUNKS parameter chunks averaged per step (not with --half/--sparsify)"})
