@@ -24,6 +24,9 @@ from jdist.transforms import diloco as diloco_lib
 from tests import reference
 from tests.test_diloco import PER_REPLICA, _check_replicas, _setup, reference_diloco
 
+# jdist.init() before any JAX computation, also when this file runs alone under mpirun.
+pytestmark = pytest.mark.usefixtures("topo")
+
 
 def numpy_round_trip(x, ratio):
   """What the replicas decode of flat float32 x: per chunk, the top ceil(ratio * chunk)
