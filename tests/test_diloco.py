@@ -127,6 +127,20 @@ def _check_replicas(topo, replicated, workers, atol=1e-6):
                                  workers[replica], rtol=1e-5, atol=atol)
 
 
+def check_encoded_run(topo, replicated, state, workers, outer_params, residuals):
+  """A run with an error-feedback payload against `reference_diloco`'s: workers,
+  outer parameters and every replica's residual; some residual is not zero."""
+  _check_replicas(topo, replicated, workers, atol=1e-5)
+  for device, replica in enumerate(topo.replica_indices):
+    reference.assert_trees_close(jax.tree.map(lambda x: x[device], state.outer_params),
+                                 outer_params, atol=1e-5)
+    # Each replica keeps its own residual: what its last encodings missed.
+    mine = jax.tree.leaves(jax.tree.map(lambda x: x[device], state.residual))
+    for got, want in zip(mine, residuals[replica]):
+      np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-6)
+  assert any(np.abs(r).max() > 0 for r in residuals[0])
+
+
 CASES = {
     "diloco": dict(sync_every=3),
     "streaming": dict(sync_every=4, fragments=2),
@@ -187,15 +201,7 @@ def test_quantized_payload_with_error_feedback_matches_emulated_workers(topo, pa
                                             PER_REPLICA)
   workers, outer_params, residuals = reference_diloco(
       model, params, inner, outer, batches, steps, topo.replica_count, bits=bits, **settings)
-  _check_replicas(topo, replicated, workers, atol=1e-5)
-  for device, replica in enumerate(topo.replica_indices):
-    reference.assert_trees_close(jax.tree.map(lambda x: x[device], state.outer_params),
-                                 outer_params, atol=1e-5)
-    # Each replica keeps its own residual: what its last encodings missed.
-    mine = jax.tree.leaves(jax.tree.map(lambda x: x[device], state.residual))
-    for got, want in zip(mine, residuals[replica]):
-      np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-6)
-  assert any(np.abs(r).max() > 0 for r in residuals[0])
+  check_encoded_run(topo, replicated, state, workers, outer_params, residuals)
   # Dropping the error feedback moves the workers 10x the tolerance above or
   # more, so the comparison fails if the residual is not carried.
   no_feedback, _, _ = reference_diloco(model, params, inner, outer, batches, steps,

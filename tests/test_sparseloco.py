@@ -22,7 +22,7 @@ from jdist.compression import pack4
 from jdist.compression import sparseloco
 from jdist.transforms import diloco as diloco_lib
 from tests import reference
-from tests.test_diloco import PER_REPLICA, _check_replicas, _setup, reference_diloco
+from tests.test_diloco import PER_REPLICA, _setup, check_encoded_run, reference_diloco
 
 # jdist.init() before any JAX computation, also when this file runs alone under mpirun.
 pytestmark = pytest.mark.usefixtures("topo")
@@ -97,14 +97,7 @@ def test_sparse_payload_matches_emulated_workers(topo, case):
   workers, outer_params, residuals = reference_diloco(
       model, params, inner, outer, batches, steps, topo.replica_count,
       round_trip=lambda x: numpy_round_trip(x, 0.1), **settings)
-  _check_replicas(topo, replicated, workers, atol=1e-5)
-  for device, replica in enumerate(topo.replica_indices):
-    reference.assert_trees_close(jax.tree.map(lambda x: x[device], state.outer_params),
-                                 outer_params, atol=1e-5)
-    mine = jax.tree.leaves(jax.tree.map(lambda x: x[device], state.residual))
-    for got, want in zip(mine, residuals[replica]):
-      np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-6)
-  assert any(np.abs(r).max() > 0 for r in residuals[0])
+  check_encoded_run(topo, replicated, state, workers, outer_params, residuals)
 
 
 def _linear_run(topo, payload, steps=4):
