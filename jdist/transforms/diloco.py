@@ -14,9 +14,9 @@ outer step, at the inner steps s with `s % H == offset_p`, the offsets
 staggered by H/P, so one fragment's bytes cross per sync and each fragment
 still syncs once every H steps. `delay=τ`: the averaged pseudo-gradient of
 a fragment, exchanged at step s, is applied at step s + τ; on the native
-route (float32 payload, `jdist.data_parallel` step) the exchange runs in
-the background meanwhile (`jdist.transforms.diloco_background`), elsewhere
-inside step s, the state holding the average. On applying, the fragment's
+route (float32 or sparse payload, `jdist.data_parallel` step) the exchange
+runs in the background meanwhile (`jdist.transforms.diloco_background`),
+elsewhere inside step s, the state holding the average. On applying, the fragment's
 local parameters become `mix * local + (1 - mix) * outer` (0 replaces them).
 
 `payload` sets what a pseudo-gradient is sent as: float32, 16-bit floats
@@ -352,13 +352,15 @@ class _Fragments:
   def finish_background(self, p, pending, token) -> list:
     """Fragment p's averaged pseudo-gradient, from its background exchange."""
     mine = [pending[i] for i in self.plan[p]]
-    finish = None
-    if isinstance(self.codec, SparseCodec):
-      ctx = sparseloco.context(fusion.flat_spec(mine), self.codec.ratio)
-      finish = lambda: sparseloco.decode_sum(  # noqa: E731
-          background.finish_gather(token, sparseloco.wire_size(ctx)), ctx) * (
-              1.0 / topology_lib.current().replica_count)
-    return background.average(mine, token, finish)
+    if not isinstance(self.codec, SparseCodec):
+      return background.average(mine, token)
+    ctx = sparseloco.context(fusion.flat_spec(mine), self.codec.ratio)
+
+    def gathered_mean():
+      everyone = background.finish_gather(token, sparseloco.wire_size(ctx))
+      return sparseloco.decode_sum(everyone, ctx) * (1.0 / topology_lib.current().replica_count)
+
+    return background.average(mine, token, gathered_mean)
 
   def switch(self, index: jax.Array, branch, idle, *operands):
     """`lax.switch` on `index`: `idle(*operands)` at 0, `branch(p, *operands)` at 1 + p."""

@@ -1,12 +1,12 @@
 """DiLoCo's outer sync in the background: a fragment's exchange across its delay.
 
-With `jdist.diloco(..., delay=τ)` and a float32 payload, on the native route
-in a `jdist.data_parallel` step (`applies`), a fragment's sync step posts
-each replica's share of the averaged pseudo-gradient (`start`) and ends
-without waiting for the wire; the apply step τ steps later reads the sum
-(`average`). Meanwhile the state (`DiLoCoState`) holds the exchange's token
-in `in_flight` and this replica's share in `pending`: what a checkpoint
-needs to redo the exchange in another run. The math is the in-step path's:
+With `jdist.diloco(..., delay=τ)` and a float32 (or sparse) payload, on
+the native route in a `jdist.data_parallel` step (`applies`), a fragment's
+sync step posts each replica's share of the averaged pseudo-gradient
+(`start`) and ends without waiting for the wire; the apply step τ steps
+later reads the sum (`average`). Meanwhile the state (`DiLoCoState`) holds
+the exchange's token in `in_flight` and this replica's share in `pending`:
+what a checkpoint needs to redo the exchange in another run. The math is the in-step path's:
 shares scaled by 1/R in float32, summed by the same engine.
 
 A sparse payload (`payload="sparse"`) cannot be summed: its bytes cross as
@@ -35,14 +35,15 @@ from jdist.runtime import topology as topology_lib
 TOKEN_SHAPE = deferred.TOKEN_SHAPE  # DiLoCoState.in_flight's rows
 
 
-def applies(delay: int, payload_runs: bool) -> bool:
+def applies(delay: int, payload_has_background: bool) -> bool:
   """Whether the step being traced runs its outer syncs in the background.
 
   Args:
     delay: DiLoCo's τ (0: no background).
-    payload_runs: whether the payload can (float32 sums, sparse gathers).
+    payload_has_background: whether the payload has a background exchange
+      here (float32: `start`; sparse: `start_gather`).
   """
-  return bool(delay) and payload_runs and deferred.applies("jdist.diloco")
+  return bool(delay) and payload_has_background and deferred.applies("jdist.diloco")
 
 
 def start(delta: list[jax.Array], pending: list[jax.Array],
