@@ -53,11 +53,12 @@ def _round_trip(x, bits, block=256):
 
 def reference_diloco(model, params, inner, outer, batches, steps, replicas, *, sync_every,
                      fragments=1, delay=0, mix=0.0, per_worker=PER_REPLICA, bits=None,
-                     error_feedback=True):
+                     error_feedback=True, round_trip=None):
   """K workers on one device: inner steps, staggered fragment syncs, delayed outer steps.
 
   With `bits`, each worker sends its fragment's pseudo-gradient (plus its
-  residual) as levels (`_round_trip`) and keeps what they missed.
+  residual) as levels (`_round_trip`) and keeps what they missed; with
+  `round_trip` (flat float32 -> what is decoded of it), as that encoding.
   Returns the workers, the outer parameters and the workers' residual leaves.
   """
   leaves, treedef = jax.tree.flatten(params)
@@ -80,10 +81,10 @@ def reference_diloco(model, params, inner, outer, batches, steps, replicas, *, s
       if s % sync_every == offsets[p]:
         local = [jax.tree.leaves(w) for w in workers]
         sent = [[np.asarray(outer_leaves[i]) - np.asarray(w[i]) for i in frag] for w in local]
-        if bits:
+        if bits or round_trip:
           for k in range(replicas):
             x = np.concatenate([(d + residuals[k][i]).ravel() for d, i in zip(sent[k], frag)])
-            decoded = _round_trip(x, bits)
+            decoded = round_trip(x) if round_trip else _round_trip(x, bits)
             cuts = np.cumsum([residuals[k][i].size for i in frag])[:-1]
             missed = np.split(x - decoded, cuts) if error_feedback else np.split(0 * x, cuts)
             sent[k] = [part.reshape(d.shape) for part, d in zip(np.split(decoded, cuts), sent[k])]
@@ -124,6 +125,20 @@ def _check_replicas(topo, replicated, workers, atol=1e-6):
   for device, replica in enumerate(topo.replica_indices):
     reference.assert_trees_close(jax.tree.map(lambda x: x[device], replicated),
                                  workers[replica], rtol=1e-5, atol=atol)
+
+
+def check_encoded_run(topo, replicated, state, workers, outer_params, residuals):
+  """A run with an error-feedback payload against `reference_diloco`'s: workers,
+  outer parameters and every replica's residual; some residual is not zero."""
+  _check_replicas(topo, replicated, workers, atol=1e-5)
+  for device, replica in enumerate(topo.replica_indices):
+    reference.assert_trees_close(jax.tree.map(lambda x: x[device], state.outer_params),
+                                 outer_params, atol=1e-5)
+    # Each replica keeps its own residual: what its last encodings missed.
+    mine = jax.tree.leaves(jax.tree.map(lambda x: x[device], state.residual))
+    for got, want in zip(mine, residuals[replica]):
+      np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-6)
+  assert any(np.abs(r).max() > 0 for r in residuals[0])
 
 
 CASES = {
@@ -186,15 +201,7 @@ def test_quantized_payload_with_error_feedback_matches_emulated_workers(topo, pa
                                             PER_REPLICA)
   workers, outer_params, residuals = reference_diloco(
       model, params, inner, outer, batches, steps, topo.replica_count, bits=bits, **settings)
-  _check_replicas(topo, replicated, workers, atol=1e-5)
-  for device, replica in enumerate(topo.replica_indices):
-    reference.assert_trees_close(jax.tree.map(lambda x: x[device], state.outer_params),
-                                 outer_params, atol=1e-5)
-    # Each replica keeps its own residual: what its last encodings missed.
-    mine = jax.tree.leaves(jax.tree.map(lambda x: x[device], state.residual))
-    for got, want in zip(mine, residuals[replica]):
-      np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-6)
-  assert any(np.abs(r).max() > 0 for r in residuals[0])
+  check_encoded_run(topo, replicated, state, workers, outer_params, residuals)
   # Dropping the error feedback moves the workers 10x the tolerance above or
   # more, so the comparison fails if the residual is not carried.
   no_feedback, _, _ = reference_diloco(model, params, inner, outer, batches, steps,
@@ -335,7 +342,7 @@ def rank0(monkeypatch):
     (["--diloco", "4", "--diloco-mix", "1"],
      r"diloco_mix \(--diloco-mix\)=1.0 must be a number in \[0, 1\)"),
     (["--diloco", "4", "--diloco-payload", "int3"],
-     r"--diloco-payload: invalid choice: 'int3' \(choose from .*int8.*int4"),
+     r"--diloco-payload\)='int3' is not one of .*int8, int4, sparse or sparse:RATIO"),
     (["--diloco", "4", "--diloco-payload", "int4", "--half", "bf16"],
      r"--half bf16 and --diloco-payload int4 both set"),
     (["--diloco", "4", "--diloco-outer-lr", "0"], r"diloco_outer_lr \(--diloco-outer-lr\)=0.0"),

@@ -18,6 +18,7 @@ import tempfile
 import jax
 import numpy as np
 import optax
+import pytest
 
 import jdist
 from jdist.collectives import deferred
@@ -72,9 +73,11 @@ def test_background_sync_matches_the_delayed_reference(topo):
   assert deferred.drain() >= topo.local_device_count
 
 
-def test_checkpoint_with_an_exchange_in_flight_resumes_exactly(topo):
+@pytest.mark.parametrize("payload", [None, "sparse:0.1"])
+def test_checkpoint_with_an_exchange_in_flight_resumes_exactly(topo, payload):
+  """A sparse payload's exchange is redone as a sum of the decoded shares."""
   model, params, batches = _setup(topo, seed=7)
-  tx = jdist.diloco(optax.adam(1e-2), **SETTINGS)
+  tx = jdist.diloco(optax.adam(1e-2), payload=payload, **SETTINGS)
   replicated = jdist.replicate(params)
   state = jdist.data_parallel(tx.init)(replicated)
   replicated, state, _ = _run(topo, tx, model, replicated, state, batches, 0, 4)

@@ -30,6 +30,7 @@ from jdist.app import cpu_devices
 from jdist.app.optimizer_spec import OptimizerSpec
 from jdist.app.train_loop import TrainError
 from jdist.collectives import native
+from jdist.compression import sparseloco
 from jdist.consistency import ReplicaMismatchError
 from jdist.runtime import abort
 from jdist.runtime import host
@@ -143,11 +144,14 @@ def _add_periodic_sync_flags(group: argparse._ArgumentGroup,
   group.add_argument("--diloco-backoff", action="store_true",
                      help="when the training loss rises across DiLoCo's outer syncs, halve "
                      "the outer learning rate and go on (a warning is printed either way)")
-  group.add_argument("--diloco-payload", choices=config_lib.DILOCO_PAYLOADS,
-                     default=defaults.diloco_payload,
-                     help="what DiLoCo's pseudo-gradient travels as (default: --half's, else "
+  group.add_argument("--diloco-payload", default=defaults.diloco_payload,
+                     metavar="PAYLOAD",
+                     help="what DiLoCo's pseudo-gradient travels as, one of "
+                     + ", ".join(config_lib.DILOCO_PAYLOADS) + " (default: --half's, else "
                      "float32); int8/int4: levels with a float32 scale per 256 values, with "
-                     "error feedback")
+                     "error feedback; sparse[:RATIO]: SparseLoCo, the top RATIO (default "
+                     f"{sparseloco.DEFAULT_RATIO:g}) of each chunk of 4096 values in 2 bits, "
+                     "indices packed, with error feedback")
   group.add_argument("--diloco-delay", type=int, default=defaults.diloco_delay,
                      metavar="TAU", help="apply each fragment's outer step TAU steps after its "
                      "exchange (0 <= TAU < H), which runs in the background meanwhile")

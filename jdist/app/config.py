@@ -20,6 +20,7 @@ from jdist.app.optimizer_spec import HALF_CHOICES
 from jdist.app.optimizer_spec import OPTIMIZERS
 from jdist.app.optimizer_spec import OptimizerSpec
 from jdist.compression.sparse import parse_sparsify
+from jdist.transforms import diloco as diloco_lib
 
 BACKENDS = ("auto", "mpi", "jax", "none")
 ON_NONFINITE = ("stop", "rollback")
@@ -306,9 +307,13 @@ def _check_local_modes(config: TrainConfig) -> None:
                       "--diloco-backoff, --diloco-payload, --diloco-delay and --diloco-mix "
                       "only apply with --diloco H.")
   if config.diloco_payload is not None:
-    if config.diloco_payload not in DILOCO_PAYLOADS:
-      raise ConfigError(f"{flag('diloco_payload')}={config.diloco_payload!r} is unknown; "
-                        f"choose one of {', '.join(DILOCO_PAYLOADS)}.")
+    try:
+      if not isinstance(config.diloco_payload, str):
+        raise ValueError("not a name")
+      diloco_lib.payload_codec(config.diloco_payload)
+    except ValueError as error:
+      raise ConfigError(f"{flag('diloco_payload')}={config.diloco_payload!r} is not one of "
+                        f"{', '.join(DILOCO_PAYLOADS)} or sparse:RATIO ({error}).") from None
     if config.half is not None:
       raise ConfigError(f"--half {config.half} and --diloco-payload {config.diloco_payload} "
                         f"both set DiLoCo's payload: keep --diloco-payload only.")

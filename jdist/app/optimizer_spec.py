@@ -90,12 +90,12 @@ class OptimizerSpec:
       `outer_settings()`'s rule (the paper's 0.9 for adam/adamw, what SGD's
       heavy-ball momentum leaves of its gain: 0 at --momentum 0.9). Must
       match on resume (0 keeps no momentum state).
-    diloco_payload: None (`half`'s, else float32) or one of
-      `DILOCO_PAYLOADS`: what the pseudo-gradient travels as ("int8" and
-      "int4" keep an error-feedback residual in the state).
+    diloco_payload: None (`half`'s, else float32), one of `DILOCO_PAYLOADS`
+      or "sparse:RATIO": what the pseudo-gradient travels as ("int8",
+      "int4" and "sparse" keep an error-feedback residual in the state).
     diloco_delay: τ, inner steps between a fragment's exchange and its outer
       step (`jdist.diloco`'s `delay`; the exchange runs in the background
-      meanwhile on the native route, float32 payload); 0 <= τ < H. Must match
+      meanwhile on the native route, float32 or sparse payload); 0 <= τ < H. Must match
       on resume: it shapes the state (exchanges in flight).
     diloco_mix: on an outer step, the share of the local parameters kept
       (`jdist.diloco`'s `mix`, 0 <= mix < 1).

@@ -46,13 +46,15 @@ class SparseCtx:
   scale: float  # values were multiplied by `scale` before sending
 
 
-def _to_bytes(x: jax.Array) -> jax.Array:
+def to_bytes(x: jax.Array) -> jax.Array:
+  """The bytes of `x` (any shape, 2 bytes or wider per value), flat uint8."""
   return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
 
 
-def _from_bytes(x: jax.Array, dtype, count: int) -> jax.Array:
+def from_bytes(x: jax.Array, dtype, count: int) -> jax.Array:
+  """`count` values of `dtype` from `to_bytes`' uint8 [..., count * width]: [..., count]."""
   width = jnp.dtype(dtype).itemsize
-  return lax.bitcast_convert_type(x.reshape(count, width), dtype)
+  return lax.bitcast_convert_type(x.reshape(x.shape[:-1] + (count, width)), dtype)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -86,10 +88,10 @@ class SparsePayload(protocol.WirePayload):
     """All-gathers every replica's (values, indices) as one byte buffer; scatter-adds."""
     values, indices = self.values, self.indices.astype(jnp.int32)
     count = values.shape[0]
-    everyone = exchange.gather(jnp.concatenate([_to_bytes(values), _to_bytes(indices)]))
+    everyone = exchange.gather(jnp.concatenate([to_bytes(values), to_bytes(indices)]))
     value_bytes = count * values.dtype.itemsize
-    all_values = jax.vmap(lambda b: _from_bytes(b[:value_bytes], values.dtype, count))(everyone)
-    all_indices = jax.vmap(lambda b: _from_bytes(b[value_bytes:], jnp.int32, count))(everyone)
+    all_values = from_bytes(everyone[:, :value_bytes], values.dtype, count)
+    all_indices = from_bytes(everyone[:, value_bytes:], jnp.int32, count)
     # Scale the R*k gathered values, not the n dense entries: one pass fewer.
     scaled = all_values.reshape(-1).astype(jnp.float32) * (factor / self.ctx.scale)
     dense = jnp.zeros((self.ctx.spec.size,), jnp.float32).at[all_indices.reshape(-1)].add(scaled)

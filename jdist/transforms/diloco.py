@@ -14,9 +14,9 @@ outer step, at the inner steps s with `s % H == offset_p`, the offsets
 staggered by H/P, so one fragment's bytes cross per sync and each fragment
 still syncs once every H steps. `delay=τ`: the averaged pseudo-gradient of
 a fragment, exchanged at step s, is applied at step s + τ; on the native
-route (float32 payload, `jdist.data_parallel` step) the exchange runs in
-the background meanwhile (`jdist.transforms.diloco_background`), elsewhere
-inside step s, the state holding the average. On applying, the fragment's
+route (float32 or sparse payload, `jdist.data_parallel` step) the exchange
+runs in the background meanwhile (`jdist.transforms.diloco_background`),
+elsewhere inside step s, the state holding the average. On applying, the fragment's
 local parameters become `mix * local + (1 - mix) * outer` (0 replaces them).
 
 `payload` sets what a pseudo-gradient is sent as: float32, 16-bit floats
@@ -29,6 +29,11 @@ averaged in float32. With 8 and 4 bits, error feedback (as in Streaming
 DiLoCo, OpenDiLoCo and INTELLECT-1): what a replica's encoding missed
 (`DiLoCoState.residual`, per leaf) is added to that fragment's next
 pseudo-gradient, so the error does not build up over the outer steps.
+"sparse" (SparseLoCo, arXiv 2508.15706; `jdist.compression.sparseloco`)
+sends the top `ratio` of each chunk of the fragment's pseudo-gradient (plus
+residual) as uint16 offsets and 2-bit codes (sign and magnitude bit) with
+two float32 scales per chunk, all-gathered like the levels; what was not
+sent, or sent inexactly, stays in the same residual.
 
 Steps are counted by the state, the same on every replica, so every replica
 takes the same branch of the `lax.switch` that holds a fragment's exchange:
@@ -43,6 +48,7 @@ leaves get the inner optimizer's updates unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, NamedTuple
@@ -58,12 +64,14 @@ from jdist import fusion
 from jdist.compression import half as half_lib
 from jdist.compression import protocol
 from jdist.compression import qsgd as qsgd_lib
+from jdist.compression import sparseloco
 from jdist.runtime import topology as topology_lib
 from jdist.transforms import diloco_background as background
 
 PAYLOADS = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
 QUANTIZED = {"int8": 8, "int4": 4}  # payload -> bits per value on the wire
-PAYLOAD_CHOICES = ("float32", "bf16", "fp16", "int8", "int4")
+PAYLOAD_CHOICES = ("float32", "bf16", "fp16", "int8", "int4", "sparse")
+SPARSE = "sparse"  # "sparse" or "sparse:RATIO": `SparseCodec`
 # Values sharing one float32 scale in the 8- and 4-bit payloads: 4 bytes of
 # scale per 256 values add 1/64 byte per value (3% over int4's half byte).
 PAYLOAD_BLOCK = 256
@@ -82,7 +90,7 @@ class DiLoCoState(NamedTuple):
       yet applied (a fragment's leaves hold its latest); else ().
     syncs: outer syncs so far (fragment exchanges).
     wire_bytes: bytes this process sent across processes in the last step.
-    residual: with an 8- or 4-bit payload, per leaf (float32, shaped like
+    residual: with an 8-/4-bit or sparse payload, per leaf (float32, shaped like
       the parameters), what this replica's last encoding of its fragment's
       pseudo-gradient missed: added to the next one (error feedback); else ().
     in_flight: with `delay > 0`, int32 [fragments, 3]: each fragment's
@@ -145,8 +153,36 @@ def check_inner(inner: Any) -> None:
                      f"(e.g. optax.adamw(1e-3)).")
 
 
+@dataclasses.dataclass(frozen=True)
+class SparseCodec:
+  """`payload="sparse[:RATIO]"`: the top `ratio` of each chunk in 2 bits (SparseLoCo)."""
+  ratio: float = sparseloco.DEFAULT_RATIO
+
+
+def sparse_codec(payload: str) -> SparseCodec:
+  """The `SparseCodec` of "sparse" or "sparse:RATIO" (e.g. "sparse:0.01").
+
+  Raises:
+    ValueError: a ratio that is not a number in (0, 1], naming the payload.
+  """
+  _, colon, text = payload.partition(":")
+  if not colon:
+    return SparseCodec()
+  try:
+    return SparseCodec(sparseloco.check_ratio(float(text)))
+  except ValueError:
+    raise ValueError(f"payload={payload!r}: the ratio {text!r} must be a number in (0, 1], "
+                     f"the fraction of each chunk sent (e.g. 'sparse:0.02').") from None
+
+
+def feeds_back(codec: Any) -> bool:
+  """Whether a codec keeps an error-feedback residual: 8/4 bits and sparse."""
+  return isinstance(codec, (int, SparseCodec))
+
+
 def payload_codec(payload: Any):
-  """What a payload setting sends: None (float32), a 16-bit dtype, or 8 or 4 (bits).
+  """What a payload setting sends: None (float32), a 16-bit dtype, 8 or 4 (bits),
+  or a `SparseCodec`.
 
   Raises:
     ValueError: anything else, listing the allowed values.
@@ -155,6 +191,8 @@ def payload_codec(payload: Any):
     return None
   if isinstance(payload, str) and payload in QUANTIZED:
     return QUANTIZED[payload]
+  if isinstance(payload, str) and payload.partition(":")[0] == SPARSE:
+    return sparse_codec(payload)
   dtype = PAYLOADS.get(payload, payload) if isinstance(payload, str) else payload
   try:
     dtype = np.dtype(dtype)
@@ -163,7 +201,7 @@ def payload_codec(payload: Any):
   if dtype not in protocol.HALF_DTYPES:
     raise ValueError(f"payload={payload!r} must be None or one of "
                      f"{', '.join(repr(name) for name in PAYLOAD_CHOICES)} "
-                     f"(or jnp.float16, jnp.bfloat16).")
+                     f"(or jnp.float16, jnp.bfloat16, or 'sparse:RATIO').")
   return dtype
 
 
@@ -187,9 +225,21 @@ def replica_mean(tree: Any, codec) -> Any:
   return collectives.reduce_payload(half_lib.to_half(tree, codec, scale), mean=True)
 
 
-def quantized_mean(leaves: list[jax.Array], residual: list[jax.Array],
-                   bits: int) -> tuple[list[jax.Array], list[jax.Array]]:
-  """Mean over every replica of `leaves` + `residual`, sent as `bits`-bit levels.
+def encode(x: jax.Array, spec: fusion.FlatSpec, codec: Any) -> tuple[Any, jax.Array]:
+  """(the payload of a flat float32 `x` for `codec`, 8/4 bits or sparse;
+  what every replica decodes of it, float32 [n])."""
+  if isinstance(codec, SparseCodec):
+    return sparseloco.encode(x, spec, codec.ratio)
+  levels, scales = qsgd_lib.quantize(x, None, PAYLOAD_BLOCK, qsgd_lib.max_level(codec))
+  sent = qsgd_lib.dequantize(levels, scales, PAYLOAD_BLOCK, qsgd_lib.max_level(codec))
+  payload = qsgd_lib.QSGDPayload(levels, scales, qsgd_lib.QSGDCtx(spec, PAYLOAD_BLOCK, codec))
+  return payload, sent[:x.shape[0]]
+
+
+def encoded_mean(leaves: list[jax.Array], residual: list[jax.Array],
+                 codec: Any) -> tuple[list[jax.Array], list[jax.Array]]:
+  """Mean over every replica of `leaves` + `residual`, sent as `codec` says
+  (8-/4-bit levels or sparse, `encode`).
 
   Returns:
     (the decoded mean, leaves in their dtypes; the new residual, float32:
@@ -197,12 +247,9 @@ def quantized_mean(leaves: list[jax.Array], residual: list[jax.Array],
   """
   spec = fusion.flat_spec(leaves)
   x = fusion.ravel(leaves, jnp.float32) + fusion.ravel(residual, jnp.float32)
-  levels, scales = qsgd_lib.quantize(x, None, PAYLOAD_BLOCK, qsgd_lib.max_level(bits))
-  sent = qsgd_lib.dequantize(levels, scales, PAYLOAD_BLOCK, qsgd_lib.max_level(bits))
-  payload = qsgd_lib.QSGDPayload(levels, scales, qsgd_lib.QSGDCtx(spec, PAYLOAD_BLOCK, bits))
-  missed = x - sent[:x.shape[0]]
+  payload, sent = encode(x, spec, codec)
   return (collectives.reduce_payload(payload, mean=True),
-          fusion.unravel(missed, fusion.flat_spec(residual)))
+          fusion.unravel(x - sent, fusion.flat_spec(residual)))
 
 
 def check_arguments(inner: Any, sync_every: Any, outer: Any, fragments: Any, delay: Any,
@@ -243,7 +290,6 @@ class _Fragments:
   def __init__(self, outer: optax.GradientTransformation, plan: list[list[int]], codec: Any,
                mix: float):
     self.outer, self.plan, self.codec, self.mix = outer, plan, codec, mix
-    self.bits = codec if isinstance(codec, int) else None
     self.sent = [0] * (len(plan) + 1)
 
   def pseudo_gradient(self, p, updates, params, outer_now) -> list:
@@ -255,9 +301,9 @@ class _Fragments:
     """Fragment p's pseudo-gradient averaged over every replica, and the residual."""
     delta = self.pseudo_gradient(p, updates, params, outer_now)
     with collectives.measure("DiLoCo") as ledger:
-      if self.bits:
-        averaged, missed = quantized_mean(delta, [residual[i] for i in self.plan[p]],
-                                          self.bits)
+      if feeds_back(self.codec):
+        averaged, missed = encoded_mean(delta, [residual[i] for i in self.plan[p]],
+                                        self.codec)
         residual = list(residual)
         for i, value in zip(self.plan[p], missed):
           residual[i] = value
@@ -280,6 +326,41 @@ class _Fragments:
       outer_now[i], updates[i] = new, (target - params[i]).astype(updates[i].dtype)
     outer_states[p] = state_p
     return updates, outer_now, tuple(outer_states)
+
+  def start_background(self, p, updates, params, outer_now, pending, residual):
+    """Starts fragment p's exchange (`diloco_background`): float32 shares summed, or
+    a sparse payload gathered.
+
+    Returns:
+      (pending with this replica's share of the mean, the token, the residual).
+    """
+    delta = self.pseudo_gradient(p, updates, params, outer_now)
+    if not isinstance(self.codec, SparseCodec):
+      pending, token, self.sent[p + 1] = background.start(delta, pending, self.plan[p])
+      return pending, token, residual
+    spec, missed = fusion.flat_spec(delta), [residual[i] for i in self.plan[p]]
+    x = fusion.ravel(delta, jnp.float32) + fusion.ravel(missed, jnp.float32)
+    payload, sent = sparseloco.encode(x, spec, self.codec.ratio)
+    token, self.sent[p + 1] = background.start_gather(payload.to_wire())
+    share = sent * (1.0 / topology_lib.current().replica_count)
+    pending, residual = list(pending), list(residual)
+    for i, mine, left in zip(self.plan[p], fusion.unravel(share, spec),
+                             fusion.unravel(x - sent, fusion.flat_spec(missed))):
+      pending[i], residual[i] = mine, left
+    return pending, token, residual
+
+  def finish_background(self, p, pending, token) -> list:
+    """Fragment p's averaged pseudo-gradient, from its background exchange."""
+    mine = [pending[i] for i in self.plan[p]]
+    if not isinstance(self.codec, SparseCodec):
+      return background.average(mine, token)
+    ctx = sparseloco.context(fusion.flat_spec(mine), self.codec.ratio)
+
+    def gathered_mean():
+      everyone = background.finish_gather(token, sparseloco.wire_size(ctx))
+      return sparseloco.decode_sum(everyone, ctx) * (1.0 / topology_lib.current().replica_count)
+
+    return background.average(mine, token, gathered_mean)
 
   def switch(self, index: jax.Array, branch, idle, *operands):
     """`lax.switch` on `index`: `idle(*operands)` at 0, `branch(p, *operands)` at 1 + p."""
@@ -329,30 +410,31 @@ def sync_delayed(frags: _Fragments, due_now, due_then, updates, params, outer_no
 
 
 def sync_background(frags: _Fragments, due_now, due_then, updates, params, outer_now,
-                    outer_states, pending, in_flight):
+                    outer_states, pending, in_flight, residual):
   """delay>0 on the native route: start a due fragment's exchange in the background,
   finish the one started τ steps ago and apply its outer step.
 
   Returns:
-    (updates, outer leaves, outer states, pending leaves, in_flight).
+    (updates, outer leaves, outer states, pending leaves, in_flight, residual).
   """
-  def start(p, pending, flight, updates, params, outer_now):
-    delta = frags.pseudo_gradient(p, updates, params, outer_now)
-    pending, token, frags.sent[p + 1] = background.start(delta, pending, frags.plan[p])
-    return pending, flight.at[p].set(token)
+  def start(p, pending, flight, residual, updates, params, outer_now):
+    pending, token, residual = frags.start_background(p, updates, params, outer_now,
+                                                      pending, residual)
+    return pending, flight.at[p].set(token), residual
 
-  pending, in_flight = frags.switch(due_now, start, lambda pend, flight, *_: (pend, flight),
-                                    pending, in_flight, updates, params, outer_now)
+  pending, in_flight, residual = frags.switch(
+      due_now, start, lambda pend, flight, res, *_: (pend, flight, res),
+      pending, in_flight, residual, updates, params, outer_now)
 
   def finish(p, updates, params, outer_now, outer_states, pending, flight):
-    averaged = background.average([pending[i] for i in frags.plan[p]], flight[p])
+    averaged = frags.finish_background(p, pending, flight[p])
     return frags.apply(p, averaged, updates, params, outer_now, outer_states) + (
         flight.at[p].set(0),)
 
   updates, outer_now, outer_states, in_flight = frags.switch(
       due_then, finish, lambda u, pa, o, s, pend, flight: (u, o, s, flight),
       updates, params, outer_now, outer_states, pending, in_flight)
-  return updates, outer_now, outer_states, pending, in_flight
+  return updates, outer_now, outer_states, pending, in_flight, residual
 
 
 def diloco(inner: optax.GradientTransformation, *, sync_every: int,
@@ -384,8 +466,10 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
     payload: what the pseudo-gradient crosses replicas as: None or
       "float32" (full precision); "fp16"/"bf16" (or the jnp dtype), 16 bits
       (`jdist.cast`'s codec); "int8"/"int4", 8-/4-bit levels with a float32
-      scale per `PAYLOAD_BLOCK` values and error feedback (see the module
-      docstring).
+      scale per `PAYLOAD_BLOCK` values and error feedback; "sparse" or
+      "sparse:RATIO", SparseLoCo's top RATIO (default
+      `sparseloco.DEFAULT_RATIO`) of each chunk in 2 bits with error
+      feedback (see the module docstring).
 
   Returns:
     An `optax.GradientTransformation` whose state is a `DiLoCoState`.
@@ -395,7 +479,7 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
   """
   outer = check_arguments(inner, sync_every, outer, fragments, delay, mix)
   codec = payload_codec(payload)
-  bits = codec if isinstance(codec, int) else None
+  feedback = feeds_back(codec)  # keeps an error-feedback residual
   offsets = sync_offsets(sync_every, fragments)
 
   def plan_for(leaves):
@@ -411,7 +495,7 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
         pending=jax.tree.map(jnp.zeros_like, params) if delay else (),
         syncs=jnp.zeros([], jnp.int32), wire_bytes=jnp.zeros([], jnp.float32),
         residual=(jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, jnp.float32), params)
-                  if bits else ()),
+                  if feedback else ()),
         in_flight=jnp.zeros((fragments,) + background.TOKEN_SHAPE, jnp.int32) if delay else ())
 
   def update_fn(grads, state, params=None):
@@ -425,14 +509,14 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
     step = state.step + 1
     index = due(step, offsets, sync_every)
     # Error feedback's residual, per leaf; [] without it (exchanges keep it).
-    residual = treedef.flatten_up_to(state.residual) if bits else []
+    residual = treedef.flatten_up_to(state.residual) if feedback else []
     pending, in_flight = state.pending, state.in_flight
     operands = (updates, param_leaves, treedef.flatten_up_to(state.outer_params),
                 state.outer_states)
-    if background.applies(delay, codec):  # on the native route: across the delay
-      updates, outer_leaves, outer_states, pending, in_flight = sync_background(
+    if background.applies(delay, codec is None or isinstance(codec, SparseCodec)):
+      updates, outer_leaves, outer_states, pending, in_flight, residual = sync_background(
           frags, index, due(step - delay, offsets, sync_every), *operands,
-          treedef.flatten_up_to(pending), in_flight)
+          treedef.flatten_up_to(pending), in_flight, residual)
     elif delay:
       updates, outer_leaves, outer_states, residual, pending = sync_delayed(
           frags, index, due(step - delay, offsets, sync_every), *operands, residual,
@@ -446,7 +530,7 @@ def diloco(inner: optax.GradientTransformation, *, sync_every: int,
         pending=jax.tree.unflatten(treedef, pending) if delay else (),
         syncs=state.syncs + (index > 0).astype(jnp.int32),
         wire_bytes=jnp.asarray(frags.sent, jnp.float32)[index],
-        residual=jax.tree.unflatten(treedef, residual) if bits else (),
+        residual=jax.tree.unflatten(treedef, residual) if feedback else (),
         in_flight=in_flight)
     return jax.tree.unflatten(treedef, updates), new_state
 
