@@ -123,3 +123,26 @@ def checkpoint_round_trip(topo, tree, step=4):
     if topo.is_primary:
       shutil.rmtree(directory, ignore_errors=True)
   return restored
+
+
+def every_replica_grads(topo, shapes, seed):
+  """A gradient tree per global replica, [replicas, ...] per leaf, with entries
+  spread over six orders of magnitude (as compressors meet them)."""
+  rng = np.random.default_rng(seed)
+  return {name: (rng.normal(size=(topo.replica_count,) + shape)
+                 * rng.choice([1e-3, 1.0, 30.0], size=(topo.replica_count, 1) + shape[1:])
+                 ).astype(np.float32) for name, shape in shapes.items()}
+
+
+def local_rows(every, topo):
+  """This process's replicas' rows of a tree of [replicas, ...] leaves."""
+  return jax.tree.map(lambda x: x[list(topo.replica_indices)], every)
+
+
+def wire_bytes_of(tx, local):
+  """Bytes one update of `tx` sends across processes (`jdist.wire_bytes`), from init."""
+  @jdist.data_parallel
+  def step(g):
+    out, state = tx.update(g, tx.init(g))
+    return out, jdist.wire_bytes(state)
+  return float(np.asarray(step(local)[1])[0])

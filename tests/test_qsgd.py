@@ -16,14 +16,7 @@ STEPS = 3
 
 
 def _every_replica_grads(topo, step):
-  rng = np.random.default_rng(100 + step)
-  return {name: (rng.normal(size=(topo.replica_count,) + shape)
-                 * rng.choice([1e-3, 1.0, 30.0], size=(topo.replica_count, 1) + shape[1:])
-                 ).astype(np.float32) for name, shape in SHAPES.items()}
-
-
-def _local(every, topo):
-  return jax.tree.map(lambda x: x[list(topo.replica_indices)], every)
+  return reference.every_replica_grads(topo, SHAPES, seed=100 + step)
 
 
 def _emulated(every_steps, replicas, seed, error_feedback):
@@ -57,10 +50,10 @@ def test_qsgd_matches_the_replicas_emulated_on_one_device(topo, error_feedback):
   tx = optax.chain(jdist.qsgd(BUCKET, error_feedback=error_feedback, seed=3), jdist.allreduce())
   every_steps = [_every_replica_grads(topo, step) for step in range(STEPS)]
   step = jdist.data_parallel(tx.update)
-  state = jdist.data_parallel(tx.init)(_local(every_steps[0], topo))
+  state = jdist.data_parallel(tx.init)(reference.local_rows(every_steps[0], topo))
   averages, residuals = _emulated(every_steps, topo.replica_count, 3, error_feedback)
   for every, expected in zip(every_steps, averages):
-    out, state = step(_local(every, topo), state)
+    out, state = step(reference.local_rows(every, topo), state)
     got = np.concatenate([np.asarray(out["b"]).reshape(topo.local_device_count, -1),
                           np.asarray(out["w"]).reshape(topo.local_device_count, -1)], axis=1)
     # Float32 rounding differs by a few ulps of the bucket scales (up to 30
@@ -98,11 +91,7 @@ def test_the_wire_carries_8_bit_levels_and_a_scale_per_bucket(topo):
   buckets = -(-size // BUCKET)
 
   def sent(tx):
-    @jdist.data_parallel
-    def step(g):
-      out, state = tx.update(g, tx.init(g))
-      return out, jdist.wire_bytes(state)
-    return float(np.asarray(step(_local(every, topo))[1])[0])
+    return reference.wire_bytes_of(tx, reference.local_rows(every, topo))
 
   quantized = sent(optax.chain(jdist.qsgd(BUCKET), jdist.allreduce()))
   dense = sent(jdist.allreduce())

@@ -16,14 +16,7 @@ STEPS = 3
 
 
 def _every_replica_grads(topo, step):
-  rng = np.random.default_rng(200 + step)
-  return {name: (rng.normal(size=(topo.replica_count,) + shape)
-                 * rng.choice([1e-3, 1.0, 30.0], size=(topo.replica_count, 1) + shape[1:])
-                 ).astype(np.float32) for name, shape in SHAPES.items()}
-
-
-def _local(every, topo):
-  return jax.tree.map(lambda x: x[list(topo.replica_indices)], every)
+  return reference.every_replica_grads(topo, SHAPES, seed=200 + step)
 
 
 def _emulated(every_steps, replicas, error_feedback):
@@ -57,10 +50,10 @@ def test_signsgd_matches_the_replicas_emulated_on_one_device(topo, error_feedbac
   tx = optax.chain(signsgd_lib.signsgd(CHUNK, error_feedback=error_feedback), jdist.allreduce())
   every_steps = [_every_replica_grads(topo, step) for step in range(STEPS)]
   step = jdist.data_parallel(tx.update)
-  state = jdist.data_parallel(tx.init)(_local(every_steps[0], topo))
+  state = jdist.data_parallel(tx.init)(reference.local_rows(every_steps[0], topo))
   averages, residuals = _emulated(every_steps, topo.replica_count, error_feedback)
   for every, expected in zip(every_steps, averages):
-    out, state = step(_local(every, topo), state)
+    out, state = step(reference.local_rows(every, topo), state)
     for replica in _flat(out, topo):  # every local replica holds the same average
       np.testing.assert_allclose(replica, expected, rtol=1e-5, atol=1e-5)
   if error_feedback:
@@ -92,11 +85,7 @@ def test_the_wire_carries_one_bit_per_entry_and_a_scale_per_chunk(topo):
   chunks = -(-size // CHUNK)
 
   def sent(tx):
-    @jdist.data_parallel
-    def step(g):
-      out, state = tx.update(g, tx.init(g))
-      return out, jdist.wire_bytes(state)
-    return float(np.asarray(step(_local(every, topo))[1])[0])
+    return reference.wire_bytes_of(tx, reference.local_rows(every, topo))
 
   signs = sent(optax.chain(signsgd_lib.signsgd(CHUNK), jdist.allreduce()))
   dense = sent(jdist.allreduce())
