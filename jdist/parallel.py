@@ -31,7 +31,7 @@ from jdist.collectives import mesh_axes
 from jdist.collectives import ops
 from jdist.collectives import start
 from jdist.collectives import steps
-from jdist.collectives.transport import DATA_AXIS
+from jdist.collectives.wire import DATA_AXIS
 
 
 def _mapped_positions(in_axes, num_args: int, static: Sequence[int]) -> list[int]:

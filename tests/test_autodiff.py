@@ -22,7 +22,6 @@ from flax import nnx
 import jdist
 from jdist import collectives
 from jdist.collectives import native
-from jdist.collectives import transport
 from tests import reference
 
 PER_REPLICA = 4
@@ -239,7 +238,7 @@ def test_the_backward_pass_exchanges_are_on_the_byte_ledger(topo):
   x, y = _data(topo)
   step = jdist.data_parallel(lambda w, x, y: jax.grad(lambda w: jdist.pmean(
       _mean_loss(w, x, y)))(w), in_axes=(None, 0, 0))
-  with transport.measure() as ledger:
+  with collectives.measure() as ledger:
     jax.make_jaxpr(step.pmapped)(W0, reference.local_slices(x, topo, PER_REPLICA),
                                  reference.local_slices(y, topo, PER_REPLICA))
   assert ledger.calls == (0 if topo.process_count == 1 else 2)

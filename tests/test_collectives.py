@@ -15,7 +15,7 @@ from jdist import fusion
 from jdist.collectives import native
 from jdist.collectives import ops
 from jdist.collectives import routes
-from jdist.collectives import transport
+from jdist.collectives import start
 from jdist.runtime import host
 from tests import jaxpr_graph
 
@@ -67,7 +67,7 @@ def test_hundred_leaves_cross_processes_as_few_buffers(topo, bucket_bytes, expec
   jaxpr = jax.make_jaxpr(step.pmapped)(replicated).jaxpr
   cross_process_calls = _count_primitives(jaxpr, ("allreduce_mpi", "pure_callback", "ffi_call",
                                                          "jdist_cross_process"))
-  with transport.measure() as ledger:  # a new function: pmap caches traces
+  with collectives.measure() as ledger:  # a new function: pmap caches traces
     jax.make_jaxpr(jdist.data_parallel(lambda t: jdist.psum(t, bucket_bytes=bucket_bytes)).pmapped)(replicated)
   if topo.process_count == 1:
     assert cross_process_calls == 0 and ledger.calls == 0
@@ -105,10 +105,10 @@ def test_host_allreduce_sums_over_processes(topo):
 
 
 def test_the_started_route_is_an_object_named_like_the_topology(topo):
-  route = transport.route_for(None)
+  route = start.route_named(None)
   assert isinstance(route, routes.Route)
-  assert route.name == transport.route() == topo.route
-  assert transport.route_for(route.name) is route
+  assert route.name == collectives.route() == topo.route
+  assert start.route_named(route.name) is route
   if topo.process_count > 1 and native.running():
     assert topo.route == "native"
   # Jit steps take the same route in every topology, MxN included.
@@ -216,17 +216,17 @@ def test_host_exchanges_of_a_step_are_chained_in_trace_order():
   # process (else a device blocked in MPI and another in a local collective
   # can deadlock), so each exchange's input waits for the previous one's
   # output. Traced only: nothing runs, so any topology can check it.
-  def exchange(x):  # shaped like transport.gather_all on the callback route
+  def exchange(x):  # shaped like a route's gather_all on the callback route
     spec = jax.ShapeDtypeStruct((3,), jnp.float32)
     ready = routes.after_previous_exchange(x)
     return routes.exchange_done(
-        routes.host_callback(lambda v, d: v, transport.DATA_AXIS, spec, ready))
+        routes.host_callback(lambda v, d: v, collectives.DATA_AXIS, spec, ready))
 
   def step(a, b, c):
     return exchange(a), exchange(b), exchange(c)
 
   ones = jnp.ones((1, 3), jnp.float32)
-  traced = jax.make_jaxpr(jax.pmap(step, axis_name=transport.DATA_AXIS))(ones, ones, ones)
+  traced = jax.make_jaxpr(jax.pmap(step, axis_name=collectives.DATA_AXIS))(ones, ones, ones)
 
   inner = jaxpr_graph.find_body(traced, "pure_callback")  # pmap nests it in jit / shard_map
   callbacks = jaxpr_graph.equations(inner, "pure_callback")
@@ -249,11 +249,11 @@ def test_means_of_floats_near_the_largest_float32_are_those_of_their_route(topo)
     tree = {"f32": jnp.full((5,), 3e38, jnp.float32) + 0 * ids,
             "f16": (ids * jnp.ones(3)).astype(jnp.float16)}
     return (tx.update(tree, tx.init(tree))[0], jdist.pmean(tree),
-            jax.lax.pmean(tree, transport.DATA_AXIS))
+            jax.lax.pmean(tree, collectives.DATA_AXIS))
 
   averaged, pmeaned, xla_mean = step(_replica_ids(topo))
   mean_id = (topo.replica_count - 1) / 2
-  expected_f32 = (np.asarray(xla_mean["f32"]) if transport.route() == "local"
+  expected_f32 = (np.asarray(xla_mean["f32"]) if collectives.route() == "local"
                   else np.full((topo.local_device_count, 5), 3e38, np.float32))
   for result in (averaged, pmeaned):
     np.testing.assert_allclose(result["f32"], expected_f32, rtol=1e-6)
@@ -263,7 +263,7 @@ def test_means_of_floats_near_the_largest_float32_are_those_of_their_route(topo)
 def _traced_mean(route):
   """A step taking `jdist.allreduce()`'s mean, traced (not run) on `route`."""
   # jdist.allreduce()'s reduction, on a route given explicitly.
-  step = jax.pmap(collectives.on_route(route).reduce_payload, axis_name=transport.DATA_AXIS)
+  step = jax.pmap(collectives.on_route(route).reduce_payload, axis_name=collectives.DATA_AXIS)
   tree = {"w": jnp.ones((jax.local_device_count(), 8), jnp.float32)}
   return jax.make_jaxpr(step)(tree)
 

@@ -43,8 +43,7 @@ from jdist.collectives import mesh_axes
 from jdist.collectives import routes
 from jdist.collectives import start
 from jdist.collectives import steps
-from jdist.collectives import transport
-from jdist.collectives.transport import DATA_AXIS
+from jdist.collectives.wire import DATA_AXIS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +161,7 @@ def reduce_where(what: str, reduce_fn: Callable[[Span, Any], Any], tree: Any, *,
     jdist.errors.CollectiveContextError: traced in neither kind of step.
     ValueError: `route` is not one this job can take.
   """
-  on = route if isinstance(route, routes.Route) or route is None else transport.route_for(route)
+  on = route if isinstance(route, routes.Route) or route is None else start.route_named(route)
   if in_global_step(what):
     return per_process(reduce_fn, tree, first_only=first_only, on=on)
   return reduce_fn(Span(on or start.active_route(), topology_lib.current().replica_count), tree)
@@ -240,7 +239,7 @@ def replica_index() -> jax.Array | int:
   if device is None and (_global_mesh() is None or not steps.tracing()):
     return topo.process_index  # on the host
   # In a step: a value XLA cannot fold, so every process compiles one program.
-  process = transport.route_for(None).process_index_value()
+  process = start.route_named(None).process_index_value()
   if device is not None and _global_mesh() is None:
     return process * topo.local_device_count + device
   return process

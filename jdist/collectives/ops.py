@@ -2,7 +2,7 @@
 
 `psum`, `pmean` and `all_gather` reduce over every replica of the job: the
 local devices of this process (XLA collectives over `DATA_AXIS`), then the
-processes (see `transport`). Across processes a pytree travels fused: one
+processes (a route's `sum_all`, `sum_all_16bit`, `gather_all`). Across processes a pytree travels fused: one
 flat buffer per dtype and bucket, not one MPI call per leaf.
 
 `reduce_payload` is what `jdist.allreduce` calls: it accepts the gradient
@@ -33,7 +33,7 @@ from jdist.collectives import context
 from jdist import fusion
 from jdist.collectives import routes
 from jdist.collectives.route_base import HALF_DTYPES
-from jdist.collectives import transport
+from jdist.collectives import autodiff
 from jdist.runtime import flight_recorder
 from jdist.runtime import host
 
@@ -68,17 +68,21 @@ def _fused(span: context.Span, tree: Any, what: str, reduce_buffer, bucket_bytes
   buckets = fusion.plan_buckets(leaves, bucket_bytes, first_bucket_bytes=first_bucket_bytes)
   reduced = [reduce_one(fusion.pack(leaves, bucket)) for bucket in buckets]
   # Read together, so a bucket's update cannot wait between two exchanges.
-  reduced = transport.join(reduced, span.route)
+  reduced = list(autodiff.join(span.route, tuple(reduced))) if len(reduced) > 1 else reduced
   out = {}
   for bucket, buffer in zip(buckets, reduced):
     out.update(fusion.unpack(buffer, bucket, shapes))
   return jax.tree.unflatten(treedef, [out[i] for i in range(len(leaves))])
 
 
+def _sum_all(buffer: jax.Array, on: routes.Route, axis: str) -> jax.Array:
+  return on.sum_all(buffer, axis)
+
+
 def _psum(span: context.Span, tree: Any, bucket_bytes: int) -> Any:
   if not jax.tree.leaves(tree):
     return tree
-  return _fused(span, tree, "jdist.psum", transport.sum_all, bucket_bytes)
+  return _fused(span, tree, "jdist.psum", _sum_all, bucket_bytes)
 
 
 def _pmean(span: context.Span, tree: Any, bucket_bytes: int) -> Any:
@@ -89,7 +93,7 @@ def _pmean(span: context.Span, tree: Any, bucket_bytes: int) -> Any:
 
 def _all_gather(span: context.Span, tree: Any) -> Any:
   gathered = jax.tree.map(
-      lambda leaf: transport.gather_all(leaf.reshape(-1), span.route, span.axis).reshape(
+      lambda leaf: span.route.gather_all(leaf.reshape(-1), span.axis).reshape(
           (-1,) + leaf.shape), tree)
   return context.gather_rows_per_process(gathered, span) if span.global_step else gathered
 
@@ -198,7 +202,7 @@ def all_gather(tree: Any) -> Any:
 class ReplicaExchange:
   """The reductions over every replica a compressed payload may use.
 
-  Implements `jdist.compression.protocol.Exchange` on `transport`'s
+  Implements `jdist.compression.protocol.Exchange` on the route's
   primitives, with tensor fusion across processes, on the route, axis and
   participants of `span`.
   """
@@ -216,7 +220,7 @@ class ReplicaExchange:
   def sum(self, tree: Any) -> Any:
     if not jax.tree.leaves(tree):
       return tree
-    return _fused(self.span, tree, self.what, transport.sum_all, self.bucket_bytes)
+    return _fused(self.span, tree, self.what, _sum_all, self.bucket_bytes)
 
   def sum_16bit(self, tree: Any) -> Any:
     if not jax.tree.leaves(tree):
@@ -224,8 +228,8 @@ class ReplicaExchange:
 
     def reduce_buffer(buffer, on, axis):
       if buffer.dtype in HALF_DTYPES:
-        return transport.sum_all_16bit(buffer, on, axis)
-      return transport.sum_all(buffer, on, axis)
+        return on.sum_all_16bit(buffer, axis)
+      return on.sum_all(buffer, axis)
 
     # Half the caps: a bucket holds the gradients it would hold in float32,
     # so the first one still leaves while the backward pass goes on.
@@ -234,7 +238,7 @@ class ReplicaExchange:
                   first_bucket_bytes=fusion.FIRST_BUCKET_BYTES // 2)
 
   def gather(self, buffer: jax.Array) -> jax.Array:
-    return transport.gather_all(buffer, self.span.route, self.span.axis)
+    return self.span.route.gather_all(buffer, self.span.axis)
 
 
 def exchange(reduce_fn, tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES,

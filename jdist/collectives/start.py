@@ -124,6 +124,12 @@ def active_route() -> routes.Route:
   return routes.LocalRoute(topology)
 
 
+def route() -> str:
+  """How buffers cross processes in this job's steps: "local", "mpi4jax", "native"
+  or "callback" (the route `jdist.init()` chose, for both kinds of step)."""
+  return active_route().name
+
+
 def route_named(name: str | None) -> routes.Route:
   """The route `name` of this job (the started one for None), one object per name.
 
