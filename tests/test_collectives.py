@@ -218,9 +218,9 @@ def test_host_exchanges_of_a_step_are_chained_in_trace_order():
   # output. Traced only: nothing runs, so any topology can check it.
   def exchange(x):  # shaped like a route's gather_all on the callback route
     spec = jax.ShapeDtypeStruct((3,), jnp.float32)
-    ready = routes.after_previous_exchange(x)
-    return routes.exchange_done(
-        routes.host_callback(lambda v, d: v, collectives.DATA_AXIS, spec, ready))
+    ready = routes.callback.after_previous_exchange(x)
+    return routes.callback.exchange_done(
+        routes.callback.host_callback(lambda v, d: v, collectives.DATA_AXIS, spec, ready))
 
   def step(a, b, c):
     return exchange(a), exchange(b), exchange(c)

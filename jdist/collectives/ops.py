@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jdist.collectives import context
 from jdist import fusion
 from jdist.collectives import routes
-from jdist.collectives.route_base import HALF_DTYPES
+from jdist.collectives.routes.base import HALF_DTYPES
 from jdist.collectives import autodiff
 from jdist.runtime import flight_recorder
 from jdist.runtime import host

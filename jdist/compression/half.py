@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jdist.collectives.route_base import HALF_DTYPES
+from jdist.collectives.routes.base import HALF_DTYPES
 from jdist.compression import protocol
 from jdist.runtime import topology as topology_lib
 

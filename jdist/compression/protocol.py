@@ -31,8 +31,6 @@ from typing import Any, Callable, Protocol
 
 import jax
 
-# Read here only by transforms/diloco.py (another change moves it to route_base); drop then.
-from jdist.collectives.route_base import HALF_DTYPES  # noqa: F401
 
 
 class Exchange(Protocol):

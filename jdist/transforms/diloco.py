@@ -60,6 +60,7 @@ import optax
 from jax import lax
 
 from jdist import collectives
+from jdist.collectives.routes.base import HALF_DTYPES
 from jdist import fusion
 from jdist.compression import half as half_lib
 from jdist.compression import protocol
@@ -198,7 +199,7 @@ def payload_codec(payload: Any):
     dtype = np.dtype(dtype)
   except TypeError:
     dtype = None
-  if dtype not in protocol.HALF_DTYPES:
+  if dtype not in HALF_DTYPES:
     raise ValueError(f"payload={payload!r} must be None or one of "
                      f"{', '.join(repr(name) for name in PAYLOAD_CHOICES)} "
                      f"(or jnp.float16, jnp.bfloat16, or 'sparse:RATIO').")
