@@ -9,6 +9,7 @@ global batch, and the flags the mode refuses.
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -44,6 +45,17 @@ def test_shrink_mode_refuses_what_it_would_ignore():
   train_shrink.check_config(TrainConfig(lr=0.05, momentum=0.9, batch_size=16))
 
 
+def _kill_job(marker: str) -> None:
+  """SIGKILLs the processes whose command line holds `marker` (this test's job)."""
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+        if marker.encode() in cmdline.read():
+          os.kill(int(pid), signal.SIGKILL)
+    except OSError:
+      pass
+
+
 def test_fault_rank_killed_survivors_shrink_and_finish(tmp_path):
   if launch.under_mpirun():
     pytest.skip("launches its own mpirun")
@@ -55,6 +67,7 @@ def test_fault_rank_killed_survivors_shrink_and_finish(tmp_path):
   try:
     result = launch.run_own_session(argv, launch.clean_env(), timeout=400)
   except subprocess.TimeoutExpired as err:
+    _kill_job(str(log))  # mpirun runs in a session of the launcher's own
     pytest.fail(f"the shrunk job hung: {err}")
   output = result.stdout + result.stderr
   assert result.returncode == 0, output

@@ -297,6 +297,7 @@ def train_main(argv=None, prog: str = "jdist train") -> int:
     if shrink:
       from jdist.app import train_shrink  # pylint: disable=g-import-not-at-top
       train_shrink.train(config)
+      train_shrink.leave(0)
     else:
       train_lib.train(config)
   except KeyboardInterrupt:

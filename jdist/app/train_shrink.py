@@ -365,5 +365,9 @@ def train(config: TrainConfig, on_step=None) -> dict:
     # A rank that fails is a lost rank: it leaves now (MPI_Finalize would wait for
     # peers that wait for it) and the others shrink past it.
     traceback.print_exc()
-    sys.stderr.flush()
-    os._exit(1)  # pylint: disable=protected-access
+    shrinkable.leave(1)
+
+
+def leave(code: int = 0) -> None:
+  """Ends this process once its run is done: MPI_Finalize would wait for the lost ones."""
+  shrinkable.leave(code)

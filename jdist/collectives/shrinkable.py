@@ -17,6 +17,8 @@ about MPI.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -120,3 +122,16 @@ class ShrinkableComm:
       return Shrunk(lost, tuple(sorted({self.hosts[rank] for rank in lost})), len(members))
     raise PeerLost(f"rank {self.launch_rank}: the communicator could not be shrunk in "
                    f"{_MAX_SHRINK_TRIES} tries (members kept failing)")
+
+
+def leave(code: int) -> None:
+  """Ends this process with `code`, without MPI_Finalize.
+
+  After a shrink, MPI_Finalize waits forever for the lost processes
+  (measured: the survivors of a finished run sat in `ompi_mpi_finalize`'s
+  sleep loop for minutes), so a `--shrink` run leaves without it once its
+  survivors are done.
+  """
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)  # pylint: disable=protected-access
