@@ -296,8 +296,7 @@ def train_main(argv=None, prog: str = "jdist train") -> int:
   try:
     if shrink:
       from jdist.app import train_shrink  # pylint: disable=g-import-not-at-top
-      train_shrink.train(config)
-      train_shrink.leave(0)
+      train_shrink.leave(train_shrink.train(config))
     else:
       train_lib.train(config)
   except KeyboardInterrupt:

@@ -368,6 +368,12 @@ def train(config: TrainConfig, on_step=None) -> dict:
     shrinkable.leave(1)
 
 
-def leave(code: int = 0) -> None:
-  """Ends this process once its run is done: MPI_Finalize would wait for the lost ones."""
-  shrinkable.leave(code)
+def leave(summary: dict, code: int = 0) -> None:
+  """Ends this process once its run is done, if it lost processes.
+
+  MPI_Finalize would wait for the lost ones; a run that lost none returns
+  (and finalizes at exit, which mpirun wants: without it, a job under plain
+  mpirun ends with status 1, "exiting improperly").
+  """
+  if summary.get("shrinks"):
+    shrinkable.leave(code)

@@ -27,7 +27,8 @@ def main(argv):
   summary = train_shrink.train(config, on_step=on_step)
   rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
   print(f"jdist-job: rank {rank} digest {summary['params_digest']}", file=sys.stderr, flush=True)
-  train_shrink.leave(0)  # no MPI_Finalize: it would wait for the dead rank
+  train_shrink.leave(summary)  # no MPI_Finalize after a shrink: it would wait for the dead rank
+  return 0
 
 
 if __name__ == "__main__":
