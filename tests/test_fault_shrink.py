@@ -90,3 +90,12 @@ def test_launch_shrink_adds_ulfm_and_tcp():
   assert launch_shrink.ULFM_MPIRUN_ARGS[:2] == ("--with-ft", "ulfm")
   assert "tcp,self" in launch_shrink.ULFM_MPIRUN_ARGS
   assert launch_shrink.SHRINK_ENV["JDIST_JAX_DISTRIBUTED"] == "0"
+
+
+def test_shrink_flags_parse_and_refuse_restarts(capsys):
+  from jdist.app import cli  # pylint: disable=import-outside-toplevel
+  from jdist.app import launch as launch_cli  # pylint: disable=import-outside-toplevel
+  config, _ = cli.parse_train_args(["--shrink", "--lr", "0.05"])
+  assert config == TrainConfig(lr=0.05)
+  assert launch_cli.main(["--shrink", "--max-restarts", "1", "--", "true"]) == 2
+  assert "--shrink does not combine with --max-restarts" in capsys.readouterr().err
