@@ -51,7 +51,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_train_parser(prog: str = "jdist train") -> argparse.ArgumentParser:
-  """The parser of `jdist train`'s flags (`--debug` is the only one not in TrainConfig)."""
+  """The parser of `jdist train`'s flags (`--debug` and `--shrink` are not in TrainConfig)."""
   defaults = config_lib.TrainConfig()
   parser = _Parser(prog=prog, allow_abbrev=False,
                    description="Train a model data-parallel on every local device and, "
@@ -218,6 +218,9 @@ def _add_runtime_flags(parser: argparse.ArgumentParser,
                      "(docs/timeline.md; read it with `jdist timeline summarize FILE`)")
   group.add_argument("--timeline-steps", metavar="A:B",
                      help="with --timeline: record train steps A to B-1 only")
+  group.add_argument("--shrink", action="store_true",
+                     help="under `jdist launch --shrink`: when processes die, the others "
+                     "shrink the job and keep training (Open MPI ULFM; docs/multinode.md)")
   group.add_argument("--debug", action="store_true",
                      help="show the full traceback when the run fails, and every library's "
                           "output while a failed job ends (JDIST_DEBUG=1)")
@@ -236,6 +239,7 @@ def parse_train_args(argv, prog: str = "jdist train") -> tuple[config_lib.TrainC
   parser = build_train_parser(prog)
   args = vars(parser.parse_args(argv))
   debug = args.pop("debug")
+  args.pop("shrink")  # read by train_main before parsing
   config = config_lib.TrainConfig(**args)
   try:
     config_lib.validate(config)
@@ -268,7 +272,11 @@ def _report_failure(prog: str, err: BaseException) -> int:
 
 def train_main(argv=None, prog: str = "jdist train") -> int:
   """`jdist train`: parse, validate, train; returns the exit status."""
-  config, debug = parse_train_args(sys.argv[1:] if argv is None else argv, prog)
+  argv = list(sys.argv[1:] if argv is None else argv)
+  shrink = "--shrink" in argv  # jdist launch --shrink's mode (jdist.app.train_shrink)
+  if shrink:
+    argv.remove("--shrink")
+  config, debug = parse_train_args(argv, prog)
   if debug:  # every library's output too while a failed job ends (jdist.runtime.abort)
     os.environ.setdefault(abort.DEBUG_ENV, "1")
   # Imported here: the trainer loads the models (Flax), which `--help` need not.
@@ -279,7 +287,11 @@ def train_main(argv=None, prog: str = "jdist train") -> int:
                      f"dependencies with pip install 'jdist[app]'.\n")
     return EXIT_FAILURE
   try:
-    train_lib.train(config)
+    if shrink:
+      from jdist.app import train_shrink  # pylint: disable=g-import-not-at-top
+      train_shrink.leave(train_shrink.train(config))
+    else:
+      train_lib.train(config)
   except KeyboardInterrupt:
     sys.stderr.write(f"{prog}: interrupted\n")
     return EXIT_INTERRUPTED

@@ -36,6 +36,10 @@ cooldown that answers a probe through the launch agent, or a host the
 script newly lists), the supervisor waits for the job's next "checkpoint
 saved at step S" line, stops it and starts it over the larger set: it
 resumes from step S, with the same global batch (`elastic.restart_batch_size`).
+
+With `--shrink`, mpirun runs with Open MPI's fault tolerance (ULFM) and a
+process that dies does not end the job: the others shrink past it and keep
+training from memory (`jdist train --shrink`, `jdist.app.launch_shrink`).
 """
 
 
@@ -48,6 +52,7 @@ from typing import Sequence
 
 from jdist.app import elastic
 from jdist.app import launch_elastic
+from jdist.app import launch_shrink as shrink_mode
 from jdist.app.supervise import (  # pylint: disable=unused-import  (tests and callers use them here)
     DEFAULT_ABORT_GRACE_S, EXIT_FAILURE, EXIT_USAGE, JobState, environment, mpirun_argv,
     supervise)
@@ -79,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="stop instead of restarting on fewer healthy hosts than this")
   parser.add_argument("--cooldown", type=float, default=elastic.DEFAULT_COOLDOWN_S,
                       metavar="SECONDS", help="a lost host is tried again after this long")
+  parser.add_argument("--shrink", action="store_true",
+                      help="run with Open MPI's fault tolerance (ULFM): processes that die are "
+                      "shrunk past and the others keep training (`jdist train --shrink`)")
   parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
   return parser
 
@@ -113,6 +121,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.hostfile and args.host_discovery:
     sys.stderr.write("jdist launch: error: give --hostfile or --host-discovery, not both.\n")
     return EXIT_USAGE
+  if args.shrink:
+    if args.max_restarts or args.host_discovery:
+      sys.stderr.write("jdist launch: error: --shrink does not combine with --max-restarts or "
+                       "--host-discovery yet.\n")
+      return EXIT_USAGE
+    return shrink_mode.launch(command, args)
   if args.max_restarts or args.host_discovery:
     try:
       return launch_elastic.Elastic(command, args).run()

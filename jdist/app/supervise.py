@@ -39,6 +39,8 @@ _REMOTE_NODE = re.compile(r"Remote daemon:.* on node (\S+)|Remote host:\s+(\S+)"
 _SILENT = re.compile(r"ranks? ([\d, ]+) on host (\S+) stopped answering")
 # jdist train's words (rank 0) after each checkpoint of its --checkpoint-dir.
 _SAVED = re.compile(r"^checkpoint saved at step (\d+)")
+# jdist train --shrink's words (the surviving rank 0) when its run completed.
+SHRINK_FINISHED = "jdist train --shrink: finished"
 
 
 @dataclasses.dataclass
@@ -52,6 +54,7 @@ class JobState:
   silent: dict[str, list[int]] = dataclasses.field(default_factory=dict)
   saved_step: int | None = None   # the job's newest "checkpoint saved at step S"
   stopped_for: str | None = None  # why the supervisor stopped a healthy job
+  shrink_finished: bool = False   # `jdist train --shrink`'s survivors finished the run
   _after_lost_daemon: bool = False
 
   def read(self, line: str) -> bool:
@@ -69,6 +72,8 @@ class JobState:
       self.lost_hosts.append(host)
     for ranks, host in _SILENT.findall(line):
       self.silent.setdefault(host, sorted({int(r) for r in ranks.split(",")}))
+    if line.startswith(SHRINK_FINISHED):
+      self.shrink_finished = True
     saved = _SAVED.match(line)
     if saved:
       self.saved_step = int(saved.group(1))

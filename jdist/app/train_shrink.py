@@ -1,0 +1,379 @@
+"""`jdist train --shrink`: a run that loses processes and keeps training.
+
+Launched by `jdist launch --shrink` (mpirun with Open MPI's ULFM on and its
+TCP transport). When a process dies, the survivors see `PeerLost` in the
+step's gradient exchange, shrink the communicator
+(`jdist.collectives.shrinkable`), agree on the last step every one of them
+completed, and go on from there with the state they hold in memory: no
+process restarts, no checkpoint is read.
+
+What stays the same across a shrink:
+  * the global batch (`--batch-size` x the launch's process count): step s
+    of an epoch takes the same examples, split over however many replicas
+    are left, so no example is skipped or doubled within an epoch;
+  * the replicas: each applies the same summed gradient, so they stay
+    bit-identical;
+  * the gradient: a sum over the global batch divided by its size, the same
+    whatever the replica count (up to the order of float additions).
+
+What this mode gives up, for now (docs/multinode.md, "Shrinking"): JAX's
+distributed runtime is not started (a dead process would end the others,
+and process 0 is its coordinator), so `jax.process_index()` is 0 everywhere;
+one device per process; the gradient crosses processes on the host (numpy
+over MPI), not in the step; no checkpoints, DiLoCo, compression or guards;
+a process that hangs without dying is not detected (only deaths are).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.flatten_util import ravel_pytree
+
+from jdist.app import datasets
+from jdist.app import models
+from jdist.app import supervise
+from jdist.app.config import TrainConfig
+from jdist.collectives import shrinkable
+
+# The TrainConfig fields this mode reads; any other one set away from its
+# default is refused (it would be silently ignored).
+HONORED = ("model", "dataset", "data_dir", "download", "epochs", "batch_size",
+           "eval_batch_size", "seed", "train_limit", "test_limit", "log_file", "progress",
+           "optimizer", "lr", "momentum", "weight_decay", "timeout", "backend")
+
+
+class ShrinkModeError(ValueError):
+  """A `jdist train --shrink` setting this mode cannot honor."""
+
+
+class Snapshot(NamedTuple):
+  """A replica's state after `step` completed steps, with its epoch's tallies so far."""
+  step: int
+  params: Any
+  model_state: Any
+  opt_state: Any
+  tally: np.ndarray  # [loss sum, correct, examples] of the epoch so far
+
+
+class Program(NamedTuple):
+  """The compiled pieces of one run: gradients, the update, evaluation."""
+  init: Callable
+  opt_init: Callable
+  grads: Callable  # (params, state, x, y, weight, global_batch) -> grads, state, loss, correct
+  apply: Callable  # (params, opt_state, grads) -> params, opt_state
+  evaluate: Callable  # (params, state, x, y, weight) -> loss sum, correct
+
+
+class Pending(NamedTuple):
+  """A shrink whose first completed step has not come yet."""
+  lost_ranks: tuple[int, ...]
+  lost_hosts: tuple[str, ...]
+  detected_at: float
+
+
+def check_config(config: TrainConfig) -> None:
+  """Raises ShrinkModeError for settings `--shrink` does not honor."""
+  defaults = TrainConfig()
+  ignored = [field.name for field in dataclasses.fields(TrainConfig)
+             if field.name not in HONORED
+             and getattr(config, field.name) != getattr(defaults, field.name)]
+  if config.cpu_devices not in (None, 1):
+    ignored.append("cpu_devices")
+  if ignored:
+    flags = ", ".join("--" + name.replace("_", "-") for name in sorted(set(ignored)))
+    raise ShrinkModeError(f"--shrink does not support {flags} (it trains one device per "
+                          f"process, with plain SGD/Adam/AdamW and no checkpoints).")
+  if config.optimizer not in ("sgd", "adam", "adamw"):
+    raise ShrinkModeError(f"--shrink: --optimizer {config.optimizer} is not supported.")
+
+
+def _optimizer(config: TrainConfig) -> optax.GradientTransformation:
+  """The per-replica optimizer (the gradient is already summed over replicas)."""
+  if config.optimizer == "sgd":
+    tx = optax.sgd(config.lr, momentum=config.momentum or None)
+    return optax.chain(optax.add_decayed_weights(config.weight_decay), tx) if (
+        config.weight_decay) else tx
+  if config.optimizer == "adam":
+    return optax.adam(config.lr, b1=config.momentum)
+  return optax.adamw(config.lr, b1=config.momentum, weight_decay=config.weight_decay)
+
+
+def build_program(config: TrainConfig, num_classes: int, input_shape: tuple) -> Program:
+  """The run's jitted functions, for one device of this process."""
+  model = models.create_model(config.model, num_classes=num_classes, input_shape=input_shape)
+  tx = _optimizer(config)
+
+  def init(seed):
+    key = jax.random.key(seed, impl="rbg")
+    variables = dict(model.init(key, jnp.zeros((1, *input_shape), jnp.float32), train=False))
+    return variables.pop("params"), variables
+
+  def grads(params, state, x, y, weight, global_batch):
+    def loss_fn(p):
+      logits, new_state = models.apply_model(model, p, state, x, train=True)
+      losses = models.example_losses(logits, y) * weight
+      correct = models.example_correct(logits, y) * weight
+      return jnp.sum(losses) / global_batch, (jnp.sum(losses), jnp.sum(correct), new_state)
+    gradient, (loss, correct, new_state) = jax.grad(loss_fn, has_aux=True)(params)
+    return gradient, new_state, loss, correct
+
+  def apply(params, opt_state, gradient):
+    updates, opt_state = tx.update(gradient, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  def evaluate(params, state, x, y, weight):
+    logits, _ = models.apply_model(model, params, state, x, train=False)
+    return (jnp.sum(models.example_losses(logits, y) * weight),
+            jnp.sum(models.example_correct(logits, y) * weight))
+
+  return Program(jax.jit(init), jax.jit(tx.init), jax.jit(grads), jax.jit(apply),
+                 jax.jit(evaluate))
+
+
+def replica_slice(indices: np.ndarray, replica: int, replicas: int,
+                  size: int) -> tuple[np.ndarray, np.ndarray]:
+  """This replica's part of a global batch as [chunks, size] indices and weights.
+
+  The batch is split in `replicas` contiguous parts (np.array_split); a part
+  is padded (its first example, at weight 0) to whole chunks of `size`, so
+  that every replica count runs the shape that was compiled at the start:
+  a shrink costs no compilation, only more chunks per replica.
+  """
+  part = np.array_split(indices, replicas)[replica]
+  chunks = max(1, math.ceil(len(part) / size))
+  weight = np.zeros(chunks * size, np.float32)
+  weight[:len(part)] = 1.0
+  padded = np.concatenate([part, np.full(chunks * size - len(part), indices[0], indices.dtype)])
+  return padded.reshape(chunks, size), weight.reshape(chunks, size)
+
+
+class Output:
+  """The current rank 0's voice (it changes when rank 0 is lost): lines and the JSON log."""
+
+  def __init__(self, config: TrainConfig):
+    self.config, self._log = config, None
+
+  def say(self, primary: bool, text: str) -> None:
+    if primary:
+      print(text, flush=True)
+
+  def record(self, primary: bool, record: dict) -> None:
+    if not (primary and self.config.log_file):
+      return
+    if self._log is None:  # appended to: a new rank 0 goes on with the lost one's file
+      os.makedirs(os.path.dirname(os.path.abspath(self.config.log_file)), exist_ok=True)
+      self._log = open(self.config.log_file, "a", encoding="utf-8")
+    self._log.write(json.dumps(record) + "\n")
+    self._log.flush()
+
+
+class ShrinkRun:
+  """One `--shrink` training run; every method is collective over the live processes."""
+
+  def __init__(self, config: TrainConfig, data: datasets.Dataset, comm, on_step=None):
+    self.config, self.data, self.comm = config, data, comm
+    self.on_step = on_step or (lambda step, rank: None)  # fault drills (tests)
+    self.global_batch = config.batch_size * comm.size
+    self.steps_per_epoch = len(data.train_x) // self.global_batch
+    if not self.steps_per_epoch:
+      raise ShrinkModeError(f"the training set ({len(data.train_x)} examples) is smaller "
+                            f"than one global batch ({self.global_batch})")
+    self.total_steps = self.steps_per_epoch * config.epochs
+    self.program = build_program(config, data.num_classes, data.train_x.shape[1:])
+    self.out = Output(config)
+    self.shrinks: list[dict] = []
+
+  @property
+  def primary(self) -> bool:
+    return self.comm.rank == 0
+
+  def start(self) -> Snapshot:
+    """Rank 0's initial parameters on every replica (as `jdist train` does)."""
+    params, state = self.program.init(self.config.seed)
+    flat, unravel = ravel_pytree((params, state))
+    params, state = unravel(jnp.asarray(self.comm.bcast(np.array(flat))))
+    return Snapshot(0, params, state, self.program.opt_init(params), np.zeros(3))
+
+  def batch_indices(self, step: int) -> np.ndarray:
+    """The global batch of global step `step`: the same whatever the replica count."""
+    epoch, within = divmod(step, self.steps_per_epoch)
+    order = np.random.default_rng((self.config.seed, epoch)).permutation(len(self.data.train_x))
+    return order[within * self.global_batch:(within + 1) * self.global_batch]
+
+  def train_step(self, now: Snapshot) -> Snapshot:
+    """One step on the live replicas. Raises shrinkable.PeerLost."""
+    self.on_step(now.step, self.comm.launch_rank)
+    chunks, weights = replica_slice(self.batch_indices(now.step), self.comm.rank,
+                                    self.comm.size, self.config.batch_size)
+    summed, sums, state = 0.0, np.zeros(2), now.model_state
+    for mine, weight in zip(chunks, weights):  # summed on the host: nothing new to compile
+      part, state, loss, correct = self.program.grads(
+          now.params, now.model_state, self.data.train_x[mine], self.data.train_y[mine],
+          weight, float(self.global_batch))
+      flat_grad, unravel_grad = ravel_pytree(part)
+      summed = summed + np.asarray(flat_grad, np.float64)
+      sums += [float(loss), float(correct)]
+    # BatchNorm statistics (if any): the mean of the replicas' (of their last chunk).
+    flat_state, unravel_state = ravel_pytree(state)
+    local = np.concatenate([summed, np.asarray(flat_state, np.float64) / self.comm.size,
+                            sums, [weights.sum()]])
+    total = self.comm.sum(local)
+    gradient = unravel_grad(jnp.asarray(total[:summed.size], flat_grad.dtype))
+    state = unravel_state(jnp.asarray(total[summed.size:-3], flat_state.dtype))
+    params, opt_state = self.program.apply(now.params, now.opt_state, gradient)
+    tally = now.tally + total[-3:]
+    return Snapshot(now.step + 1, params, state, opt_state, tally)
+
+  def evaluate(self, now: Snapshot) -> tuple[float, float]:
+    """Test loss and accuracy, every test example once over the live replicas."""
+    size = self.config.eval_batch
+    order = np.arange(len(self.data.test_x))
+    sums = np.zeros(2)
+    for begin in range(0, len(order), size * self.comm.size):
+      chunk = order[begin:begin + size * self.comm.size]
+      for mine, weight in zip(*replica_slice(chunk, self.comm.rank, self.comm.size, size)):
+        loss, correct = self.program.evaluate(now.params, now.model_state,
+                                              self.data.test_x[mine], self.data.test_y[mine],
+                                              weight)
+        sums += [float(loss), float(correct)]
+    total = self.comm.sum(sums)
+    return total[0] / len(order), total[1] / len(order)
+
+  def end_epoch(self, now: Snapshot, started: float) -> Snapshot:
+    """Evaluates, says and logs the epoch that `now` completed; resets the tallies."""
+    epoch = now.step // self.steps_per_epoch
+    test_loss, test_accuracy = self.evaluate(now)
+    loss, correct, examples = now.tally
+    record = {"event": "epoch", "epoch": epoch, "train_loss": loss / examples,
+              "train_accuracy": correct / examples, "test_loss": test_loss,
+              "test_accuracy": test_accuracy, "replicas": self.comm.size,
+              "epoch_time_s": time.time() - started}
+    self.out.say(self.primary, f"epoch {epoch}/{self.config.epochs}: train loss "
+                 f"{record['train_loss']:.4f} acc {record['train_accuracy']:.2%} | test loss "
+                 f"{test_loss:.4f} acc {test_accuracy:.2%} | {self.comm.size} replicas")
+    self.out.record(self.primary, record)
+    return now._replace(tally=np.zeros(3))
+
+  def recover(self, now: Snapshot, before: Snapshot, pending: Pending | None
+              ) -> tuple[Snapshot, Pending]:
+    """Shrinks to the survivors and returns the state they all hold, and the shrink."""
+    detected = time.time()
+    shrunk = self.comm.shrink()
+    agreed = self.comm.minimum(np.array([now.step, detected]))
+    step, detected = int(agreed[0]), float(agreed[1])
+    if now.step != step:  # a peer did not complete our last step: take it again
+      now = before
+    if now.step != step:
+      raise shrinkable.PeerLost(f"the survivors' states are more than one step apart "
+                                f"({now.step} vs {step})")
+    lost_ranks = (pending.lost_ranks if pending else ()) + shrunk.lost_ranks
+    lost_hosts = tuple(sorted(set((pending.lost_hosts if pending else ()) + shrunk.lost_hosts)))
+    if pending:
+      detected = pending.detected_at
+    self.out.say(self.primary, f"jdist train: shrink: lost rank(s) {list(shrunk.lost_ranks)} "
+                 f"on {', '.join(shrunk.lost_hosts)}; going on with {shrunk.size} replicas "
+                 f"from step {step}")
+    return now, Pending(lost_ranks, lost_hosts, detected)
+
+  def resumed(self, pending: Pending, now: Snapshot) -> None:
+    """Logs a shrink once the survivors completed their first step after it."""
+    event = {"event": "shrink", "lost_ranks": list(pending.lost_ranks),
+             "lost_hosts": list(pending.lost_hosts), "replicas": self.comm.size,
+             "detected_at": pending.detected_at, "resumed_at": time.time(), "step": now.step}
+    self.shrinks.append(event)
+    self.out.record(self.primary, event)
+    self.out.say(self.primary, f"jdist train: shrink: resumed at step {now.step} on "
+                 f"{self.comm.size} replicas, {event['resumed_at'] - event['detected_at']:.2f} s "
+                 f"after the loss was detected")
+
+  def run(self) -> dict:
+    """Trains every epoch, shrinking past lost processes; returns the summary record."""
+    began = epoch_began = time.time()
+    now = before = self.start()
+    pending = None
+    while now.step < self.total_steps:
+      try:
+        after = self.train_step(now)
+        before, now = now, after
+        if pending:
+          self.resumed(pending, now)
+          pending = None
+        if now.step % self.steps_per_epoch == 0:
+          now = self.end_epoch(now, epoch_began)
+          epoch_began = time.time()
+      except shrinkable.PeerLost:
+        now, pending = self.recover(now, before, pending)
+    test_loss, test_accuracy = self.evaluate(now)
+    summary = {"event": "summary", "steps": now.step, "replicas": self.comm.size,
+               "test_loss": test_loss, "test_accuracy": test_accuracy,
+               "shrinks": len(self.shrinks), "wall_time_s": time.time() - began,
+               "params_digest": params_digest(now.params)}
+    self.out.record(self.primary, summary)
+    self.out.say(self.primary, f"{supervise.SHRINK_FINISHED}: {now.step} steps, final test accuracy "
+                 f"{test_accuracy:.2%} on {self.comm.size} replicas ({len(self.shrinks)} shrinks)")
+    return summary
+
+
+def params_digest(params) -> str:
+  """A hex digest of the parameters' bytes (replicas compare equal bit for bit)."""
+  import hashlib  # pylint: disable=import-outside-toplevel
+  flat, _ = ravel_pytree(params)
+  return hashlib.sha256(np.asarray(flat).tobytes()).hexdigest()[:16]
+
+
+def load_data(config: TrainConfig) -> datasets.Dataset:
+  data = datasets.load(config.dataset, config.data_dir, download=config.download)
+  return data._replace(train_x=data.train_x[:config.train_limit],
+                       train_y=data.train_y[:config.train_limit],
+                       test_x=data.test_x[:config.test_limit],
+                       test_y=data.test_y[:config.test_limit])
+
+
+def train(config: TrainConfig, on_step=None) -> dict:
+  """Runs `config` in `--shrink` mode under `jdist launch --shrink`; returns the summary.
+
+  Args:
+    config: the run's settings (see `HONORED`).
+    on_step: called as `on_step(step, launch_rank)` before every step (fault drills).
+
+  Raises:
+    ShrinkModeError: a setting this mode does not support.
+  """
+  check_config(config)
+  os.environ.setdefault("JDIST_JAX_DISTRIBUTED", "0")
+  comm = shrinkable.ShrinkableComm()
+  try:
+    run = ShrinkRun(config, load_data(config), comm, on_step)
+    if run.primary:
+      sys.stdout.write(f"jdist train --shrink: {comm.size} processes, global batch "
+                       f"{run.global_batch}, {run.total_steps} steps; lost processes are "
+                       f"shrunk past (ULFM)\n")
+    return run.run()
+  except BaseException:  # pylint: disable=broad-except
+    # A rank that fails is a lost rank: it leaves now (MPI_Finalize would wait for
+    # peers that wait for it) and the others shrink past it.
+    traceback.print_exc()
+    shrinkable.leave(1)
+
+
+def leave(summary: dict, code: int = 0) -> None:
+  """Ends this process once its run is done, if it lost processes.
+
+  MPI_Finalize would wait for the lost ones; a run that lost none returns
+  (and finalizes at exit, which mpirun wants: without it, a job under plain
+  mpirun ends with status 1, "exiting improperly").
+  """
+  if summary.get("shrinks"):
+    shrinkable.leave(code)

@@ -1,0 +1,137 @@
+"""A communicator that survives lost processes: Open MPI's ULFM, for `--shrink`.
+
+Under `mpirun --with-ft ulfm` (what `jdist launch --shrink` runs), a process
+that dies does not end the job: an MPI call that involves it returns
+`MPI_ERR_PROC_FAILED` (or `MPI_ERR_REVOKED` once a peer revoked the
+communicator) to the others. `ShrinkableComm` turns that into `PeerLost`;
+`shrink()` then revokes the communicator (every survivor leaves whatever
+call it was in), builds the survivors' communicator (`MPIX_Comm_shrink`)
+and says who was lost.
+
+Only host buffers cross it (numpy): jdist's native engine and mpi4jax call
+`MPI_Abort` on any MPI error, so a step that ran them would end the job
+(measured: "MPI_Allreduce returned error code 75: MPI_ERR_PROC_FAILED ...
+aborting"). This module is the only one of the `--shrink` mode that knows
+about MPI.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import NamedTuple
+
+import numpy as np
+
+from jdist import errors
+
+_MAX_SHRINK_TRIES = 8  # a shrink interrupted by yet another failure is tried again
+
+
+class PeerLost(errors.JdistError):
+  """A process of the job failed, or a peer revoked the communicator after one did."""
+
+
+class Shrunk(NamedTuple):
+  """What one `ShrinkableComm.shrink()` changed.
+
+  Attributes:
+    lost_ranks: the launch ranks (MPI_COMM_WORLD ranks) no longer in the job.
+    lost_hosts: the hosts those ranks ran on, sorted, without repeats.
+    size: the number of processes left.
+  """
+  lost_ranks: tuple[int, ...]
+  lost_hosts: tuple[str, ...]
+  size: int
+
+
+class ShrinkableComm:
+  """The job's processes on a communicator that shrinks when some of them die.
+
+  Every method is collective over the current members. `rank` and `size`
+  change after `shrink()`; `launch_rank` (the rank mpirun gave) never does.
+  """
+
+  def __init__(self):
+    from mpi4py import MPI  # pylint: disable=import-outside-toplevel
+    self._mpi = MPI
+    self._comm = MPI.COMM_WORLD.Dup()
+    self._comm.Set_errhandler(MPI.ERRORS_RETURN)
+    self.launch_rank = MPI.COMM_WORLD.Get_rank()
+    self.hosts = tuple(self._comm.allgather(MPI.Get_processor_name()))
+    self.members = tuple(range(self._comm.Get_size()))  # launch ranks, in rank order
+
+  @property
+  def rank(self) -> int:
+    return self._comm.Get_rank()
+
+  @property
+  def size(self) -> int:
+    return self._comm.Get_size()
+
+  def _call(self, fn, *args, **kwargs):
+    try:
+      return fn(*args, **kwargs)
+    except self._mpi.Exception as err:
+      raise PeerLost(f"rank {self.launch_rank}: {err}") from err
+
+  def sum(self, array: np.ndarray) -> np.ndarray:
+    """The element-wise sum of every member's `array` (same shape and dtype).
+
+    Raises:
+      PeerLost: a member failed (here or in a peer, which then revoked).
+    """
+    array = np.ascontiguousarray(array)
+    total = np.empty_like(array)
+    self._call(self._comm.Allreduce, array, total, op=self._mpi.SUM)
+    return total
+
+  def minimum(self, array: np.ndarray) -> np.ndarray:
+    """The element-wise minimum over the members (float64). Raises PeerLost."""
+    array = np.ascontiguousarray(array, np.float64)
+    low = np.empty_like(array)
+    self._call(self._comm.Allreduce, array, low, op=self._mpi.MIN)
+    return low
+
+  def bcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:
+    """`root`'s `array` on every member. Raises PeerLost."""
+    array = np.ascontiguousarray(array)
+    self._call(self._comm.Bcast, array, root=root)
+    return array
+
+  def shrink(self) -> Shrunk:
+    """Revokes the communicator and goes on with the members still alive.
+
+    Collective over the survivors: each calls it once it caught `PeerLost`
+    (the revoke makes every survivor's pending or next call raise it).
+    """
+    for _ in range(_MAX_SHRINK_TRIES):
+      try:
+        self._comm.Revoke()
+      except self._mpi.Exception:
+        pass  # already revoked by a peer
+      survivors = self._comm.Shrink()
+      survivors.Set_errhandler(self._mpi.ERRORS_RETURN)
+      self._comm = survivors
+      try:
+        members = tuple(survivors.allgather(self.launch_rank))
+      except self._mpi.Exception:
+        continue  # another member failed during the shrink: shrink again
+      lost = tuple(sorted(set(self.members) - set(members)))
+      self.members = members
+      return Shrunk(lost, tuple(sorted({self.hosts[rank] for rank in lost})), len(members))
+    raise PeerLost(f"rank {self.launch_rank}: the communicator could not be shrunk in "
+                   f"{_MAX_SHRINK_TRIES} tries (members kept failing)")
+
+
+def leave(code: int) -> None:
+  """Ends this process with `code`, without MPI_Finalize.
+
+  After a shrink, MPI_Finalize waits forever for the lost processes
+  (measured: the survivors of a finished run sat in `ompi_mpi_finalize`'s
+  sleep loop for minutes), so a `--shrink` run leaves without it once its
+  survivors are done.
+  """
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)  # pylint: disable=protected-access

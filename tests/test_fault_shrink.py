@@ -1,0 +1,101 @@
+"""`jdist launch --shrink`: a rank dies and the others train on (Open MPI ULFM).
+
+Launches its own mpirun and kills one of its ranks: it runs in the plain
+pytest session only (scripts/test.sh leaves test_fault_* out of MPI runs).
+Also checks the pieces that need no MPI: the batch split that keeps the
+global batch, and the flags the mode refuses.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jdist.app import launch_shrink
+from jdist.app import train_shrink
+from jdist.app.config import TrainConfig
+from tests import launch
+
+JOB = os.path.join(launch.REPO, "tests", "jobs", "shrink_faults.py")
+MAIN_JOB = ["--model", "cnn", "--dataset", "digits", "--batch-size", "16", "--lr", "0.05",
+            "--momentum", "0.9"]
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3, 5])
+def test_replica_slices_cover_the_global_batch_once(replicas):
+  batch = np.arange(100, 148)
+  taken = []
+  for replica in range(replicas):
+    chunks, weights = train_shrink.replica_slice(batch, replica, replicas, 16)
+    assert chunks.shape[1] == 16 and weights.shape == chunks.shape  # one compiled shape
+    taken.extend(chunks[weights > 0].tolist())
+  assert sorted(taken) == batch.tolist()
+
+
+def test_shrink_mode_refuses_what_it_would_ignore():
+  with pytest.raises(train_shrink.ShrinkModeError, match="--checkpoint-dir"):
+    train_shrink.check_config(TrainConfig(checkpoint_dir="/tmp/x"))
+  with pytest.raises(train_shrink.ShrinkModeError, match="--cpu-devices"):
+    train_shrink.check_config(TrainConfig(cpu_devices=2))
+  train_shrink.check_config(TrainConfig(lr=0.05, momentum=0.9, batch_size=16))
+
+
+def _kill_job(marker: str) -> None:
+  """SIGKILLs the processes whose command line holds `marker` (this test's job)."""
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+        if marker.encode() in cmdline.read():
+          os.kill(int(pid), signal.SIGKILL)
+    except OSError:
+      pass
+
+
+def test_fault_rank_killed_survivors_shrink_and_finish(tmp_path):
+  if launch.under_mpirun():
+    pytest.skip("launches its own mpirun")
+  log = tmp_path / "run.jsonl"
+  argv = [sys.executable, "-m", "jdist.app.cli", "launch", "--shrink", "-np", "3",
+          "--mpirun", launch.mpirun_binary(), "--mpirun-args=--oversubscribe", "--",
+          sys.executable, JOB, "2", "12", "--", *MAIN_JOB, "--epochs", "2",
+          "--log-file", str(log)]
+  try:
+    result = launch.run_own_session(argv, launch.clean_env(), timeout=400)
+  except subprocess.TimeoutExpired as err:
+    _kill_job(str(log))  # mpirun runs in a session of the launcher's own
+    pytest.fail(f"the shrunk job hung: {err}")
+  output = result.stdout + result.stderr
+  assert result.returncode == 0, output
+  records = [json.loads(line) for line in log.read_text().splitlines()]
+  shrinks = [r for r in records if r["event"] == "shrink"]
+  assert len(shrinks) == 1, output
+  event = shrinks[0]
+  assert event["lost_ranks"] == [2] and event["replicas"] == 2 and event["lost_hosts"]
+  assert 0 <= event["resumed_at"] - event["detected_at"] <= 10.0, event
+  summary = records[-1]
+  assert summary["event"] == "summary" and summary["replicas"] == 2
+  assert summary["test_accuracy"] > 0.85, output
+  digests = re.findall(r"jdist-job: rank (\d) digest (\w+)", output)
+  assert sorted(rank for rank, _ in digests) == ["0", "1"], output
+  assert len({digest for _, digest in digests}) == 1, output  # replicas bit-identical
+  assert "shrink: resumed at step 13 on 2 replicas" in output, output
+
+
+def test_launch_shrink_adds_ulfm_and_tcp():
+  assert launch_shrink.ULFM_MPIRUN_ARGS[:2] == ("--with-ft", "ulfm")
+  assert "tcp,self" in launch_shrink.ULFM_MPIRUN_ARGS
+  assert launch_shrink.SHRINK_ENV["JDIST_JAX_DISTRIBUTED"] == "0"
+
+
+def test_shrink_flags_parse_and_refuse_restarts(capsys):
+  from jdist.app import cli  # pylint: disable=import-outside-toplevel
+  from jdist.app import launch as launch_cli  # pylint: disable=import-outside-toplevel
+  config, _ = cli.parse_train_args(["--shrink", "--lr", "0.05"])
+  assert config == TrainConfig(lr=0.05)
+  assert launch_cli.main(["--shrink", "--max-restarts", "1", "--", "true"]) == 2
+  assert "--shrink does not combine with --max-restarts" in capsys.readouterr().err
