@@ -214,11 +214,22 @@ def shaped_namespace(link: Link) -> Iterator[str]:
   """
   if not link.shaped:
     raise ValueError(f"Link {link.name!r} has no rate: run it without a namespace.")
+  with private_namespace() as name:
+    shape(name, link)
+    yield name
+
+
+@contextlib.contextmanager
+def private_namespace() -> Iterator[str]:
+  """A fresh namespace with its loopback up, unshaped; yields its name.
+
+  A job run inside it (`exec_prefix(name)`) is alone on that loopback, so its
+  counters (`/proc/net/dev`, read from inside) count that job's bytes only.
+  """
   name = f"{PREFIX}{os.getpid()}-{next(_COUNTER)}"
   _run(["ip", "netns", "add", name])
   try:
     _run(exec_prefix(name) + ["ip", "link", "set", "lo", "up"])
-    shape(name, link)
     yield name
   finally:
     delete(name)

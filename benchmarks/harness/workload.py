@@ -8,6 +8,8 @@ smoke run).
 Three steps on the same model and data:
   * `jdist_step`: `jdist.data_parallel` + the transformation given (usually
     `jdist.dist_opt(optax.sgd(...))`), the way a user writes it;
+  * `jit_step`: the same written as a `jax.jit` step over global arrays
+    (the quickstart's);
   * `pmap_step`: the hand-written `jax.pmap(axis_name="i")` + `lax.pmean`
     step that jdist's overhead is measured against (one process only);
   * `shard_map_step`: the same written as `jax.jit(jax.shard_map(...))`,
@@ -82,6 +84,19 @@ def jdist_step(model: nn.Module, tx: optax.GradientTransformation, *,
   """A user's jdist train step: `(params, opt_state, x, y) -> (params, opt_state, loss)`."""
 
   @jdist.data_parallel(check_inputs=check_inputs)
+  def step(params, opt_state, x, y):
+    loss, grads = loss_and_grads(model, params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, jdist.pmean(loss)
+
+  return step
+
+
+def jit_step(model: nn.Module, tx: optax.GradientTransformation):
+  """A user's jit step over global arrays (the README's quickstart): run it under
+  `jax.set_mesh(jdist.mesh())` with replicated parameters and a sharded batch."""
+
+  @jax.jit
   def step(params, opt_state, x, y):
     loss, grads = loss_and_grads(model, params, x, y)
     updates, opt_state = tx.update(grads, opt_state, params)

@@ -80,18 +80,6 @@ def _model_and_batch(name: str, global_batch: int, seed: int = 0):
   return model, params, x, y
 
 
-def _jit_step(model: nn.Module, tx: optax.GradientTransformation):
-  """A user's jit step over global arrays (the README's quickstart)."""
-
-  @jax.jit
-  def step(params, opt_state, x, y):
-    loss, grads = workload.loss_and_grads(model, params, x, y)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, jdist.pmean(loss)
-
-  return step
-
-
 def measure(name: str, global_batch: int, repeats: int, warmup: int = 3) -> dict[str, Any]:
   """Interleaved jit and data_parallel steps of model `name` on one global batch."""
   topo = jdist.init()
@@ -115,7 +103,7 @@ def measure(name: str, global_batch: int, repeats: int, warmup: int = 3) -> dict
         "data_parallel": timing.Stepper(workload.jdist_step(model, tx),
                                         (dp_params, jdist.data_parallel(tx.init)(dp_params)),
                                         dp_batch),
-        "jit": timing.Stepper(_jit_step(model, tx), (jit_params, jit_state), jit_batch),
+        "jit": timing.Stepper(workload.jit_step(model, tx), (jit_params, jit_state), jit_batch),
     }
     series = timing.interleaved(variants, repeats=repeats, warmup=warmup, sync=jdist.barrier)
   jit, dp = series["jit"], series["data_parallel"]

@@ -1,0 +1,401 @@
+"""jdist against what a JAX user writes instead: plain JAX multi-controller and hand-written mpi4jax.
+
+One model (SINGA's MNIST CNN, `workload.build("cnn")`), one global batch
+(64 rows, the same on every rank), one optimizer (SGD), in 2x1 and 2x2
+(processes x CPU devices). Each round runs two jobs, back to back:
+
+  * the `jdist` job, under jdist's defaults (JAX's distributed runtime up,
+    XLA's CPU client without cross-process collectives), its variants
+    interleaved step by step:
+      - `jdist_jit`: the quickstart's `jax.jit` step over global arrays
+        under `jax.set_mesh(jdist.mesh())` (`workload.jit_step`);
+      - `jdist_dp`: the same step under `@jdist.data_parallel`;
+      - `mpi4jax` (one device per process only): a hand-written jit step
+        that sums the flattened gradients with `mpi4jax.allreduce`;
+      - `floor`: the step with no cross-process exchange at all;
+  * the `gloo` job, plain JAX multi-controller: `jax.distributed` started
+    (by `jdist.init()`: rank 0's coordinator address carried over MPI) with
+    `JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo`, one mesh over every process's
+    devices, `jax.jit` with `NamedSharding`, XLA inserting the gradient
+    all-reduce over Gloo (`jax_gloo`).
+
+Per step: each variant's median over the job's steps (the slower rank),
+ratios as the median over rounds of each round's ratio (paired: the jdist
+job's variants ran interleaved; the two jobs of a round back to back). Per
+16 MiB all-reduce, one per call: `jdist.psum` (one row per device), XLA's
+psum over the global mesh with Gloo, `mpi4jax.allreduce` (2x1) and mpi4py's
+`Allreduce`. Bytes per step through the loopback (`/proc/net/dev`, the jobs
+run in a private network namespace when root, so the counter is theirs).
+Every variant but the floor trains 20 steps from the same parameters; the
+losses on the global batch must agree (relative 1e-5), or the section fails.
+
+XLA's `mpi` CPU collectives are not measured: they need an MPIwrapper build
+against this MPI, which no registry here ships (docs/benchmarks/jax_peers.md).
+
+    sudo .venv/bin/python -m benchmarks jax_peers [--rounds 5] [--topologies 2x1,2x2]
+    sudo .venv/bin/python -m benchmarks jax_peers --on shaped --link 1gbit
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.flatten_util import ravel_pytree
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import jdist
+from benchmarks.harness import jobs, netns, outputs, timing, workload
+from benchmarks.harness.section import Run, UsageError, section
+from jdist.app import models
+
+NAME = "jax_peers"
+LEARNING_RATE = 0.01
+LOSS_STEPS = 20
+BYTE_STEPS = 10
+ALLREDUCE_BYTES = 16 << 20
+LOSS_TOLERANCE = 1e-5
+JOB_TIMEOUT = 900
+JDIST_VARIANTS = ("jdist_jit", "jdist_dp")
+PEERS = ("mpi4jax", "jax_gloo", "floor")
+
+
+# ---------------------------------------------------------------- one rank of a job
+
+
+def _lo_bytes() -> int:
+  """Bytes received on the loopback so far (each byte sent on it is received once)."""
+  with open("/proc/net/dev", encoding="utf-8") as f:
+    for line in f:
+      name, _, rest = line.partition(":")
+      if name.strip() == "lo":
+        return int(rest.split()[0])
+  return 0
+
+
+def _global_batch(size: int) -> tuple[np.ndarray, np.ndarray]:
+  rng = np.random.default_rng(1)
+  x = rng.random((size,) + workload.IMAGE_SHAPE, dtype=np.float32)
+  y = rng.integers(0, workload.NUM_CLASSES, size=(size,)).astype(np.int32)
+  return x, y
+
+
+def _allreduce_mpi4jax(comm):
+  import mpi4jax  # pylint: disable=import-outside-toplevel
+  from mpi4py import MPI  # pylint: disable=import-outside-toplevel
+
+  def total(flat):
+    out = mpi4jax.allreduce(flat, op=MPI.SUM, comm=comm)
+    return out[0] if isinstance(out, tuple) else out
+
+  return total
+
+
+def _mpi4jax_step(model, sgd, comm, size: int):
+  """The hand-written step: flatten the gradients, one `mpi4jax.allreduce`, SGD."""
+  total = _allreduce_mpi4jax(comm)
+
+  @jax.jit
+  def step(params, opt_state, x, y):
+    loss, grads = workload.loss_and_grads(model, params, x, y)
+    flat, unravel = ravel_pytree(grads)
+    updates, opt_state = sgd.update(unravel(total(flat) / size), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return step
+
+
+def _jdist_job(ctx, model, params, x, y) -> tuple[dict, dict]:
+  """The jdist job's steps and all-reduces: name -> (stepper factory, host params of a stepper)."""
+  from mpi4py import MPI  # pylint: disable=import-outside-toplevel
+  topo = ctx.topo
+  tx, sgd = jdist.dist_opt(optax.sgd(LEARNING_RATE)), optax.sgd(LEARNING_RATE)
+  mesh = jdist.mesh()
+  replicated = NamedSharding(mesh, PartitionSpec())
+  mine_x, mine_y = jdist.process_slice((x, y))
+  devices = topo.local_device_count
+  dp_batch = (workload.shard(mine_x.reshape((devices, -1) + x.shape[1:])),
+              workload.shard(mine_y.reshape(devices, -1)))
+  dp_params = jdist.replicate(params)
+  jit_params = jax.device_put(params, replicated)
+  jit_batch = jdist.shard_global_batch((x, y))
+  first = lambda s: jax.device_get(jdist.unreplicate(s.state[0]))  # noqa: E731
+  steps = {
+      "jdist_jit": (lambda: timing.Stepper(
+          workload.jit_step(model, tx),
+          (jit_params, jax.jit(tx.init, out_shardings=replicated)(jit_params)), jit_batch),
+                    lambda s: jax.device_get(s.state[0])),
+      "jdist_dp": (lambda: timing.Stepper(workload.jdist_step(model, tx),
+                                          (dp_params, jdist.data_parallel(tx.init)(dp_params)),
+                                          dp_batch), first),
+  }
+  comm = MPI.COMM_WORLD.Dup()
+  one_device = devices == 1 and topo.process_count > 1
+  if one_device:
+    device = jax.local_devices()[0]
+    hand_params = jax.device_put(params, device)
+    hand_batch = jax.device_put((mine_x, mine_y), device)
+    steps["mpi4jax"] = (lambda: timing.Stepper(
+        _mpi4jax_step(model, sgd, comm, topo.process_count),
+        (hand_params, sgd.init(hand_params)), hand_batch), lambda s: jax.device_get(s.state[0]))
+  steps["floor"] = (lambda: timing.Stepper(workload.compute_step(model, sgd),
+                                           (dp_params, jdist.data_parallel(sgd.init)(dp_params)),
+                                           dp_batch), first)
+
+  n = ALLREDUCE_BYTES // 4
+  rows = workload.shard(np.ones((devices, n), np.float32))
+  psum = jdist.data_parallel(jdist.psum)
+  reduces = {"jdist.psum": lambda: psum(rows)}
+  if one_device:
+    total = jax.jit(_allreduce_mpi4jax(comm))
+    flat = jax.device_put(np.ones(n, np.float32), jax.local_devices()[0])
+    reduces["mpi4jax.allreduce"] = lambda: total(flat)
+  send, recv = np.ones(n, np.float32), np.empty(n, np.float32)
+
+  def mpi4py_allreduce():
+    comm.Allreduce(send, recv, op=MPI.SUM)
+    return recv
+
+  reduces["mpi4py.Allreduce"] = mpi4py_allreduce
+  return steps, reduces
+
+
+def _gloo_job(ctx, model, params, x, y) -> tuple[dict, dict]:
+  """Plain JAX multi-controller: one mesh over every process's devices, XLA's collectives."""
+  del ctx
+  sgd = optax.sgd(LEARNING_RATE)
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+  replicated, rows = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+
+  def put(host, sharding):
+    host = np.asarray(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+  g_params = jax.tree.map(lambda leaf: put(leaf, replicated), params)
+  g_batch = (put(x, rows), put(y, rows))
+
+  @jax.jit
+  def step(params, opt_state, x, y):
+    loss, grads = workload.loss_and_grads(model, params, x, y)
+    updates, opt_state = sgd.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  host = lambda s: jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), s.state[0])  # noqa
+  steps = {"jax_gloo": (lambda: timing.Stepper(
+      step, (g_params, jax.jit(sgd.init, out_shardings=replicated)(g_params)), g_batch), host)}
+  n = ALLREDUCE_BYTES // 4
+  big = put(np.ones((len(jax.devices()), n), np.float32), rows)
+  psum = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "data"), mesh=mesh,
+                               in_specs=PartitionSpec("data"), out_specs=PartitionSpec("data")))
+  return steps, {"jax_gloo.psum": lambda: psum(big)}
+
+
+def run(ctx) -> Iterator[dict[str, Any]]:
+  """One job's rows: per-step medians, loopback bytes per step, losses, all-reduces."""
+  kind = ctx.options["kind"]
+  model = workload.build("cnn")
+  params = workload.init_params(model, 0)  # the same on every rank
+  x, y = _global_batch(ctx.options.get("global_batch", 64))
+  with jax.set_mesh(jdist.mesh()) if kind == "jdist" else contextlib.nullcontext():
+    steps, reduces = (_jdist_job if kind == "jdist" else _gloo_job)(ctx, model, params, x, y)
+    base = {"kind": kind, "processes": ctx.topo.process_count,
+            "devices": ctx.topo.local_device_count,
+            "collectives": jax.config.jax_cpu_collectives_implementation}
+    steppers = {name: make() for name, (make, _) in steps.items()}
+    series = timing.interleaved(steppers, repeats=ctx.repeats(ctx.options.get("steps", 40)),
+                                warmup=ctx.warmup(5), sync=ctx.sync)
+    for name, result in series.items():
+      yield dict(base, part="step", variant=name, **result.as_dict())
+    for name, stepper in steppers.items():
+      ctx.sync()
+      before = _lo_bytes()
+      for _ in range(BYTE_STEPS):
+        timing.timed(stepper)
+      ctx.sync()
+      yield dict(base, part="bytes", variant=name, bytes_per_step=(_lo_bytes() - before) / BYTE_STEPS)
+    loss = jax.jit(lambda p: models.cross_entropy_loss(model.apply({"params": p}, x), y))
+    for name, (make, host_params) in steps.items():
+      fresh = make()
+      for _ in range(LOSS_STEPS):
+        fresh()
+      yield dict(base, part="loss", variant=name, loss=float(loss(host_params(fresh))))
+    series = timing.interleaved(reduces, repeats=timing.repeats_for(ALLREDUCE_BYTES, quick=ctx.quick),
+                                warmup=2, sync=ctx.sync)
+    for name, result in series.items():
+      yield dict(base, part="allreduce", variant=name, bytes=ALLREDUCE_BYTES, **result.as_dict())
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--topologies", default="2x1,2x2", help="PROCESSESxDEVICES, comma-separated")
+  parser.add_argument("--rounds", type=int, default=5, help="alternated rounds of the two jobs")
+  parser.add_argument("--steps", type=int, default=40, help="timed steps per variant and job")
+  parser.add_argument("--global-batch", type=int, default=64)
+  parser.add_argument("--link", default="1gbit", help="--on shaped: the link (harness/netns.py)")
+
+
+def _topologies(text: str) -> list[tuple[int, int]]:
+  try:
+    pairs = [tuple(int(v) for v in item.split("x")) for item in text.split(",")]
+  except ValueError:
+    pairs = []
+  if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
+    raise UsageError(f"--topologies {text!r}: want PROCESSESxDEVICES,... (e.g. 2x1,2x2)")
+  return pairs
+
+
+def check(args: argparse.Namespace) -> None:
+  _topologies(args.topologies)
+  if args.rounds < 1 or args.steps < 3:
+    raise UsageError("--rounds must be >= 1 and --steps >= 3")
+  if args.on == "shaped":
+    netns.link_named(args.link)
+
+
+@contextlib.contextmanager
+def _place(args) -> Iterator[tuple[tuple[str, ...], tuple[str, ...], str]]:
+  """(argv prefix, mpirun options, what counts the bytes) of the place the jobs run."""
+  if args.on == "shaped":
+    with netns.shaped_namespace(netns.link_named(args.link)) as name:
+      yield tuple(netns.exec_prefix(name)), netns.MPI_TCP_ARGS, f"netns, {args.link}"
+    return
+  if os.geteuid() == 0 and not netns.missing_requirements():
+    with netns.private_namespace() as name:
+      yield tuple(netns.exec_prefix(name)), (), "netns, shared memory"
+    return
+  yield (), (), "host loopback (other jobs' bytes included)"
+
+
+def _rows(result: dict) -> list[dict]:
+  section_result = result.get("sections", {}).get(NAME, {})
+  if "error" in result or not section_result.get("complete"):
+    raise RuntimeError(f"job {result.get('job')} failed: "
+                       f"{section_result.get('error') or result.get('error', 'incomplete')}")
+  return section_result["rows"]
+
+
+def summarize(rounds: list[list[dict]]) -> dict[str, Any]:
+  """One topology's rounds (each: the rows of its two jobs) -> medians, paired ratios, checks."""
+  def table(part, key):
+    out: dict[str, list[float]] = {}
+    for rows in rounds:
+      for row in rows:
+        if row["part"] == part:
+          out.setdefault(row["variant"], []).append(row[key])
+    return out
+
+  steps, reduces = table("step", "time_s"), table("allreduce", "time_s")
+  losses = table("loss", "loss")
+  checked = {name: v for name, v in losses.items() if name != "floor"}
+  reference = checked["jdist_jit"][0]
+  spread = max(abs(v - reference) / abs(reference) for values in checked.values() for v in values)
+  ratios = {f"{mine}/{peer}": statistics.median(a / b for a, b in zip(steps[mine], steps[peer]))
+            for mine in JDIST_VARIANTS for peer in (*JDIST_VARIANTS, *PEERS)
+            if peer in steps and peer != mine}
+  reduce_ratios = {f"jdist.psum/{peer}": statistics.median(
+      a / b for a, b in zip(reduces["jdist.psum"], reduces[peer]))
+                   for peer in reduces if peer != "jdist.psum"}
+  return {"step_ms": {k: 1e3 * statistics.median(v) for k, v in steps.items()},
+          "step_ratios": ratios,
+          "bytes_per_step": {k: statistics.median(v)
+                             for k, v in table("bytes", "bytes_per_step").items()},
+          "allreduce_ms": {k: 1e3 * statistics.median(v) for k, v in reduces.items()},
+          "allreduce_ratios": reduce_ratios,
+          "losses": {k: v[0] for k, v in losses.items()}, "loss_spread": spread,
+          "rounds": len(rounds)}
+
+
+def main(args: argparse.Namespace) -> int:
+  rounds, steps = (1, 5) if args.quick else (args.rounds, args.steps)
+  topologies = _topologies(args.topologies)[:1] if args.quick else _topologies(args.topologies)
+  env = {"jdist": (("JDIST_JAX_DISTRIBUTED", "1"),),
+         "gloo": (("JDIST_JAX_DISTRIBUTED", "1"), ("JAX_CPU_COLLECTIVES_IMPLEMENTATION", "gloo"))}
+  results: dict[str, Any] = {"command": args.command, "place": args.on,
+                             "link": args.link if args.on == "shaped" else "shm",
+                             "versions": _versions(), "topologies": {}}
+  with _place(args) as (prefix, mpirun_args, counted):
+    results["bytes_counted_on"] = counted
+    for processes, devices in topologies:
+      per_round = []
+      for index in range(rounds):
+        rows = []
+        for kind in ("jdist", "gloo"):
+          job = jobs.Job(f"{NAME}-{kind}-{processes}x{devices}", processes, devices,
+                         (sys.modules[__name__],), env=env[kind], prefix=prefix,
+                         mpirun_args=mpirun_args,
+                         options=(("kind", kind), ("steps", steps),
+                                  ("global_batch", args.global_batch)))
+          rows += _rows(jobs.run(job, quick=args.quick, timeout=JOB_TIMEOUT))
+        per_round.append(rows)
+        print(f"[{processes}x{devices}] round {index + 1}/{rounds}: " + ", ".join(
+            f"{r['variant']} {1e3 * r['time_s']:.1f} ms" for r in rows if r["part"] == "step"),
+              flush=True)
+      summary = summarize(per_round)
+      summary["load_average"] = os.getloadavg()
+      summary["raw"] = per_round
+      results["topologies"][f"{processes}x{devices}"] = summary
+      if summary["loss_spread"] > LOSS_TOLERANCE:
+        raise AssertionError(f"{processes}x{devices}: losses after {LOSS_STEPS} steps differ by "
+                             f"{summary['loss_spread']:.2e} relative: {summary['losses']}")
+  render = render_shaped if args.on == "shaped" else report
+  print(render(results))
+  written = outputs.write_report(args.out, results, render, json_name="jax_peers.json",
+                                 md_name="jax_peers.md")
+  print(f"wrote {', '.join(os.path.join(args.out, w) for w in written)}")
+  return 0
+
+
+def _versions() -> dict[str, str]:
+  import importlib.metadata as metadata  # pylint: disable=import-outside-toplevel
+  found = {name: metadata.version(name) for name in ("jax", "jaxlib", "mpi4jax", "mpi4py")}
+  with contextlib.suppress(Exception):
+    from mpi4py import MPI  # pylint: disable=import-outside-toplevel
+    found["mpi"] = MPI.Get_library_version().splitlines()[0].strip()
+  return found
+
+
+def report(results: dict[str, Any]) -> str:
+  """The Markdown report: per topology, step medians and paired ratios, bytes, all-reduces."""
+  lines = [f"# jdist and its JAX peers ({results['link']})", "",
+           f"`{results['command']}`; versions {json.dumps(results['versions'])}; loopback "
+           f"bytes counted in: {results['bytes_counted_on']}.", ""]
+  for name, t in results["topologies"].items():
+    lines += [f"## {name} ({t['rounds']} rounds, load average "
+              f"{', '.join(f'{v:.1f}' for v in t['load_average'])})", "",
+              "| variant | median step ms | loopback bytes / step | loss after 20 steps |",
+              "| --- | --- | --- | --- |"]
+    for variant, ms in t["step_ms"].items():
+      lines.append(f"| {variant} | {ms:.1f} | {t['bytes_per_step'].get(variant, 0):,.0f} | "
+                   f"{t['losses'].get(variant, float('nan')):.7f} |")
+    lines += ["", "Paired step ratios (median over rounds): " + ", ".join(
+        f"{k} {v:.2f}" for k, v in t["step_ratios"].items()) + ".",
+              f"Loss spread (every variant but the floor): {t['loss_spread']:.1e} relative.", "",
+              "| 16 MiB all-reduce | median ms |", "| --- | --- |"]
+    lines += [f"| {k} | {v:.1f} |" for k, v in t["allreduce_ms"].items()]
+    lines += ["", "Paired: " + ", ".join(f"{k} {v:.2f}" for k, v in t["allreduce_ratios"].items())
+              + ".", ""]
+  return "\n".join(lines)
+
+
+def render_shaped(results: dict[str, Any]) -> str:
+  """The shaped link's report (its own file, the same layout)."""
+  return report(results)
+
+
+_MODULE = sys.modules[__name__]
+SECTION = section(NAME, "jdist (both styles) against plain JAX over Gloo and hand-written "
+                  "mpi4jax: steps, 16 MiB all-reduces, loopback bytes, losses",
+                  host=Run.of(_MODULE, report=report, out="docs/benchmarks/jax_peers", quick=True),
+                  shaped=Run.of(_MODULE, report=render_shaped,
+                                out="docs/benchmarks/jax_peers_shaped", quick=True))
