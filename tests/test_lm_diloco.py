@@ -90,6 +90,18 @@ def test_diloco_sends_once_every_h_steps(topo):
     assert 0 < diloco["wire_bytes_per_step"] <= plain["wire_bytes_per_step"] / 6
 
 
+def test_sparseloco_variants_send_under_a_thousandth_of_plains_bytes(topo):
+  assert {"diloco16_sparse", "diloco32_sparse", "diloco32_sparse1",
+          "diloco32_sparse3"} <= set(lm_train.VARIANTS)
+  plain = _section_rows(topo, "plain", steps=2, eval_every=2)[-1]
+  sparse = _section_rows(topo, "diloco32_sparse", steps=32, eval_every=32)[-1]
+  assert np.isfinite(sparse["val_loss"]) and sparse["steps"] == 32
+  if topo.process_count == 1:
+    assert plain["wire_bytes_per_step"] == sparse["wire_bytes_per_step"] == 0
+  else:  # one sync of the top 2% in 2 bits (2.25 bytes an entry) in 32 steps
+    assert 0 < sparse["wire_bytes_per_step"] <= plain["wire_bytes_per_step"] / 1000
+
+
 def _run(variant, link, losses, *, every=100, planned=4, capped=False, seconds=10.0):
   curve = [{"kind": "eval", "step": every * (i + 1), "tokens": 1000 * every * (i + 1),
             "train_s": seconds * (i + 1), "val_loss": loss} for i, loss in enumerate(losses)]

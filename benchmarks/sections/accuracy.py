@@ -70,6 +70,15 @@ LOCAL_MODES = {
     # Streaming DiLoCo with 8-/4-bit pseudo-gradients (exchanged in the sync step).
     "sdiloco32_int8": {"diloco": 32, "diloco_fragments": 4, "diloco_payload": "int8"},
     "sdiloco32_int4": {"diloco": 32, "diloco_fragments": 4, "diloco_payload": "int4"},
+    # SparseLoCo: the top 2% (1%, 3%) of each chunk of the pseudo-gradient in 2 bits.
+    "diloco16_sparse": {"diloco": 16, "diloco_payload": "sparse"},
+    "diloco32_sparse": {"diloco": 32, "diloco_payload": "sparse"},
+    "diloco32_sparse1": {"diloco": 32, "diloco_payload": "sparse:0.01"},
+    "diloco32_sparse3": {"diloco": 32, "diloco_payload": "sparse:0.03"},
+    "diloco8_sparse1": {"diloco": 8, "diloco_payload": "sparse:0.01"},
+    # SparseLoCo's own outer step: SGD at lr 1 without momentum (error feedback stands in for it).
+    "diloco16_sparse_sgd1": {"diloco": 16, "diloco_payload": "sparse",
+                             "diloco_outer": optax.sgd(1.0)},
     "local_sgd8": {"local_sgd": 8, "local_sgd_warmup": LOCAL_SGD_WARMUP},
     "local_sgd32": {"local_sgd": 32, "local_sgd_warmup": LOCAL_SGD_WARMUP},
 }

@@ -7,7 +7,10 @@ MiniGPT on the example's generated stories with
 plain (gradients averaged every step), powersgd1/4, fp16, ..., and the modes
 that exchange parameters every H steps: diloco32/128 (`jdist.diloco`, inner
 AdamW, outer SGD 0.7 with Nesterov momentum 0.9), diloco128_int8,
-sdiloco32, local_sgd32 (`jdist.local_sgd`, 32 synchronous steps first).
+sdiloco32, local_sgd32 (`jdist.local_sgd`, 32 synchronous steps first), and
+SparseLoCo's payload (`diloco_payload="sparse[:RATIO]"`): diloco16/32_sparse,
+diloco32_sparse1/3, diloco8_sparse1 with the default outer step,
+diloco16_sparse_sgd1 with SparseLoCo's (SGD lr 1, no momentum).
 Every variant starts from the same parameters and takes the same windows
 in the same order (`benchmarks.sections.accuracy.epoch_batches` over the training
 windows), so at a step every variant has seen the same tokens.
