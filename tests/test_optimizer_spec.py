@@ -166,6 +166,12 @@ def test_diloco_outer_step_defaults_to_the_inner_optimizers_momentum():
   assert settings(momentum=0.99) == (0.07, 0.0)  # past 0.9 the lr takes the rest
   assert settings(optimizer="adamw") == settings(optimizer="adam") == (0.7, 0.9)
   assert settings(diloco_outer_lr=0.3) == (0.3, 0.0)
+  # SparseLoCo's outer step over the sparse payload: no momentum; lr 1 with adam/adamw.
+  assert settings(optimizer="adamw", diloco_payload="sparse") == (1.0, 0.0)
+  assert settings(diloco_payload="sparse:0.01", momentum=0.0) == (0.7, 0.0)
+  assert settings(diloco_payload="sparse") == (0.7, 0.0)  # the main job's, measured: 97.78%
+  assert settings(optimizer="adam", diloco_payload="sparse", diloco_outer_momentum=0.9) == (
+      1.0, 0.9)
   assert settings(diloco_outer_momentum=0.5) == (0.7, 0.5)
   assert OptimizerSpec(diloco=8).describe() == (
       "diloco every 8 steps, outer lr 0.7, Nesterov momentum 0 (scaled to SGD's heavy-ball "
