@@ -502,3 +502,23 @@ def test_per_process_state_refuses_another_process_count(topo):
     layout.check_world("ckpt/3", record, topo, "global")
   record["leaves"][0]["per_replica"] = False
   layout.check_world("ckpt/3", record, topo, "global")  # equal copies: any count
+
+
+# Written by jdist at 56e8bb9, before the feature-folder move (jdist/checkpoint.py ->
+# jdist/checkpoint/manager.py), in 1 process x 4 devices (tests/data/README.md).
+OLD_CHECKPOINT = os.path.join(os.path.dirname(__file__), "data", "checkpoint_56e8bb9")
+
+
+def test_a_checkpoint_written_before_the_move_restores(topo):
+  params = {"w": jax.numpy.zeros((2, 3)), "b": jax.numpy.zeros(3, jax.numpy.bfloat16)}
+  tx = jdist.dist_opt(optax.sgd(0.1, momentum=0.9))
+  template = {"params": jdist.replicate(params), "opt_state": jdist.replicate(tx.init(params)),
+              "step": jdist.replicate(jax.numpy.int32(0))}
+  state, metadata = CheckpointManager(OLD_CHECKPOINT).restore(template)
+  assert metadata["epoch"] == 2 and "56e8bb9" in metadata["note"]
+  for replica in range(topo.local_device_count):  # 4 equal copies saved, any count restored
+    np.testing.assert_array_equal(np.asarray(state["params"]["w"][replica]),
+                                  np.arange(6.0).reshape(2, 3))
+    assert state["params"]["b"].dtype == jax.numpy.bfloat16
+    np.testing.assert_array_equal(np.asarray(state["params"]["b"][replica], np.float32), 1.0)
+    assert int(state["step"][replica]) == 7

@@ -44,7 +44,8 @@ def fingerprint(tree: Any) -> str:
   for leaf in jax.tree.leaves(tree):
     value = np.ascontiguousarray(np.asarray(leaf))
     digest.update(f"{value.shape}{value.dtype}".encode())
-    digest.update(value.data)
+    # As bytes: a buffer of ml_dtypes' bfloat16 (or float8) cannot be hashed as it is.
+    digest.update(value.reshape(-1).view(np.uint8).data)
   return digest.hexdigest()
 
 
