@@ -79,30 +79,27 @@ def loss_and_grads(model: nn.Module, params, x, y):
   return loss, grads
 
 
-def jdist_step(model: nn.Module, tx: optax.GradientTransformation, *,
-               check_inputs: bool = True):
-  """A user's jdist train step: `(params, opt_state, x, y) -> (params, opt_state, loss)`."""
+def _user_step(model: nn.Module, tx: optax.GradientTransformation):
+  """The body a user writes once for either style: `(params, opt_state, x, y) -> (..., loss)`."""
 
-  @jdist.data_parallel(check_inputs=check_inputs)
   def step(params, opt_state, x, y):
     loss, grads = loss_and_grads(model, params, x, y)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, jdist.pmean(loss)
 
   return step
+
+
+def jdist_step(model: nn.Module, tx: optax.GradientTransformation, *,
+               check_inputs: bool = True):
+  """A user's jdist train step: `(params, opt_state, x, y) -> (params, opt_state, loss)`."""
+  return jdist.data_parallel(check_inputs=check_inputs)(_user_step(model, tx))
 
 
 def jit_step(model: nn.Module, tx: optax.GradientTransformation):
   """A user's jit step over global arrays (the README's quickstart): run it under
   `jax.set_mesh(jdist.mesh())` with replicated parameters and a sharded batch."""
-
-  @jax.jit
-  def step(params, opt_state, x, y):
-    loss, grads = loss_and_grads(model, params, x, y)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, jdist.pmean(loss)
-
-  return step
+  return jax.jit(_user_step(model, tx))
 
 
 def pmap_step(model: nn.Module, tx: optax.GradientTransformation):
