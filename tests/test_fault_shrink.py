@@ -86,6 +86,21 @@ def test_fault_rank_killed_survivors_shrink_and_finish(tmp_path):
   assert "shrink: resumed at step 13 on 2 replicas" in output, output
 
 
+def test_launch_shrink_refuses_an_mpi_without_ulfm(tmp_path):
+  fake = tmp_path / "ompi_info"
+  fake.write_text("#!/bin/sh\necho '  Fault Tolerance support: no'\n")
+  fake.chmod(0o755)
+  missing = launch_shrink.ulfm_missing(str(tmp_path / "mpirun"))
+  assert "does not report 'Fault Tolerance support: yes'" in missing and "--max-restarts" in missing
+  assert "could not run" in launch_shrink.ulfm_missing(str(tmp_path / "elsewhere" / "mpirun"))
+  done = subprocess.run([sys.executable, "-m", "jdist.app.cli", "launch", "--shrink", "-np", "2",
+                         "--mpirun", str(tmp_path / "mpirun"), "--", "true"],
+                        capture_output=True, text=True, timeout=120, env=launch.clean_env())
+  assert done.returncode == 2 and "jdist launch --shrink:" in done.stderr, done.stderr[-2000:]
+  # The MPI the tests use has it (CI must run the shrink fault test).
+  launch.require([m for m in [launch_shrink.ulfm_missing(launch.mpirun_binary())] if m], "ULFM")
+
+
 def test_launch_shrink_adds_ulfm_and_tcp():
   assert launch_shrink.ULFM_MPIRUN_ARGS[:2] == ("--with-ft", "ulfm")
   assert "tcp,self" in launch_shrink.ULFM_MPIRUN_ARGS

@@ -19,7 +19,10 @@ rank 0 said it finished.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
+import shutil
+import subprocess
 import sys
 from typing import Sequence
 
@@ -29,8 +32,32 @@ ULFM_MPIRUN_ARGS = ("--with-ft", "ulfm", "--mca", "btl", "tcp,self")
 SHRINK_ENV = {"JDIST_JAX_DISTRIBUTED": "0"}
 
 
+def ulfm_missing(mpirun: str) -> str | None:
+  """Why the MPI of `mpirun` cannot run `--shrink`, or None where it can.
+
+  ULFM is there when the `ompi_info` beside `mpirun` says `Fault Tolerance
+  support: yes` (Open MPI >= 5.0 built with it, as PyPI's Open MPI that
+  scripts/install.sh installs).
+  """
+  ompi_info = os.path.join(os.path.dirname(shutil.which(mpirun) or mpirun), "ompi_info")
+  try:
+    report = subprocess.run([ompi_info], capture_output=True, text=True, timeout=60).stdout
+  except (OSError, subprocess.SubprocessError) as err:
+    return (f"{ompi_info} could not run ({type(err).__name__}: {err}); --shrink needs Open "
+            f"MPI >= 5.0 with fault tolerance (ULFM)")
+  if "Fault Tolerance support: yes" not in report:
+    return (f"{ompi_info} does not report 'Fault Tolerance support: yes': --shrink needs Open "
+            f"MPI >= 5.0 built with ULFM (scripts/install.sh's Open MPI from PyPI has it); "
+            f"without it use --max-restarts")
+  return None
+
+
 def launch(command: Sequence[str], args: argparse.Namespace) -> int:
-  """Runs `command` under mpirun with ULFM; returns the exit status."""
+  """Runs `command` under mpirun with ULFM; returns the exit status (2: no ULFM)."""
+  missing = ulfm_missing(args.mpirun)
+  if missing:
+    sys.stderr.write(f"jdist launch --shrink: {missing}.\n")
+    return 2
   argv = supervise_lib.mpirun_argv(
       command, mpirun=args.mpirun, hostfile=args.hostfile, processes=args.processes,
       mpirun_args=list(ULFM_MPIRUN_ARGS) + shlex.split(args.mpirun_args))
