@@ -130,6 +130,24 @@ class OptimizerSpec:
     """The spec of any object with attributes of the same names (a `TrainConfig`)."""
     return cls(**{name: getattr(settings, name) for name in FIELDS})
 
+  def inner(self, correction: float = 0.0) -> optax.GradientTransformation:
+    """The per-replica optax optimizer (sgd, adam or adamw) at these settings.
+
+    Args:
+      correction: a momentum that a compressor applies instead (momentum
+        correction): the SGD here then has none.
+    """
+    if self.optimizer == "sgd":
+      inner = optax.sgd(self.lr, momentum=None if correction else (self.momentum or None))
+      if self.weight_decay:
+        inner = optax.chain(optax.add_decayed_weights(self.weight_decay), inner)
+      return inner
+    if self.optimizer == "adam":
+      return optax.adam(self.lr, b1=self.momentum)
+    if self.optimizer == "adamw":
+      return optax.adamw(self.lr, b1=self.momentum, weight_decay=self.weight_decay)
+    raise ValueError(f"optimizer={self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}.")
+
   def build(self):
     """The data-parallel optax transformation this spec describes.
 
@@ -137,18 +155,9 @@ class OptimizerSpec:
       `jdist.dist_opt` around the inner optimizer, wrapped in
       `jdist.skip_nonfinite` when asked.
     """
+    # With momentum correction the momentum lives in the compressor instead.
     correction = self.momentum if self.momentum_correction or self._local_momentum() else 0.0
-    if self.optimizer == "sgd":
-      # With momentum correction the momentum lives in the compressor instead.
-      inner = optax.sgd(self.lr, momentum=None if correction else (self.momentum or None))
-      if self.weight_decay:
-        inner = optax.chain(optax.add_decayed_weights(self.weight_decay), inner)
-    elif self.optimizer == "adam":
-      inner = optax.adam(self.lr, b1=self.momentum)
-    elif self.optimizer == "adamw":
-      inner = optax.adamw(self.lr, b1=self.momentum, weight_decay=self.weight_decay)
-    else:
-      raise ValueError(f"optimizer={self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}.")
+    inner = self.inner(correction)
     tx = dist_opt_lib.dist_opt(inner, **self._settings(), **self._options(correction))
     return skip_nonfinite(tx) if self.skip_nonfinite else tx
 

@@ -51,7 +51,8 @@ from jdist.app.train_loop import agree as _agree
 from jdist.app.train_loop import reached
 
 
-def _load_data(config: TrainConfig):
+def load_data(config: TrainConfig):
+  """The dataset, cut to --train-limit / --test-limit; an empty split is an error."""
   data = datasets.load(config.dataset, config.data_dir, download=config.download)
   data = data._replace(train_x=data.train_x[:config.train_limit],
                        train_y=data.train_y[:config.train_limit],
@@ -208,7 +209,7 @@ def _prepare_run(config: TrainConfig, topo, out: runlog.RunOutput) -> tuple[_Run
   Returns:
     (the run, its parameter count).
   """
-  data = _agree(lambda: _load_data(config), "dataset", repr(config.dataset))
+  data = _agree(lambda: load_data(config), "dataset", repr(config.dataset))
   input_shape = tuple(data.train_x.shape[1:])
   program = _agree(
       lambda: _program(config.model, data.num_classes, input_shape, config.optimizer_spec,

@@ -39,7 +39,8 @@ from jdist.runtime import host
 PER_RANK_SETTINGS = ("progress", "log_file", "data_dir", "download", "cpu_devices", "timeout")
 
 
-def _digest(*arrays: np.ndarray) -> str:
+def digest(*arrays: np.ndarray) -> str:
+  """A hex digest of the arrays' shapes, dtypes and bytes."""
   hasher = hashlib.blake2b(digest_size=12)
   for array in arrays:
     hasher.update(str((array.shape, str(array.dtype))).encode())
@@ -62,8 +63,8 @@ def settings_problem(config, data, topo, steps_per_epoch: int) -> str | None:
   mine.update({
       "local devices": topo.local_device_count,
       "training data": (f"{len(data.train_x)} examples, digest "
-                        f"{_digest(data.train_x, data.train_y)}"),
-      "test data": f"{len(data.test_x)} examples, digest {_digest(data.test_x, data.test_y)}",
+                        f"{digest(data.train_x, data.train_y)}"),
+      "test data": f"{len(data.test_x)} examples, digest {digest(data.test_x, data.test_y)}",
       "steps per epoch": steps_per_epoch,
   })
   everyone = host.allgather_object(mine, "jdist train: compare settings")

@@ -44,6 +44,8 @@ from jax.flatten_util import ravel_pytree
 from jdist.app import datasets
 from jdist.app import models
 from jdist.app import supervise
+from jdist.app import train as train_lib
+from jdist.app import train_guard
 from jdist.app.config import TrainConfig
 from jdist.collectives import shrinkable
 
@@ -99,21 +101,10 @@ def check_config(config: TrainConfig) -> None:
     raise ShrinkModeError(f"--shrink: --optimizer {config.optimizer} is not supported.")
 
 
-def _optimizer(config: TrainConfig) -> optax.GradientTransformation:
-  """The per-replica optimizer (the gradient is already summed over replicas)."""
-  if config.optimizer == "sgd":
-    tx = optax.sgd(config.lr, momentum=config.momentum or None)
-    return optax.chain(optax.add_decayed_weights(config.weight_decay), tx) if (
-        config.weight_decay) else tx
-  if config.optimizer == "adam":
-    return optax.adam(config.lr, b1=config.momentum)
-  return optax.adamw(config.lr, b1=config.momentum, weight_decay=config.weight_decay)
-
-
 def build_program(config: TrainConfig, num_classes: int, input_shape: tuple) -> Program:
   """The run's jitted functions, for one device of this process."""
   model = models.create_model(config.model, num_classes=num_classes, input_shape=input_shape)
-  tx = _optimizer(config)
+  tx = config.optimizer_spec.inner()  # the gradient is already summed over replicas
 
   def init(seed):
     key = jax.random.key(seed, impl="rbg")
@@ -328,17 +319,7 @@ class ShrinkRun:
 
 def params_digest(params) -> str:
   """A hex digest of the parameters' bytes (replicas compare equal bit for bit)."""
-  import hashlib  # pylint: disable=import-outside-toplevel
-  flat, _ = ravel_pytree(params)
-  return hashlib.sha256(np.asarray(flat).tobytes()).hexdigest()[:16]
-
-
-def load_data(config: TrainConfig) -> datasets.Dataset:
-  data = datasets.load(config.dataset, config.data_dir, download=config.download)
-  return data._replace(train_x=data.train_x[:config.train_limit],
-                       train_y=data.train_y[:config.train_limit],
-                       test_x=data.test_x[:config.test_limit],
-                       test_y=data.test_y[:config.test_limit])
+  return train_guard.digest(np.asarray(ravel_pytree(params)[0]))
 
 
 def train(config: TrainConfig, on_step=None) -> dict:
@@ -355,7 +336,7 @@ def train(config: TrainConfig, on_step=None) -> dict:
   os.environ.setdefault("JDIST_JAX_DISTRIBUTED", "0")
   comm = shrinkable.ShrinkableComm()
   try:
-    run = ShrinkRun(config, load_data(config), comm, on_step)
+    run = ShrinkRun(config, train_lib.load_data(config), comm, on_step)
     if run.primary:
       sys.stdout.write(f"jdist train --shrink: {comm.size} processes, global batch "
                        f"{run.global_batch}, {run.total_steps} steps; lost processes are "
