@@ -111,14 +111,6 @@ def compression(jobs: list[dict]) -> list[dict]:
   return out
 
 
-def half(jobs: list[dict]) -> list[dict]:
-  """Each piece of the 16-bit all-reduce against jdist's float32 one, same size."""
-  rows = section_rows(jobs, "half")
-  f32 = _index([r for r in rows if r["piece"] == "jdist_f32"], "job", "bytes")
-  return [dict(row, vs_f32=row["time_s"] / f32[(row["job"], row["bytes"])]["time_s"])
-          for row in rows]
-
-
 def selection(jobs: list[dict]) -> list[dict]:
   """Each piece's time against the whole `jdist.topk` update."""
   rows = section_rows(jobs, "selection")
@@ -193,10 +185,6 @@ def targets(summary: dict[str, Any]) -> list[dict]:
     if variant == "jdist_fp16" and nbytes >= FP16_MIN_BYTES and f32:
       out.append(_target("fp16 all-reduce time/float32", row["time_s"] / f32["time_s"],
                          FP16_TIME_BOUND, f"{job} {nbytes >> 20} MB"))
-  for row in summary["half"]:
-    if row["piece"] == "proposed_fp16" and row["bytes"] >= FP16_MIN_BYTES:
-      out.append(_target("fp16 all-reduce time/float32 (direct prototype)", row["vs_f32"],
-                         FP16_TIME_BOUND, f"{row['job']} {row['bytes'] >> 20} MB"))
   return out
 
 
@@ -217,7 +205,7 @@ def failures(jobs: list[dict]) -> list[dict]:
 def summarize(jobs: list[dict]) -> dict[str, Any]:
   reduce_rows = allreduce(jobs)
   summary = {"allreduce": reduce_rows, "rank_per_replica": rank_per_replica(reduce_rows),
-             "half": half(jobs), "overhead": overhead(jobs),
+             "overhead": overhead(jobs),
              "compression": compression(jobs), "selection": selection(jobs),
              "scaling": scaling(jobs), "backends": backends(jobs), "failures": failures(jobs)}
   summary["targets"] = targets(summary)

@@ -170,17 +170,6 @@ def _compression(summary: dict) -> list[str]:
                      "comm ms", "step/plain", "comm/plain"], body)
 
 
-def _half(summary: dict) -> list[str]:
-  body = [[r["job"], size(r["bytes"]), r["piece"], ms(r["time_s"]), num(r["vs_f32"])]
-          for r in summary["half"]]
-  return ["### Where the 16-bit all-reduce's time goes", "",
-          "jdist's float32 and 16-bit all-reduce in a step, the same 16-bit exchange written "
-          "directly (`benchmarks/sections/suite/proposals.py`), and each piece of the 16-bit route alone "
-          "(`sum_axis0`: jdist's accumulation before 6e0c252); times / `jdist_f32` at the "
-          "same size.", ""
-          ] + table(["job", "size", "piece", "ms", "/ jdist_f32"], body)
-
-
 def _selection(summary: dict) -> list[str]:
   body = [[r["model"], num(r["ratio"]), f"{r['k']:,}", r["piece"], ms(r["time_s"]),
            num(r["vs_topk_update"])] for r in summary["selection"]]
@@ -244,8 +233,7 @@ def _network(results: dict) -> list[str]:
 
 def markdown(results: dict) -> str:
   summary = results["summary"]
-  parts = (_header(results) + _targets(summary) + _allreduce(summary) + _half(summary)
-           + _overhead(summary)
+  parts = (_header(results) + _targets(summary) + _allreduce(summary) + _overhead(summary)
            + _compression(summary) + _selection(summary) + _scaling(summary)
            + _backends(summary) + _network(results) + _failures(summary))
   figures = [f"![{name}]({name}.png)" for name in results.get("figures", [])]
