@@ -1,8 +1,7 @@
 """The network section: jdist's modes against PyTorch DDP, whole training steps and
 all-reduce, on shaped links of one host (`shaped`, network.md) or on the cluster
 rig (`rig`, cluster/results.md); `steps` and `rig_allreduce` are the worker
-measurements, `report` and `rig_report` the reports, `timeline` the native
-engine's per-exchange times inside a step."""
+measurements, `report` and `rig_report` the reports."""
 
 from benchmarks.harness.section import Run, section
 from benchmarks.sections.network import report

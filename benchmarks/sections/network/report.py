@@ -19,7 +19,6 @@ from typing import Any
 
 from benchmarks.harness import analysis
 from benchmarks.harness import report
-from benchmarks.sections.network import timeline
 
 # The issue's targets: (name, variant, reference variant or None for the
 # reference's own plain, measure "comm"/"step", {link: bound}).
@@ -39,15 +38,11 @@ TARGETS = (
 HALF_MODES = ("fp16", "bf16")
 
 
-def _rows(results: dict, timelines: bool = False) -> list[dict]:
-  """Every job's timed rows (or, with `timelines`, its `benchmarks.sections.network.timeline` rows)."""
-  rows = []
-  for job in results["jobs"]:
-    for section in job.get("sections", {}).values():
-      for row in section.get("rows", []):
-        if (row.get("kind") == "timeline") == timelines:
-          rows.append(dict(row, link=job["link"], topology=job["topology_name"]))
-  return rows
+def _rows(results: dict) -> list[dict]:
+  """Every job's timed rows (results of older runs may hold timeline rows: left out)."""
+  return [dict(row, link=job["link"], topology=job["topology_name"])
+          for job in results["jobs"] for section in job.get("sections", {}).values()
+          for row in section.get("rows", []) if row.get("kind") != "timeline"]
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -242,7 +237,6 @@ def markdown(results: dict) -> str:
   lines += ["## Fastest jdist mode per link (median step)", ""] + report.table(
       ["topology", "link", "fastest", "ms", "fastest dense (plain/fp16/bf16)", "ms",
        "plain ms"], body)
-  lines += timeline.markdown(_rows(results, timelines=True))
   if summary["failures"]:
     lines += ["## Failures", ""]
     for failure in summary["failures"]:

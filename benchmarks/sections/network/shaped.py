@@ -121,7 +121,7 @@ def cell_job(topology: str, link: netns.Link, *, quick: bool, repeats: int,
   options = {"repeats": repeats, "warmup": WARMUP}
   if quick or modes:
     options["modes"] = list(modes or QUICK_MODES)
-  env = (("JDIST_NATIVE_TRACE", "1"),)  # benchmarks.sections.network.timeline: when exchanges run
+  env = ()
   if with_torch:
     options["torch"] = list(QUICK_TORCH_VARIANTS if quick else TORCH_VARIANTS)
     env += gloo_env()

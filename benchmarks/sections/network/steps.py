@@ -15,8 +15,7 @@ replica, these steps train interleaved round by round (`timing.interleaved`):
     `benchmarks.sections.suite.compression.transformation`;
   * `handwritten` (one device per process only): a pmapped step that ravels
     the gradients into one float32 buffer and sums it with a raw
-    `mpi4jax.allreduce`, as a user would write without jdist
-    (`handwritten_per_leaf`: one `mpi4jax.allreduce` per parameter leaf).
+    `mpi4jax.allreduce`, as a user would write without jdist.
     Across processes a `pmap` + `lax.pmean` step cannot exist (pmean spans
     one process's devices), and mpi4jax refuses more than one local device,
     so there is no hand-written step in 2x2.
@@ -27,13 +26,8 @@ processes and the same rounds (`benchmarks.harness.torch_peer`: `torch_compute`,
 are timed side by side under the same machine load. Each process is one
 torch rank training its local replicas' images (64 x local devices).
 
-On the native route (`JDIST_NATIVE_TRACE` set by `benchmarks.sections.network.shaped`),
-`benchmarks.sections.network.timeline` then records when each exchange of a few plain and
-fp16 steps ran, against the step's start.
-
 Then the floor: mpi4py `Allreduce` of the gradient's size in float32
-(`mpi_f32`) and of half its bytes (`mpi_f32_half_bytes`, what a 16-bit
-payload moves), on the same link, between numpy buffers.
+(`mpi_f32`), on the same link, between numpy buffers.
 
 Options (ctx.options): `modes` (jdist modes to run), `repeats`, `warmup`,
 `model` (default the CNN), `handwritten`, `floor` (default on), `torch`
@@ -53,7 +47,6 @@ import jdist
 from benchmarks.harness import analysis
 from benchmarks.harness import timing
 from benchmarks.harness import workload
-from benchmarks.sections.network import timeline
 from benchmarks.sections.suite import compression
 from jdist.runtime import host
 
@@ -68,25 +61,15 @@ WARMUP = 3
 PAIRED_REFERENCES = ("compute", "torch_compute", "ddp", "ddp_fp16")
 
 
-def handwritten_step(model, tx: optax.GradientTransformation, *, per_leaf: bool):
-  """A pmapped step (one device per process) summing gradients with raw mpi4jax.
-
-  Args:
-    model: the flax module.
-    tx: the optimizer applied to the averaged gradients.
-    per_leaf: one all-reduce per parameter leaf instead of one fused buffer.
-
-  Returns:
-    `(params, opt_state, x, y) -> (params, opt_state, loss)`, pmapped.
-  """
+def handwritten_step(model, tx: optax.GradientTransformation):
+  """A pmapped step (one device per process) summing the raveled gradients with raw
+  mpi4jax: `(params, opt_state, x, y) -> (params, opt_state, loss)`."""
   import mpi4jax  # pylint: disable=import-outside-toplevel
   from mpi4py import MPI  # pylint: disable=import-outside-toplevel
   comm = MPI.COMM_WORLD.Clone()
   size = comm.Get_size()
 
   def average(tree):
-    if per_leaf:
-      return jax.tree.map(lambda g: mpi4jax.allreduce(g, op=MPI.SUM, comm=comm) / size, tree)
     flat, unravel = jax.flatten_util.ravel_pytree(tree)
     return unravel(mpi4jax.allreduce(flat, op=MPI.SUM, comm=comm) / size)
 
@@ -98,19 +81,15 @@ def handwritten_step(model, tx: optax.GradientTransformation, *, per_leaf: bool)
   return jax.pmap(step, axis_name="i")
 
 
-def mpi_floor(ctx, param_count: int, repeats: int, warmup: int) -> list[dict]:
-  """Raw mpi4py Allreduce of the gradient's float32 bytes, and of half of them."""
+def mpi_floor(ctx, param_count: int, repeats: int, warmup: int) -> dict:
+  """Raw mpi4py Allreduce of the gradient's float32 bytes (`mpi_f32`)."""
   from mpi4py import MPI  # pylint: disable=import-outside-toplevel
-  comm = MPI.COMM_WORLD
-  buffers = {"mpi_f32": param_count, "mpi_f32_half_bytes": param_count // 2}
-  calls = {}
-  for name, count in buffers.items():
-    send, recv = np.ones(count, np.float32), np.empty(count, np.float32)
-    calls[name] = lambda s=send, r=recv: comm.Allreduce(s, r, op=MPI.SUM)
-  series = timing.interleaved(calls, repeats=repeats, warmup=warmup, sync=ctx.sync)
-  return [{"variant": name, "kind": "floor", "params": param_count,
-           "wire_bytes": float(count * 4), **series[name].as_dict()}
-          for name, count in buffers.items()]
+  send, recv = np.ones(param_count, np.float32), np.empty(param_count, np.float32)
+  series = timing.interleaved(
+      {"mpi_f32": lambda: MPI.COMM_WORLD.Allreduce(send, recv, op=MPI.SUM)},
+      repeats=repeats, warmup=warmup, sync=ctx.sync)
+  return {"variant": "mpi_f32", "kind": "floor", "params": param_count,
+          "wire_bytes": float(param_count * 4), **series["mpi_f32"].as_dict()}
 
 
 def torch_steppers(ctx, variants) -> dict:
@@ -151,10 +130,9 @@ def run(ctx):
     kinds[mode] = "jdist"
   if ctx.topo.local_device_count == 1 and ctx.topo.process_count > 1 and \
       ctx.options.get("handwritten", True):
-    for name, per_leaf in (("handwritten", False), ("handwritten_per_leaf", True)):
-      steppers[name] = bench.stepper(handwritten_step(bench.model, sgd, per_leaf=per_leaf),
-                                     sgd, init=jax.pmap)
-      kinds[name] = "handwritten"
+    steppers["handwritten"] = bench.stepper(handwritten_step(bench.model, sgd), sgd,
+                                            init=jax.pmap)
+    kinds["handwritten"] = "handwritten"
   if ctx.options.get("torch"):
     for name, trainer in torch_steppers(ctx, ctx.options["torch"]).items():
       steppers[name] = trainer
@@ -179,7 +157,5 @@ def run(ctx):
            "per_replica_batch": PER_REPLICA_BATCH, "wire_bytes": wire,
            "comm_paired_s": paired, "comm_vs_slowest_s": vs_slowest,
            **series[name].as_dict()}
-  if ctx.topo.process_count > 1:  # when each exchange ran, on the native route
-    yield from timeline.record(steppers, series["compute"].median, ctx.sync)
   if ctx.topo.process_count > 1 and ctx.options.get("floor", True):
-    yield from mpi_floor(ctx, bench.param_count, max(repeats, 10), warmup)
+    yield mpi_floor(ctx, bench.param_count, max(repeats, 10), warmup)
