@@ -24,7 +24,7 @@ def test_every_variant_is_timed_and_each_block_reads_what_it_started(topo):
   assert rows["compute"]["sync_share"] is None and rows["no_sync"]["sync_share"] == 0.0
   # The reference never syncs; the others did, in every round and the warm-up.
   assert rows["no_sync"]["outer_syncs"] == 0 and rows["no_sync"]["most_in_flight"] == 0
-  for variant in ("in_step", "background", "unpaced"):
+  for variant in ("in_step", "background"):
     assert rows[variant]["outer_syncs"] >= 2 * 2, rows[variant]["outer_syncs"]
   background = rows["background"]["most_in_flight"]
   if topo.process_count > 1 and jdist.collectives.route() == "native":
