@@ -266,6 +266,5 @@ def main(args: argparse.Namespace) -> int:
   netns.terminate_on_sigterm()  # a killed run still tears its rig down
   results = run_all(args.links, quick=args.quick, repeats=args.repeats)
   results["command"] = args.command
-  network.print_outcome(results, write_outputs(results, args.out), args.out,
-                        cluster_report.num)
+  network.print_outcome(results, write_outputs(results, args.out), args.out)
   return 0

@@ -258,17 +258,13 @@ def main(args: argparse.Namespace) -> int:
   results = run_network(args.links, args.topologies, quick=args.quick, repeats=args.repeats,
                         modes=args.modes.split(",") if args.modes else None)
   results["command"] = args.command
-  print_outcome(results, write_outputs(results, args.out), args.out,
-                lambda value: report.num(value, 3))
+  print_outcome(results, write_outputs(results, args.out), args.out)
   return 0
 
 
-def print_outcome(results: dict, written: list[str], out_dir: str, num) -> None:
-  """Prints each target's verdict, each failed job and what was written (`num` formats)."""
-  for target in results["summary"]["targets"]:
-    status = {True: "met", False: "MISSED", None: "not measured"}[target["met"]]
-    print(f"{target['target']} [{target['where']}]: {num(target['measured'])} "
-          f"(bound {target['bound']}) {status}")
+def print_outcome(results: dict, written: list[str], out_dir: str) -> None:
+  """Prints each target's verdict, each failed job and what was written."""
+  report.print_targets(results["summary"]["targets"])
   for failure in results["summary"]["failures"]:
     print(f"FAILURE in job {failure['job']}: {str(failure['error']).splitlines()[0][:200]}",
           file=sys.stderr)

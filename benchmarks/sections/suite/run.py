@@ -115,10 +115,7 @@ def main(args: argparse.Namespace) -> int:
   results = run_suite(args)
   write_outputs(results, args.out)
   summary = results["summary"]
-  for target in summary["targets"]:
-    status = {True: "met", False: "MISSED", None: "not measured"}[target["met"]]
-    print(f"{target['target']} [{target['where']}]: {report.num(target['measured'], 4)} "
-          f"(bound {target['bound']}) {status}")
+  report.print_targets(summary["targets"], digits=4)
   for failure in summary["failures"]:
     print(f"FAILURE in job {failure['job']} section {failure['section']}: "
           f"{str(failure['error']).splitlines()[0][:200]}", file=sys.stderr)

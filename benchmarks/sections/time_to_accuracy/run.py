@@ -75,6 +75,7 @@ from typing import Any, Callable
 from benchmarks.harness import jobs as jobs_lib
 from benchmarks.harness import netns
 from benchmarks.harness import outputs
+from benchmarks.harness import report
 from benchmarks.harness.section import UsageError
 from benchmarks.sections import accuracy
 from benchmarks.sections.network import shaped as network
@@ -299,10 +300,7 @@ def main(args: argparse.Namespace) -> int:
   netns.terminate_on_sigterm()  # so a killed run still deletes its namespace
   results = run_benchmark(args, progress=lambda partial: write_outputs(partial, args.out))
   written = write_outputs(results, args.out)
-  for target in results["summary"]["targets"]:
-    print(f"{target['target']} [{target['where']}]: {target['measured']} (bound "
-          f"{target['bound']}) {time_to_accuracy_report.STATUS[target['met']]}; "
-          f"{target['note']}")
+  report.print_targets(results["summary"]["targets"])
   for run in results["runs"]:
     final = run["final"] or {}
     print(f"{run['variant']}@{run['link']}: time to target "

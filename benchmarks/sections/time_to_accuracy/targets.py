@@ -42,7 +42,6 @@ PLAIN = "plain"
 FLOOR = "compute_floor"
 NO_SYNC = "_nosync"  # benchmarks.sections.accuracy.NO_SYNC: a DiLoCo mode's own floor, never syncing
 PAIRED = "_paired"  # benchmarks.sections.accuracy.PAIRED: a DiLoCo mode and its floors in one job
-STATUS = {True: "met", False: "MISSED", None: "not measured"}
 
 
 SLOW_LINK = "10mbit"
