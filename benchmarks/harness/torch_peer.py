@@ -1,36 +1,18 @@
 """The PyTorch peer: DDP (gloo) on SINGA's CNN.
 
-`benchmarks.sections.network.steps` builds these trainers inside its own processes
-(`init`, `Trainer`), so DDP and jdist steps interleave under the same load.
-It also runs alone, one rank per process:
+`benchmarks.sections.network.steps` builds these trainers inside its own
+processes (`init`, `Trainer`), so DDP and jdist steps interleave under the same
+load. It also runs alone, one rank per process (under mpirun or torchrun; rank
+and size from their environment):
 
     mpirun -np 2 python -m benchmarks torch_peer --out PREFIX --config JSON
 
-mpirun only starts the processes (rank and size come from Open MPI's
-environment); the exchange is PyTorch's own: `torch.distributed` with the
-gloo backend over TCP on the loopback (`GLOO_SOCKET_IFNAME=lo`), rendezvous
-at MASTER_ADDR:MASTER_PORT set by the driver. torch is a benchmark-only
-extra (`pip install -e .[torch-peer]`), never a jdist dependency.
-
-The same model as `jdist.app.models.CNN` (conv 5x5 20, relu, max-pool 2, conv
-5x5 50, relu, max-pool 2, dense 500, relu, dense 10: 431,080 parameters),
-the same synthetic data shape (28x28x1 images, 10 classes) and SGD. Steps
-interleaved round by round, each variant training its own copy:
-
-  * `compute`: the model without DDP (no exchange): communication time =
-    step - compute (`comm_vs_slowest_s`: minus the slowest rank's compute
-    in the same round, what a synchronized step waits for);
-  * `ddp`: `DistributedDataParallel`, default buckets, overlapped with
-    the backward pass;
-  * `ddp_fp16`: DDP with `default_hooks.fp16_compress_hook`;
-  * `ddp_powersgd`: DDP with `powerSGD_hook.powerSGD_hook`, rank 1,
-    compressing from the second step on (warm-up covers the switch), in one
-    25 MB bucket (see `wrap`).
-
-Writes `PREFIX.rank<R>.json` in the worker's format (section "torch") so
-`benchmarks.harness.jobs.merge_ranks` folds the ranks. Options (config "options"):
-`per_process_batch`, `threads` (torch intra-op threads; default cores /
-processes, as torchrun's OMP_NUM_THREADS=1 on a 2-core box), `repeats`,
+`SingaCNN` is `jdist.app.models.CNN` layer for layer; the variants (`wrap`) are
+`compute` (no DDP), `ddp`, `ddp_fp16` (the fp16 compression hook) and
+`ddp_powersgd` (rank 1). torch is a benchmark-only extra
+(`pip install -e .[torch-peer]`), never a jdist dependency. Writes
+`PREFIX.rank<R>.json` in the worker's format (section "torch"). Options:
+`per_process_batch`, `threads` (default cores / processes), `repeats`,
 `warmup`, `variants`.
 """
 

@@ -1,39 +1,18 @@
 """jdist against what a JAX user writes instead: plain JAX multi-controller and hand-written mpi4jax.
 
-One model (SINGA's MNIST CNN, `workload.build("cnn")`), one global batch
-(64 rows, the same on every rank), one optimizer (SGD), in 2x1 and 2x2
-(processes x CPU devices). Each round runs two jobs, back to back:
-
-  * the `jdist` job, under jdist's defaults (JAX's distributed runtime up,
-    XLA's CPU client without cross-process collectives), its variants
-    interleaved step by step:
-      - `jdist_jit`: the quickstart's `jax.jit` step over global arrays
-        under `jax.set_mesh(jdist.mesh())` (`workload.jit_step`);
-      - `jdist_dp`: the same step under `@jdist.data_parallel`;
-      - `mpi4jax` (one device per process only): a hand-written jit step
-        that sums the flattened gradients with `mpi4jax.allreduce`;
-      - `floor`: the step with no cross-process exchange at all;
-  * the `gloo` job, plain JAX multi-controller: `jax.distributed` started
-    (by `jdist.init()`: rank 0's coordinator address carried over MPI) with
-    `JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo`, one mesh over every process's
-    devices, `jax.jit` with `NamedSharding`, XLA inserting the gradient
-    all-reduce over Gloo (`jax_gloo`).
-
-Per step: each variant's median over the job's steps (the slower rank),
-ratios as the median over rounds of each round's ratio (paired: the jdist
-job's variants ran interleaved; the two jobs of a round back to back). Per
-16 MiB all-reduce, one per call: `jdist.psum` (one row per device), XLA's
-psum over the global mesh with Gloo, `mpi4jax.allreduce` (2x1) and mpi4py's
-`Allreduce`. Bytes per step through the loopback (`/proc/net/dev`, the jobs
-run in a private network namespace when root, so the counter is theirs).
-Every variant but the floor trains 20 steps from the same parameters; the
-losses on the global batch must agree (relative 1e-5), or the section fails.
-
-XLA's `mpi` CPU collectives are not measured: they need an MPIwrapper build
-against this MPI, which no registry here ships (docs/benchmarks/jax_peers.md).
-
     sudo .venv/bin/python -m benchmarks jax_peers [--rounds 5] [--topologies 2x1,2x2]
     sudo .venv/bin/python -m benchmarks jax_peers --on shaped --link 1gbit
+
+SINGA's CNN, one global batch of 64 rows, SGD, in 2x1 and 2x2. Each round runs
+two jobs back to back: the `jdist` job (`jdist_jit`: the quickstart's jit step
+over global arrays; `jdist_dp`: the same under `data_parallel`; `mpi4jax`, one
+device per process: a hand-written step with one `mpi4jax.allreduce`; `floor`:
+no exchange), its variants interleaved; and the `gloo` job, plain JAX
+multi-controller (`jax_gloo`: one mesh over every process's devices, XLA's
+all-reduce over Gloo). Reported: per-step medians and paired ratios over the
+rounds, 16 MiB all-reduces, loopback bytes per step (`/proc/net/dev` inside a
+private namespace when root) and the losses after 20 steps, which must agree
+(relative 1e-5). The runs: docs/jax_processes.md (against plain JAX).
 """
 
 from __future__ import annotations

@@ -2,34 +2,18 @@
 
     sudo .venv/bin/python -m benchmarks elastic_chaos --faults 20
 
-Builds the 2-node namespace rig (`benchmarks.harness.cluster`, one process per node)
-and runs the SINGA CNN on digits with persistent checkpoints every
---checkpoint-every steps and local ones every --local-every, under
-`jdist launch --cooldown C --discovery-interval 2`. Whenever the running job
-has saved a checkpoint since it (re)started, the next fault of the cycle
-hits it: node B's link goes down (brought back up once the launcher has
-restarted without it), node B is killed (every process on it), or one
-training rank is SIGKILLed. A host left out comes back after its cooldown:
-the launcher grows the job back onto it at its next checkpoint. After
---faults faults no more are injected and the job runs to its end.
-
-The same schedule is replayed without faults, beside it (each segment as
-soon as it is known): for each run of the chaos job, `jdist train` on that
-run's number of processes (plain mpirun on this host, each rank bound to
-one core as the rig's mpirun binds the chaos job's: XLA's CPU results
-depend on the threads a process may use), from the step that run says it
-resumed from to the step the next one says it resumed from (`--max-steps`;
-the launcher's announced step can be one checkpoint older). Every
-checkpoint either run writes is copied as it appears
-(`benchmarks.sections.elastic_chaos.checkpoints`; `--archive DIR` keeps the copies), and
-the two are compared at every step both saved. Prints one JSON line:
-faults by kind, grow-backs, restarts, hangs (a fault after which nothing
-restarted within --hang-s), lost checkpoints (a restart resuming before
-the newest persistent checkpoint the previous run had reported), corrupt
-ones (the job's own warnings), the schedule and each run's resume step,
-tier and CPU binding, the difference at each step, the first step over
---tolerance with its segment, and the largest difference between the
-final parameters of the chaos run and of the replay (target 1e-5).
+On the 2-node rig (`benchmarks.harness.cluster`, one process per node) the SINGA
+CNN trains on digits with persistent and local checkpoints under `jdist launch
+--cooldown C --discovery-interval 2`. Whenever the job has saved a checkpoint
+since it (re)started, the next fault of `CYCLE` hits it (node B's link down,
+node B killed, a rank killed); a host left out comes back after its cooldown and
+the launcher grows the job onto it. Beside it the same schedule is replayed
+without faults (each segment on its run's number of processes, bound to cores as
+on the rig), every checkpoint of both is copied as it appears
+(`benchmarks.sections.elastic_chaos.checkpoints`; `--archive DIR` keeps them) and
+the two are compared at every step both saved. Prints one JSON line: faults,
+grow-backs, restarts, hangs, lost and corrupt checkpoints, the schedule and the
+differences (target 1e-5). The run: docs/multinode.md (chaos run).
 """
 
 from __future__ import annotations

@@ -6,36 +6,19 @@
         [--eval-every 64] [--target-at 0.5] [--max-seconds S]
         [--max-seconds-of NAME[@LINK]=S,...] [--out DIR] [--quick] [--render JSON]
 
-Issue 28's language-model measurement. Each (link, variant) is one job of 2
-processes x 1 device (`mpirun -np 2`, placed in the link's network namespace
-as `benchmarks.sections.time_to_accuracy.run` places its jobs; shm: none) running
-`benchmarks.harness.worker`'s section "lm_diloco" (`benchmarks.sections.lm_diloco.train`):
-examples/minigpt_single.py's miniGPT architecture (`benchmarks.sections.lm_diloco.workload`:
-2 blocks, embed 64, 4 heads, seq 64, byte tokens) on its generated stories,
-`--batch` windows per replica per step, the same initial weights and window
-order in every variant, for `--tokens` tokens (all replicas together).
-plain is `dist_opt(optax.adamw(lr))`; diloco32/128 `dist_opt(adamw,
-diloco=H)` (inner AdamW, the default outer SGD 0.7 with Nesterov momentum
-0.9), diloco128_int8 with 8-bit pseudo-gradients, local_sgd32 post-local SGD
-with 32 synchronous steps; any mode of `benchmarks.sections.accuracy.MODES` but DGC's
-momentum correction runs by name.
+Issue 28's language-model measurement: each (link, variant) is one job of 2
+processes x 1 device, placed as `benchmarks.sections.time_to_accuracy.run`
+places its jobs, training the miniGPT of `benchmarks.sections.lm_diloco.workload`
+(`benchmarks.sections.lm_diloco.train`) for `--tokens` tokens; any mode of
+`benchmarks.sections.accuracy.MODES` but DGC's runs by name, inside
+`dist_opt(optax.adamw(lr), ...)`. The report (`benchmarks.sections.lm_diloco.report`)
+gives per link and variant the validation loss at equal tokens, its curve, the
+training seconds, bytes per step and the time to plain's loss after
+`--target-at` of the tokens (caps as in time_to_accuracy). The method and the
+runs: docs/diloco.md (the language model).
 
-Reported per link and variant (`benchmarks.sections.lm_diloco.report`): the
-validation loss (nats per token on held-out stories) at equal tokens and its
-curve every `--eval-every` steps, the training seconds (the clock stops for
-evaluations) and median step, the bytes sent across processes per step, and
-the training seconds to a loss target: plain's validation loss after
-`--target-at` of the tokens (the same on every link: plain computes the same
-steps on each). `--max-seconds S` (or per variant `--max-seconds-of
-plain@10mbit=60`) caps a run at S training seconds; a capped run reports the
-loss it had, and its seconds count as a lower bound on its time to the
-target. The results are rewritten after every run.
-
-Writes lm_diloco.json and lm_diloco.md into --out (default
-docs/benchmarks/lm_diloco). Shaped links are skipped with the reason without
-root / `ip` / `tc`. `--quick`: a tiny model (1 block, embed 32, seq 32) for
-64 steps, plain and diloco8 on shm, about a minute. `--render JSON` rewrites
-the Markdown of an earlier run.
+Writes lm_diloco.json and lm_diloco.md into --out after every run. `--quick`: a
+tiny model for 64 steps, plain and diloco8 on shm, about a minute.
 """
 
 from __future__ import annotations

@@ -1,39 +1,17 @@
 """Worker section "lm_diloco": one variant of the language model trained for a number of tokens.
 
-Runs in each rank of one job of `python -m benchmarks lm_diloco` (2
-processes x 1 device, on one link). Trains `benchmarks.sections.lm_diloco.workload`'s
-MiniGPT on the example's generated stories with
-`jdist.dist_opt(optax.adamw(lr), **benchmarks.sections.accuracy.MODES[variant])`:
-plain (gradients averaged every step), powersgd1/4, fp16, ..., and the modes
-that exchange parameters every H steps: diloco32/128 (`jdist.diloco`, inner
-AdamW, outer SGD 0.7 with Nesterov momentum 0.9), diloco128_int8,
-sdiloco32, local_sgd32 (`jdist.local_sgd`, 32 synchronous steps first), and
-SparseLoCo's payload (`diloco_payload="sparse[:RATIO]"`): diloco16/32_sparse,
-diloco32_sparse1/3, diloco8_sparse1 with the default outer step,
-diloco16_sparse_sgd1 with SparseLoCo's (SGD lr 1, no momentum).
-Every variant starts from the same parameters and takes the same windows
-in the same order (`benchmarks.sections.accuracy.epoch_batches` over the training
-windows), so at a step every variant has seen the same tokens.
+Runs in each rank of one job of `python -m benchmarks lm_diloco`: the miniGPT of
+`benchmarks.sections.lm_diloco.workload` with `jdist.dist_opt(optax.adamw(lr),
+**benchmarks.sections.accuracy.MODES[variant])`, every variant from the same
+parameters over the same windows in the same order. The step is compiled by a
+discarded warm-up step (`warm_up`); the loop is
+`benchmarks.sections.time_to_accuracy.train.run_to_target` with no target, rank 0
+measuring the validation loss (nats per token) of the replicas' average every
+`eval_every` steps with the clock stopped. Rows: one per evaluation (`kind`
+"eval"), then one "final" row (tokens, seconds, steps, loss, bytes per step, sizes).
 
-The step is compiled before the clock starts, by one step whose results
-are dropped (`warm_up`), so the training seconds are steps only. The loop
-is `benchmarks.sections.time_to_accuracy.train.run_to_target` with no target:
-every `eval_every` steps (and after the last) the training clock stops and
-rank 0 measures the validation loss (nats per token over every held-out
-window) of the replicas' average (`JdistTrainer.sync`: for DiLoCo and
-local SGD an exchange outside the clock; on a sync step, the synced
-model). With `max_seconds` a run ends once its training seconds reach it,
-with an evaluation there (`capped`).
-
-Rows: one per evaluation (`kind` "eval": step, tokens so far, training
-seconds so far, `val_loss`, mean training loss since the previous one),
-then one `kind` "final" row (steps and tokens trained, training seconds,
-median / first step, last validation loss, mean bytes sent per step, the
-sizes).
-
-Options (ctx.options): `variant`, `tokens`, `batch` (windows per replica per
-step), `seq`, `embed`, `blocks`, `lr`, `stories`, `validation_stories`,
-`eval_every`, `max_seconds` (0: no cap).
+Options (ctx.options): `variant`, `tokens`, `batch`, `seq`, `embed`, `blocks`,
+`lr`, `stories`, `validation_stories`, `eval_every`, `max_seconds` (0: no cap).
 """
 
 from __future__ import annotations

@@ -2,28 +2,17 @@
 
     python -m benchmarks network --on rig [--quick] [--out DIR] [--links 10gbit,1gbit,100mbit]
 
-For each per-node link rate, a fresh rig of 2 nodes (`benchmarks.harness.cluster`:
-network namespaces with their own hostnames, a `tc`-shaped veth per node into
-a bridge) runs, 2 processes x 1 device per node:
-
-  1. one `mpirun --hostfile` job of `benchmarks.harness.worker` with section
-     `cluster_allreduce` (Open MPI's `MPI_Allreduce`, a hand-written
-     hierarchical all-reduce in mpi4py and `jdist.psum` in a jitted step,
-     float32 1 to 64 MB, interleaved) and, on the links of `TRAIN_LINKS`,
-     section `network` (`benchmarks.sections.network.steps`: SINGA's CNN, 64 images
-     per replica, a compute-only step, jdist plain and fp16, interleaved);
-  2. on the links of `TRAIN_LINKS`, PyTorch DDP (gloo) on the same model,
-     batch and SGD (`benchmarks.harness.torch_peer`: a compute-only step, DDP and DDP
-     with the fp16 hook, interleaved), launched the way a cluster does: one
-     `torchrun --nnodes 2 --nproc-per-node 2` per node, inside the node's
-     namespace and hostname, rendezvous at node A's address, gloo on `eth0`.
-
-The jdist and torch jobs run one after the other (not interleaved with each
-other); each side's exposed exchange is the median over rounds of its step
-minus its own compute-only step in the same round. Writes results.json and
-results.md into --out (default docs/benchmarks/cluster; --quick: a temporary
-directory). Without root, `ip`, `tc` or `unshare` every part is skipped with
-the reason; without torch, the DDP part.
+For each per-node link rate, a fresh rig of 2 nodes x 2 processes x 1 device
+(`benchmarks.harness.cluster`) runs one `mpirun --hostfile` job of the worker
+with `benchmarks.sections.network.rig_allreduce` and, on `TRAIN_LINKS`,
+`benchmarks.sections.network.steps` (jdist plain and fp16 beside a compute-only
+step); then, on `TRAIN_LINKS`, PyTorch DDP (`benchmarks.harness.torch_peer`)
+under one `torchrun --nnodes 2` per node, as a cluster launches it. The two jobs
+run one after the other; each side's exposed exchange is its step minus its own
+compute-only step of the round. Writes results.json and results.md
+(`benchmarks.sections.network.rig_report`) into --out (default
+docs/benchmarks/cluster); without root, `ip`, `tc` or `unshare` every part is
+skipped with the reason, without torch the DDP part.
 """
 
 from __future__ import annotations

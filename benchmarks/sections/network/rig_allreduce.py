@@ -1,33 +1,16 @@
 """Worker section "cluster_allreduce": all-reduce across the nodes of the cluster rig.
 
-Runs inside one job of `python -m benchmarks network --on rig`: P processes x 1
-device on N nodes of `benchmarks.harness.cluster` (network namespaces, a shaped link
-per node), launched by `mpirun --hostfile`. At each float32 size these run
-interleaved round by round in the same processes (`timing.interleaved`):
+Runs inside one job of `python -m benchmarks network --on rig` (P processes x 1
+device on N nodes of `benchmarks.harness.cluster`, `mpirun --hostfile`). At each
+float32 size, interleaved round by round: `mpi` (mpi4py `Allreduce`, Open MPI's
+own algorithm), `hierarchical` (`Hierarchical`: node-aware, written by hand in
+mpi4py, checked against `mpi`), `jdist_psum` (`jdist.psum` in a jitted
+`data_parallel` step) and `jdist_flat` (the same with the native engine's sums
+flat, where it runs node-aware). Rounds follow from a warm-up round on the
+slowest rank (`repeats_for`), the same on every rank.
 
-  * `mpi`: mpi4py `Allreduce` between numpy buffers, on a communicator of
-    the benchmark's own (`allreduce.baseline_comm`): Open MPI's own choice of
-    algorithm (its `tuned` component's decision for this size and rank count);
-  * `hierarchical`: the node-aware exchange written by hand in mpi4py, the
-    reference for what a node-aware jdist could reach: reduce-scatter within
-    the node (a communicator from `Split_type(COMM_TYPE_SHARED)`: shared
-    memory), all-reduce of each slice across the nodes among the ranks of the
-    same local rank (one link carries each byte of the node's sum once per
-    direction, striped over the node's ranks), then all-gather within the node;
-  * `jdist_psum`: `jdist.psum` inside `jdist.data_parallel` (a jitted step),
-    whatever route the topology picks, as `benchmarks.sections.suite.allreduce` measures it
-    (on the native route across several nodes of several processes each:
-    node-aware, `native.hierarchical()`);
-  * `jdist_flat`: the same step with the native engine's sums switched to
-    flat (`native.set_hierarchical(False)`) for each call, where it runs
-    node-aware: both exchanges in the same job.
-
-The first call of `hierarchical` is checked against `mpi`'s result. Rounds
-follow from a warm-up round's length on the slowest rank (`repeats_for`), the
-same on every rank, so a point takes a few seconds on any link and load.
-
-Options (ctx.options): `sizes` (bytes per rank, required), `seconds` (target time per
-variant and size), `variants` (a subset of `VARIANTS`).
+Options (ctx.options): `sizes` (bytes per rank, required), `seconds` (target
+time per variant and size), `variants` (a subset of `VARIANTS`).
 """
 
 from __future__ import annotations

@@ -2,27 +2,16 @@
 
     python -m benchmarks network [--quick] [--out DIR] [--links shm,1gbit] [--topologies 2x1]
     python -m benchmarks suite --only network   # the same, as a part of the suite
-    python -m benchmarks network --on rig       # the same section on the rig (cluster_bench)
+    python -m benchmarks network --on rig       # the same section on the rig
 
-For each link of `netns.LINKS` (shared memory: no namespace; then 10 Gbit/s,
-1 Gbit/s, 100 Mbit/s and 100 Mbit/s + 1 ms, each a fresh network namespace
-whose loopback `tc` shapes, MPI over TCP on it) and each topology (2x1:
-2 processes x 1 device; 2x2: 2 x 2 forced host devices), one job
-(`benchmarks.sections.network.steps`) times, interleaved round by round in the same
-processes so both sides see the same machine load:
-
-  * jdist: every mode of `jdist.dist_opt`, a compute-only step, a
-    hand-written mpi4jax step, then raw MPI all-reduce (the floor);
-  * PyTorch (`benchmarks.harness.torch_peer`): DDP over gloo, plain, fp16 hook and
-    PowerSGD, and its own compute-only step. In 2x2 each torch rank
-    trains on both replicas' 128 images (one "node" whose two devices'
-    gradients are summed locally), so the link carries what jdist's 2x2
-    sends across processes.
-
-Sections are skipped with a message, never failed, where this machine
-cannot run them: no root / `ip` / `tc` (shaped links), no netem (links with
-a delay), torch not installed (the peer). Writes network.json, network.md
-and network.png into --out (default docs/benchmarks; --quick: a temporary
+For each link of `netns.LINKS` (shm: no namespace; the others a fresh network
+namespace whose loopback `tc` shapes, MPI over TCP on it) and each topology
+(2x1, 2x2), one job (`benchmarks.sections.network.steps`) times jdist's modes, a
+hand-written mpi4jax step, raw MPI and PyTorch DDP (gloo; in 2x2 each torch rank
+trains both local replicas' images) interleaved round by round in the same
+processes. What this machine cannot run (no root / `ip` / `tc`, no netem, no
+torch) is skipped with the reason. Writes network.json, network.md and
+network.png into --out (default docs/benchmarks; --quick: a temporary
 directory).
 """
 

@@ -1,37 +1,18 @@
 """Worker section "network": jdist's modes, a hand-written step and raw MPI on one link.
 
-Runs inside one job of `python -m benchmarks network` (2x1 or 2x2, in a
-shaped namespace or over shared memory). On SINGA's CNN (431,080
-parameters, 1.7 MB of float32 gradients) with 64 synthetic images per
-replica, these steps train interleaved round by round (`timing.interleaved`):
+Runs inside one job of `python -m benchmarks network` (2x1 or 2x2). On SINGA's
+CNN with 64 synthetic images per replica these train interleaved round by
+round (`timing.interleaved`): `compute` (no exchange: communication time =
+step - compute, `comm_paired_s` against this rank's, `comm_vs_slowest_s` against
+the slowest rank's of the round), jdist's modes
+(`benchmarks.sections.suite.compression.transformation`), `handwritten` (one
+device per process: the raveled gradients summed with raw `mpi4jax.allreduce`)
+and, with option `torch`, the PyTorch peer's variants in the same processes
+(`benchmarks.harness.torch_peer`). Then the floor: mpi4py `Allreduce` of the
+gradient's float32 bytes (`mpi_f32`).
 
-  * `compute`: the same step with no exchange (`workload.compute_step`):
-    communication time = step - compute (`comm_paired_s`: this rank's own
-    compute in the same round; `comm_vs_slowest_s`: the slowest rank's, as a
-    step that exchanges waits for the slowest rank's backward pass, and with
-    more ranks than cores that wait is the machine's load, not the link);
-  * jdist's modes: `jdist.dist_opt(optax.sgd(...))` plain, fp16, bf16,
-    top-K 1% (exact and block), threshold (~1%) and partial sync 4, built by
-    `benchmarks.sections.suite.compression.transformation`;
-  * `handwritten` (one device per process only): a pmapped step that ravels
-    the gradients into one float32 buffer and sums it with a raw
-    `mpi4jax.allreduce`, as a user would write without jdist.
-    Across processes a `pmap` + `lax.pmean` step cannot exist (pmean spans
-    one process's devices), and mpi4jax refuses more than one local device,
-    so there is no hand-written step in 2x2.
-
-With option `torch` (torch installed), the PyTorch peer trains in the same
-processes and the same rounds (`benchmarks.harness.torch_peer`: `torch_compute`,
-`ddp`, `ddp_fp16`, `ddp_powersgd`, gloo over the same link), so jdist and DDP
-are timed side by side under the same machine load. Each process is one
-torch rank training its local replicas' images (64 x local devices).
-
-Then the floor: mpi4py `Allreduce` of the gradient's size in float32
-(`mpi_f32`), on the same link, between numpy buffers.
-
-Options (ctx.options): `modes` (jdist modes to run), `repeats`, `warmup`,
-`model` (default the CNN), `handwritten`, `floor` (default on), `torch`
-(a list of torch variants; default none).
+Options (ctx.options): `modes`, `repeats`, `warmup`, `model` (default the CNN),
+`handwritten`, `floor` (default on), `torch` (torch variants; default none).
 """
 
 from __future__ import annotations

@@ -6,63 +6,24 @@
         [--max-seconds S] [--max-seconds-of NAME[@LINK]=S,...]
         [--limit N] [--out DIR] [--quick] [--render JSON]
 
-How long, in training seconds, each variant needs to reach `--target` test
-accuracy on Fashion-MNIST (the issue's 88%) on each link of `netns.LINKS`
-(shm: shared memory, no namespace; 1gbit, 100mbit, ...: a fresh network
-namespace per link whose loopback `tc` shapes, as `benchmarks.sections.network.shaped`).
-Each (link, variant) is its own job of 2 processes x 1 device (`mpirun -np
-2`), run by `benchmarks.harness.worker`'s section "time_to_accuracy"
-(`benchmarks.sections.time_to_accuracy.train`): SINGA's CNN, batch 32 per replica, SGD(0.005,
-momentum 0.9), the same initial weights, data order and rows per rank for
-jdist's modes (`benchmarks.sections.accuracy.MODES`: plain, fp16, topk1%, powersgd4,
-powersgd1, ..., and the modes that exchange parameters every H steps:
-diloco8/32/128, sdiloco32 (Streaming DiLoCo, 4 fragments), diloco32_int8 and
-diloco128_int8 (8-bit pseudo-gradients, `diloco_payload="int8"`), sdiloco32_int8/_int4,
-sdiloco32_bg and diloco128_bg (the outer sync in the background: `diloco_delay`,
-`diloco_mix=0.5`; these local-update modes return each replica's own loss, so
-nothing crosses processes between syncs), local_sgd8/32
-(post-local SGD after 32 synchronous steps)), for `compute_floor` (the same
-inner SGD steps with no exchange at all), for `<mode>_nosync` (a DiLoCo
-mode's own floor: its step with a sync period longer than the run), for
-`<mode>_paired` (a DiLoCo mode, `compute_floor` and `<mode>_nosync` a step of
-each in turn in one job, `train_to_target.PairedTrainer`: the floor ratios on the
-same machine) and for DDP over gloo (`ddp`,
-`ddp_fp16`, `ddp_powersgd`, `ddp_postlocal`: PyTorch's post-local SGD with
-local_sgd32's warm-up and period; `benchmarks.sections.time_to_accuracy.torch_trainer`), so DDP
-plain follows jdist plain's accuracy curve and only the wall time differs.
-`diloco_best@LINK` runs the DiLoCo mode (diloco*, sdiloco*) that reached
-the target soonest on the links run before LINK (list LINK later in
---links). The test accuracy is measured every
-`--eval-every` steps (default a quarter epoch) with the clock stopped, and a
-run ends at the first evaluation at or above the target, except the variants
-in `--full`, which train every epoch so their accuracy after `--epochs`
-epochs is known (the default `--full` goes with the default `--variants`;
-naming `--variants` leaves it empty). A variant is `NAME` (every link) or
-`NAME@LINK` (that link only), in `--variants` and `--full` alike.
+Each (link, variant) is one job of 2 processes x 1 device in the link's fresh
+shaped namespace (shm: none), training SINGA's CNN to `--target` test accuracy
+(`benchmarks.sections.time_to_accuracy.train`): jdist's modes
+(`benchmarks.sections.accuracy.MODES`), `compute_floor`, `<mode>_nosync`,
+`<mode>_paired` and DDP over gloo (`ddp`, `ddp_fp16`, `ddp_powersgd`,
+`ddp_postlocal`), from the same weights, data order and rows per rank.
+`diloco_best@LINK` runs the DiLoCo mode that reached the target soonest on the
+links before LINK. A variant is `NAME` (every link) or `NAME@LINK`; the variants
+in `--full` train every epoch instead of stopping at the target; `--max-seconds`
+(`--max-seconds-of` per variant) caps a run, whose seconds then bound its time
+to the target. The method and the measured runs: docs/communication.md (time to
+accuracy) and docs/diloco.md.
 
-`--max-seconds S` caps each run at S training seconds (0: no cap;
-`--max-seconds-of plain@10mbit=120,ddp=120` per variant): a run capped
-before the target reports the accuracy it had, and the report's ratios use
-its training seconds as a lower bound on its time to the target. The
-results are rewritten after every run, so a run stopped early keeps those
-done.
-
-Writes time_to_accuracy.json and time_to_accuracy.md into --out (default
-docs/benchmarks/time_to_accuracy; --quick: a temporary directory): per link,
-each variant's time and steps to the target, median step, last accuracy,
-bytes sent per step and time / DDP plain's; the accuracy curves; and the
-issue's targets at 100 Mbit/s (`benchmarks.sections.time_to_accuracy.report`).
-Shaped links are skipped with the reason without root / `ip` / `tc`, the
-torch variants without torch (`pip install -e '.[torch-peer]'`); neither
-fails the run. `--render JSON` rewrites the Markdown of an earlier run.
-
-The defaults are the full measurement, about 40 minutes on the 2-core
-machine (DDP plain at 100 Mbit/s alone about 12), best run in the background:
-
-    nohup .venv/bin/python -m benchmarks time_to_accuracy > /tmp/tta.log 2>&1 &
-
-`--quick` (digits, 1 epoch, target 0.5, plain and DDP on shm and 1gbit) is a
-smoke run of about two minutes, most of it each job's start.
+Writes time_to_accuracy.json and .md into --out after every run
+(`benchmarks.sections.time_to_accuracy.report`); links and torch variants this
+machine cannot run are skipped with the reason. `--render JSON` rewrites the
+Markdown of an earlier run. The defaults take about 40 minutes on 2 cores;
+`--quick` (digits, target 0.5, plain and DDP on shm and 1gbit) about two.
 """
 
 from __future__ import annotations

@@ -1,31 +1,15 @@
 """The time-to-accuracy benchmark's analysis: ratios, bounds, best mode, targets.
 
-Its Markdown is `benchmarks.sections.time_to_accuracy.report`'s.
-
-`summarize` reads the runs of `benchmarks.sections.time_to_accuracy.run` (one per link
-and variant: its evaluation curve and final row) and derives, per link, each
-variant's time to the target against DDP plain's on the same link, the
-fastest jdist mode, and the issue's two targets at `TARGET_LINK`:
-
-  * the fastest jdist mode's time to the target / DDP plain's <= 0.4;
-  * that mode's test accuracy after all the epochs within one point of
-    jdist plain's. Accuracy does not depend on the link (the same weights,
-    data order and arithmetic), so where a variant did not train every
-    epoch on `TARGET_LINK` its figure from another link of the same run is
-    used and the report says so; where no run of it trained every epoch the
-    target is "not measured". No figure comes from outside the run.
-
-Where the run has `SLOW_LINK` (10 Mbit/s), the targets are issue 28's
-instead (`slow_targets`): the fastest DiLoCo mode there against jdist's
-fastest other mode (<= 0.5x), DDP plain (<= 0.1x) and the fastest DDP
-variant (<= 0.5x); DiLoCo at `TARGET_LINK` against its compute floor (the
-floor's training seconds for the same steps, <= 1.1x); DiLoCo's accuracy
-against jdist plain's at the same step (at most one point below). A run that did
-not reach the target (capped by --max-seconds, or out of epochs) gives a
-lower bound, its training seconds, so a ratio against it is a bound ("<=" or
-">="), decided only when the bound settles it; the note then also gives the
-time projected from its median step and the steps plain took on a link
-where it reached the target (same weights, data and arithmetic).
+`summarize` reads the runs of `benchmarks.sections.time_to_accuracy.run` and
+derives, per link, each variant's time to the target against DDP plain's and
+the fastest jdist mode; then the targets: at `TARGET_LINK` the issue's two
+(`targets`), or, where the run has `SLOW_LINK`, issue 28's (`slow_targets`:
+DiLoCo against jdist's and DDP's fastest, against its floors, and its accuracy
+at equal steps). A run that did not reach the target gives a lower bound (its
+training seconds), so a ratio against it is a bound ("<=" or ">="), decided only
+when the bound settles it. Accuracy does not depend on the link, so a figure
+missing on one link comes from another link of the same run, never from
+outside it. The targets and their measurements: docs/diloco.md.
 """
 
 from __future__ import annotations

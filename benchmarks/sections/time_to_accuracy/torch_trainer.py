@@ -1,27 +1,14 @@
 """PyTorch DDP trained like jdist in `benchmarks.sections.time_to_accuracy.run`.
 
-The time-to-accuracy comparison is fair only if DDP trains the same run as
-jdist plain: the same initial weights, the same examples on each rank in the
-same order, the same SGD. So `TorchTrainer` builds
-`benchmarks.harness.torch_peer.SingaCNN` (sized for the data: "SAME" convolutions on
-inputs under 28x28, as `jdist.app.models.CNN`) and loads the flax
-parameters of `benchmarks.sections.accuracy.build_model` into it (`torch_state`):
-
-  * conv kernels: flax HWIO -> torch OIHW;
-  * dense kernels: flax [in, out] -> torch [out, in];
-  * the first dense layer's inputs: flax flattens NHWC feature maps in
-    (h, w, c) order, torch NCHW ones in (c, h, w) order, so its rows are
-    permuted.
-
-It trains with `torch.optim.SGD(lr=accuracy.LEARNING_RATE,
-momentum=accuracy.MOMENTUM)` (optax's trace momentum: v = g + mu v, the
-same update) on the mean cross-entropy, wrapped by `torch_peer.wrap` (DDP
-plain, fp16 hook or PowerSGD) or by `post_local_sgd` ("ddp_postlocal":
-PyTorch's post-local SGD, `post_localSGD_hook` and `PostLocalSGDOptimizer`
-with a `PeriodicModelAverager`, the warm-up and period of jdist's
-`local_sgd32`), and rank r trains on the rows of the replicas it owns in
-jdist's 2x1 layout. torch is a benchmark-only extra, never a
-jdist dependency: only this module and `torch_peer` import it.
+A fair comparison trains the same run as jdist plain: `TorchTrainer` builds
+`benchmarks.harness.torch_peer.SingaCNN` sized for the data and loads the flax
+parameters of `benchmarks.sections.accuracy.build_model` into it (`torch_state`:
+HWIO -> OIHW kernels, transposed dense kernels, the first dense layer's rows
+permuted from NHWC to NCHW flattening), trains it with `torch.optim.SGD` of the
+same rate and momentum on the same rows, wrapped by `torch_peer.wrap` (DDP,
+fp16 hook, PowerSGD) or by `post_local_sgd` ("ddp_postlocal": PyTorch's
+post-local SGD with jdist's `local_sgd32` warm-up and period). Only this module
+and `torch_peer` import torch.
 """
 
 from __future__ import annotations

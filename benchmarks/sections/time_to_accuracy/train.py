@@ -1,55 +1,23 @@
 """Worker section "time_to_accuracy": one variant trained until it reaches a test accuracy.
 
-Runs in each rank of one job of `python -m benchmarks time_to_accuracy`
-(2 processes x 1 device, on one link). Trains SINGA's CNN
-(`benchmarks.sections.accuracy.build_model`, the same initial parameters on every
-rank and in every variant) with batch `batch` per replica over the batches
-of `benchmarks.sections.accuracy.epoch_batches` (the same order everywhere):
+Runs in each rank of one job of `python -m benchmarks time_to_accuracy` (2
+processes x 1 device). SINGA's CNN from the same initial parameters, over the
+same batches (`benchmarks.sections.accuracy.epoch_batches`), as one of:
+`JdistTrainer` (a mode of `benchmarks.sections.accuracy.MODES`; local-update
+modes test the replicas' average), `FloorTrainer` ("compute_floor": the same
+inner SGD step with nothing exchanged), the DDP trainer
+(`benchmarks.sections.time_to_accuracy.torch_trainer`) or `PairedTrainer`
+("<mode>_paired": the DiLoCo mode, the floor and `<mode>_nosync` a step each in
+turn in one job, so the floor ratios meet the same machine load).
 
-  * a jdist mode of `benchmarks.sections.accuracy.MODES` (`JdistTrainer`:
-    `jdist.dist_opt(optax.sgd(0.005, momentum=0.9), **mode)`; DiLoCo and
-    local SGD modes test the replicas' average, which after a sync step is
-    the synced model, and their steps return the replica's own loss, so
-    nothing crosses processes between syncs: the rows' `train_loss` is
-    then rank 0's own);
-  * "compute_floor" (`FloorTrainer`): the same inner SGD step on each
-    rank's own rows with no exchange at all (not even the loss), so its
-    training seconds after S steps are what any exchange scheme costs at
-    least for S steps on this machine (its accuracy is rank 0's own model);
-  * a torch variant, "ddp", "ddp_fp16", "ddp_powersgd" or "ddp_postlocal"
-    (`benchmarks.sections.time_to_accuracy.torch_trainer.TorchTrainer`: DDP over gloo from the same
-    weights and rows; "ddp_postlocal" is PyTorch's post-local SGD with the
-    warm-up and period of jdist's "local_sgd32");
-  * "<mode>_paired" (`PairedTrainer`): the DiLoCo mode, the compute floor and
-    the mode's never-syncing step (`<mode>_nosync`) in one job, one step of
-    each in turn (the order rotating), so the floor ratios meet the same
-    machine (separate jobs on a shared machine saw the floor move 19 -> 24
-    ms); the clock, curve and stop are the mode's own, the floors' cumulative
-    seconds per step are in the final row (`paired_floors`).
-
-Every `eval_every` steps (and after the last step) the training clock stops,
-rank 0 measures the test accuracy and every rank takes rank 0's figure
-(`jdist.runtime.host.allgather_object`), so all ranks decide alike whether
-the target is reached; with `stop_at_target` the run ends there. With `max_seconds` a run also
-ends once its training seconds reach it (after an evaluation there, if the
-step had none): its final row says `capped`. Rank 0's seconds decide, shared
-after every step outside the clock, so every rank stops after the same step
-(decided apart, one rank evaluated while the other stepped on: seen as
-DDP post-local SGD's all-reduce failing at its cap). Rows: one
-per evaluation (`kind` "eval": step, epoch fraction, training seconds so
-far, test accuracy, mean training loss since the previous one), then one
-`kind` "final" row (time and steps to target, None if never reached; the
-median, first and total step time; bytes sent per step for jdist, the
-mean over the steps trained, so DiLoCo's syncs count once per H steps).
-
-The training clock is the sum of step times, each from taking the batch's
-rows to the step's results being ready (`jax.block_until_ready`; DDP's
-backward waits for its all-reduces), so evaluation never counts; jdist's
-first step includes its compilation (`first_step_s` says how long).
+`run_to_target` stops the training clock every `eval_every` steps while rank 0
+measures the test accuracy, which every rank then takes, so all stop after the
+same step (at the target with `stop_at_target`, or at `max_seconds`: `capped`).
+Rows: one per evaluation (`kind` "eval"), then one "final" row (time and steps to
+the target, median / first / total step time, bytes sent per step).
 
 Options (ctx.options): `variant`, `dataset`, `limit`, `epochs`, `batch`,
-`target`, `eval_every` (0: a quarter epoch), `stop_at_target`, `max_seconds`
-(0: no cap).
+`target`, `eval_every` (0: a quarter epoch), `stop_at_target`, `max_seconds`.
 """
 
 from __future__ import annotations
