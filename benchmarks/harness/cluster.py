@@ -37,7 +37,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Sequence
 
 from benchmarks.harness import netns

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 import types
-from typing import Any
+from typing import Any, Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -47,12 +47,17 @@ def mpirun_binary() -> str:
   return here if os.path.exists(here) else (shutil.which("mpirun") or "mpirun")
 
 
+def program_argv(job: Job, out_prefix: str, quick: bool) -> list[str]:
+  """The argv of one of `job`'s ranks: `python -m benchmarks PROGRAM --out --config`."""
+  config = json.dumps({"job": job.name, "sections": [m.__name__ for m in job.sections],
+                       "quick": quick, "backend": job.backend, "options": dict(job.options)})
+  return [sys.executable, "-m", "benchmarks", job.program, "--out", out_prefix,
+          "--config", config]
+
+
 def command(job: Job, out_prefix: str, quick: bool) -> list[str]:
   """The argv that starts `job`'s processes."""
-  config = json.dumps({"job": job.name, "sections": [m.__name__ for m in job.sections],
-                       "quick": quick,
-                       "backend": job.backend, "options": dict(job.options)})
-  worker = [sys.executable, "-m", "benchmarks", job.program, "--out", out_prefix, "--config", config]
+  worker = program_argv(job, out_prefix, quick)
   if job.processes == 1:
     return list(job.prefix) + worker
   launcher = [mpirun_binary(), "-np", str(job.processes), "--oversubscribe"]
@@ -147,28 +152,38 @@ def launch(argv: list[str], env: dict[str, str], timeout: float) -> str | None:
   return None
 
 
-def run(job: Job, *, quick: bool, timeout: float, log=print) -> dict[str, Any]:
-  """Runs `job` to completion (or its timeout) and returns its merged result.
+def collect(job: Job, start_job: Callable[[str], str | None]) -> dict[str, Any]:
+  """Starts `job` with `start_job(out_prefix)` (its failure or None) and merges what
+  its ranks wrote into one result.
 
   A job that fails or times out keeps what its ranks wrote so far, with an
   `error` naming the failure and the end of its output; sections it did not
-  finish have `complete: False`. The rest of the suite still runs.
+  finish have `complete: False`.
   """
   start = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix=f"jdist-bench-{job.name}-") as tmp:
     prefix = os.path.join(tmp, "result")
-    log(f"[{job.name}] {' '.join(m.NAME for m in job.sections)} ...")
-    failure = launch(command(job, prefix, quick), environment(job), timeout)
+    failure = start_job(prefix)
     ranks = []
     for path in sorted(glob.glob(prefix + ".rank*.json")):
       with open(path, encoding="utf-8") as f:
         ranks.append(json.load(f))
   result = merge_ranks(ranks) if len(ranks) == job.processes else {"job": job.name, "sections": {}}
+  result["job"] = job.name
   if failure is not None:
     result["error"] = failure
   elif len(ranks) != job.processes:
     result["error"] = f"{len(ranks)} of {job.processes} ranks wrote results"
   result["wall_s"] = time.perf_counter() - start
+  return result
+
+
+def run(job: Job, *, quick: bool, timeout: float, log=print) -> dict[str, Any]:
+  """Runs `job` to completion (or its timeout) and returns its merged result
+  (`collect`); a failed job does not stop the jobs after it."""
+  log(f"[{job.name}] {' '.join(m.NAME for m in job.sections)} ...")
+  result = collect(job, lambda prefix: launch(command(job, prefix, quick), environment(job),
+                                              timeout))
   log(f"[{job.name}] done in {result['wall_s']:.1f} s"
       + (f": FAILED {result['error'][:300]}" if "error" in result else ""))
   return result

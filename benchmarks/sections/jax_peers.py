@@ -26,7 +26,6 @@ import sys
 from typing import Any, Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree

@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any, Callable
 
@@ -78,43 +75,16 @@ def rank_environment() -> dict[str, str]:
   return dict(jobs_lib.environment(job), **RANK_ENV)
 
 
-def _read_ranks(prefix: str) -> list[dict]:
-  ranks = []
-  for path in sorted(glob.glob(prefix + ".rank*.json")):
-    with open(path, encoding="utf-8") as f:
-      ranks.append(json.load(f))
-  return ranks
-
-
-def _result(name: str, ranks: list[dict], failure: str | None, start: float) -> dict:
-  """One job's merged result (`jobs.merge_ranks`), with an error if it failed."""
-  expected = NODES * PROCESSES_PER_NODE
-  result = jobs_lib.merge_ranks(ranks) if len(ranks) == expected else {"job": name,
-                                                                       "sections": {}}
-  result["job"] = name
-  if failure is not None:
-    result["error"] = failure
-  elif len(ranks) != expected:
-    result["error"] = f"{len(ranks)} of {expected} ranks wrote results"
-  result["wall_s"] = time.perf_counter() - start
-  return result
-
-
 def run_jdist(rig: cluster.Cluster, name: str, sections: list, options: dict, *,
               quick: bool, timeout: float) -> dict:
   """`benchmarks.harness.worker` with `sections` under `mpirun --hostfile` on the rig."""
-  start = time.perf_counter()
-  with tempfile.TemporaryDirectory(prefix="jdist-cluster-bench-") as tmp:
-    prefix = os.path.join(tmp, "result")
-    config = json.dumps({"job": name, "sections": [m.__name__ for m in sections], "quick": quick,
-                         "options": options})
-    worker = [sys.executable, "-m", "benchmarks", "worker", "--out", prefix, "--config", config]
-    extra = [arg for key in list(RANK_ENV) + list(FORWARDED) for arg in ("-x", key)]
-    argv = rig.mpirun_argv(worker, PROCESSES_PER_NODE, jobs_lib.mpirun_binary(), extra)
-    env = dict(rank_environment(), **rig.mpi_env())
-    failure = jobs_lib.launch(argv, env, timeout)
-    ranks = _read_ranks(prefix)
-  return _result(name, ranks, failure, start)
+  job = jobs_lib.Job(name, NODES * PROCESSES_PER_NODE, 1, tuple(sections),
+                     options=tuple(options.items()))
+  extra = [arg for key in list(RANK_ENV) + list(FORWARDED) for arg in ("-x", key)]
+  env = dict(rank_environment(), **rig.mpi_env())
+  return jobs_lib.collect(job, lambda prefix: jobs_lib.launch(rig.mpirun_argv(
+      jobs_lib.program_argv(job, prefix, quick), PROCESSES_PER_NODE, jobs_lib.mpirun_binary(),
+      extra), env, timeout))
 
 
 def torchrun_binary() -> str:
@@ -134,40 +104,39 @@ def run_torch(rig: cluster.Cluster, name: str, options: dict, *, timeout: float)
   The peer's compute-only variant is renamed `torch_compute`, as
   `benchmarks.sections.network.steps` names it, so `network_report` pairs the rows.
   """
-  start = time.perf_counter()
   master = rig.nodes[0]
   port = str(network.free_port())
   env = dict(rank_environment(), GLOO_SOCKET_IFNAME=master.inner_veth, OMP_NUM_THREADS="1")
-  procs, failure = [], None
-  with tempfile.TemporaryDirectory(prefix="jdist-cluster-torch-") as tmp:
-    prefix = os.path.join(tmp, "result")
-    config = json.dumps({"job": name, "options": options})
+  job = jobs_lib.Job(name, NODES * PROCESSES_PER_NODE, 1, (), options=tuple(options.items()),
+                     program="torch_peer")
+
+  def start(prefix: str) -> str | None:
+    procs = []
     for node in rig.nodes:
       command = [torchrun_binary(), "--nnodes", str(NODES), "--nproc-per-node",
                  str(PROCESSES_PER_NODE), "--node-rank", str(node.index), "--master-addr",
-                 master.address, "--master-port", port, "-m", "benchmarks", "torch_peer",
-                 "--out", prefix, "--config", config]
+                 master.address, "--master-port", port] + jobs_lib.program_argv(
+                     job, prefix, False)[1:]
       procs.append(subprocess.Popen(rig.node_argv(node.index, command), env=env,
                                     cwd=jobs_lib.REPO, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, start_new_session=True))
     deadline = time.monotonic() + timeout
     try:
-      outputs = [proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
-                 for proc in procs]
-      bad = [(p, o) for p, o in zip(procs, outputs) if p.returncode != 0]
-      if bad:
-        failure = f"exit status {bad[0][0].returncode}:\n" + bad[0][1].decode(
-            errors="replace")[-3000:]
+      for proc in procs:
+        output = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+        if proc.returncode != 0:
+          return f"exit status {proc.returncode}:\n" + output.decode(errors="replace")[-3000:]
+      return None
     except subprocess.TimeoutExpired:
-      failure = f"timed out after {timeout:.0f} s"
+      return f"timed out after {timeout:.0f} s"
     finally:
       _stop(procs)
-    ranks = _read_ranks(prefix)
-  for rank in ranks:
-    for row in rank["sections"].get("torch", {}).get("rows", []):
-      if row["variant"] == "compute":
-        row["variant"] = "torch_compute"
-  return _result(name, ranks, failure, start)
+
+  result = jobs_lib.collect(job, start)
+  for row in result.get("sections", {}).get("torch", {}).get("rows", []):
+    if row["variant"] == "compute":
+      row["variant"] = "torch_compute"
+  return result
 
 
 def link_plan(link: str, quick: bool, repeats: int | None) -> tuple[list, dict]:
