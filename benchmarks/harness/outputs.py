@@ -1,4 +1,5 @@
-"""Writes every benchmark report: the results as JSON, the Markdown its renderer makes.
+"""Writes every benchmark report: the results as JSON, the Markdown its renderer makes,
+and each rank's results file (`Recorder`).
 
 Each section's run names its renderer (`Run(report=...)`, benchmarks.harness.section);
 the sections hand their results here, so a report file has one writer.
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable
+import time
+import traceback
+from typing import Any, Callable, Iterable
 
 
 def write_report(out_dir: str, results: dict[str, Any], render: Callable[[dict], str], *,
@@ -30,3 +33,39 @@ def write_markdown(path: str, text: str) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w", encoding="utf-8") as f:
     f.write(text)
+
+
+class Recorder:
+  """One rank's results, rewritten to its JSON file after every row.
+
+  A measurement yields one row (a dict) per measurement; when a job hangs and
+  is killed, what was measured and where it stopped survive. One that raises
+  is recorded as an error and the next one runs.
+  """
+
+  def __init__(self, path: str, header: dict[str, Any]):
+    self.path = path
+    self.result = dict(header, sections={})
+
+  def flush(self) -> None:
+    with open(self.path + ".tmp", "w", encoding="utf-8") as f:
+      json.dump(self.result, f, indent=1)
+    os.replace(self.path + ".tmp", self.path)
+
+  def record(self, name: str, rows: Callable[[], Iterable[dict]]) -> None:
+    """Runs `rows()` and records each row it yields under section `name`."""
+    section: dict[str, Any] = {"rows": [], "complete": False}
+    self.result["sections"][name] = section
+    self.flush()
+    start = time.perf_counter()
+    try:
+      for row in rows():
+        section["rows"].append(row)
+        section["wall_s"] = time.perf_counter() - start
+        self.flush()
+      section["complete"] = True
+    except Exception as err:  # pylint: disable=broad-except
+      traceback.print_exc()
+      section["error"] = f"{type(err).__name__}: {err}"
+    section["wall_s"] = time.perf_counter() - start
+    self.flush()

@@ -24,7 +24,6 @@ import json
 import os
 import statistics
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -34,6 +33,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.harness import analysis
+from benchmarks.harness import outputs
 
 VARIANTS = ("compute", "ddp", "ddp_fp16", "ddp_powersgd")
 LEARNING_RATE = 0.01
@@ -158,28 +158,10 @@ def main(args: argparse.Namespace) -> int:
   rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "0")))
   size = int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
   init(rank, size, int(options.get("threads") or 0) or None)
-  section = {"rows": [], "complete": False}
-  result = {"job": config["job"], "topology": f"{size}x1 torch", "rank": rank,
-            "backend": f"torch {torch.__version__} gloo", "init_error": None,
-            "sections": {"torch": section}}
-  path = f"{args.out}.rank{rank}.json"
-
-  def flush():
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=1)
-    os.replace(path + ".tmp", path)
-
-  start = time.perf_counter()
-  try:
-    for row in measure(options, rank):
-      section["rows"].append(row)
-      flush()
-    section["complete"] = True
-  except Exception as err:  # pylint: disable=broad-except
-    traceback.print_exc()
-    section["error"] = f"{type(err).__name__}: {err}"
-  section["wall_s"] = time.perf_counter() - start
-  flush()
+  recorder = outputs.Recorder(f"{args.out}.rank{rank}.json", {
+      "job": config["job"], "topology": f"{size}x1 torch", "rank": rank,
+      "backend": f"torch {torch.__version__} gloo", "init_error": None})
+  recorder.record("torch", lambda: measure(options, rank))
   dist.barrier()
   dist.destroy_process_group()
   return 0

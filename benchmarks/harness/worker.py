@@ -20,14 +20,12 @@ import dataclasses
 import functools
 import importlib
 import json
-import os
-import time
-import traceback
 from typing import Any
 
 import jax
 
 import jdist
+from benchmarks.harness import outputs
 
 
 
@@ -81,39 +79,6 @@ def init_backend(backend: str | None) -> tuple[jdist.Topology, str | None]:
     jax.distributed.initialize = original
 
 
-class Recorder:
-  """This rank's results, rewritten to its JSON file after every row."""
-
-  def __init__(self, path: str, header: dict[str, Any]):
-    self.path = path
-    self.result = dict(header, sections={})
-
-  def flush(self) -> None:
-    with open(self.path + ".tmp", "w", encoding="utf-8") as f:
-      json.dump(self.result, f, indent=1)
-    os.replace(self.path + ".tmp", self.path)
-
-  def run_section(self, qualified: str, ctx: Context) -> None:
-    """Runs the measurement module `qualified` (its `run(ctx)`), recorded under its `NAME`."""
-    module = importlib.import_module(qualified)
-    name = module.NAME
-    section: dict[str, Any] = {"rows": [], "complete": False}
-    self.result["sections"][name] = section
-    self.flush()
-    start = time.perf_counter()
-    try:
-      for row in module.run(ctx):
-        section["rows"].append(row)
-        section["wall_s"] = time.perf_counter() - start
-        self.flush()
-      section["complete"] = True
-    except Exception as err:  # pylint: disable=broad-except
-      traceback.print_exc()
-      section["error"] = f"{type(err).__name__}: {err}"
-    section["wall_s"] = time.perf_counter() - start
-    self.flush()
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--out", required=True, help="path prefix of the per-rank JSON files")
   parser.add_argument("--config", required=True, help="JSON: job, sections (measurement "
@@ -125,10 +90,11 @@ def main(args: argparse.Namespace) -> int:
   topo, init_error = init_backend(config.get("backend"))
   ctx = Context(job=config["job"], quick=bool(config.get("quick")), topo=topo,
                 options=config.get("options", {}))
-  recorder = Recorder(f"{args.out}.rank{ctx.rank}.json", {
+  recorder = outputs.Recorder(f"{args.out}.rank{ctx.rank}.json", {
       "job": ctx.job, "topology": str(topo), "rank": ctx.rank, "backend": topo.backend,
       "init_error": init_error})
   for qualified in config["sections"]:
-    recorder.run_section(qualified, ctx)
+    module = importlib.import_module(qualified)  # a measurement: `NAME` and `run(ctx)`
+    recorder.record(module.NAME, lambda module=module: module.run(ctx))
   jdist.barrier("benchmark end")
   return 0
