@@ -7,7 +7,7 @@ import importlib.metadata
 import os
 import platform
 import subprocess
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from benchmarks.harness import jobs as jobs_lib
 
@@ -108,6 +108,21 @@ def print_targets(targets: Sequence[dict], digits: int = 3) -> None:
   for t in targets:
     print(f"{t['target']} [{t['where']}]: {num(t['measured'], digits)} (bound {t['bound']}) "
           f"{STATUS[t['met']]}" + (f"; {t['note']}" if t.get("note") else ""))
+
+
+def curve_table(runs: Sequence[dict], where: tuple[str, Callable[[dict], str]],
+                cell: Callable[[dict], str]) -> list[str]:
+  """One line per evaluated step, one column per run's variant: `cell(point)` of
+  its curve at that step; `where` names the step's second column and formats it."""
+  variants = [r["variant"] for r in runs]
+  points: dict[int, dict] = {}
+  for run in runs:
+    for point in run.get("curve", []):
+      points.setdefault(point["step"], {})[run["variant"]] = point
+  body = [[step, where[1](next(iter(cells.values())))]
+          + [cell(cells[v]) if v in cells else "" for v in variants]
+          for step, cells in sorted(points.items())]
+  return table(["step", where[0]] + variants, body)
 
 
 def _header(results: dict) -> list[str]:

@@ -131,18 +131,6 @@ def _link_table(rows: list[dict]) -> list[str]:
                        "s to target (tokens)", "time to target / plain's"], body)
 
 
-def _curve_table(runs: list[dict]) -> list[str]:
-  variants = [r["variant"] for r in runs]
-  points: dict[int, dict] = {}
-  for run in runs:
-    for point in run.get("curve", []):
-      points.setdefault(point["step"], {})[run["variant"]] = point
-  body = [[step, f"{next(iter(cells.values()))['tokens'] / 1e6:.3f}"]
-          + [f"{cells[v]['val_loss']:.4f} ({cells[v]['train_s']:.0f} s)" if v in cells else ""
-             for v in variants] for step, cells in sorted(points.items())]
-  return report.table(["step", "M tokens"] + variants, body)
-
-
 def _header(results: dict) -> list[str]:
   options = results["options"]
   first = next((r["final"] for r in results["runs"] if r.get("final")), None)
@@ -189,5 +177,7 @@ def markdown(results: dict) -> str:
   for link, rows in summary["links"].items():
     lines += [f"## {link}", ""] + _link_table(rows)
     lines += ["Validation loss (training seconds) at each evaluation:", ""]
-    lines += _curve_table([r for r in results["runs"] if r["link"] == link])
+    lines += report.curve_table([r for r in results["runs"] if r["link"] == link],
+                                ("M tokens", lambda p: f"{p['tokens'] / 1e6:.3f}"),
+                                lambda p: f"{p['val_loss']:.4f} ({p['train_s']:.0f} s)")
   return "\n".join(lines + time_to_accuracy_report.failures(results["runs"])) + "\n"

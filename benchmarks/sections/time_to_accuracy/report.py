@@ -42,18 +42,6 @@ def _link_table(rows: list[dict]) -> list[str]:
                        "sent per step", "time to target / DDP plain"], body)
 
 
-def _curve_table(runs: list[dict]) -> list[str]:
-  variants = [r["variant"] for r in runs]
-  points = {}
-  for run in runs:
-    for point in run.get("curve", []):
-      points.setdefault(point["step"], {})[run["variant"]] = point
-  body = [[step, f"{next(iter(cells.values()))['epoch']:.2f}"]
-          + [f"{cells[v]['test_accuracy']:.4f} ({cells[v]['train_s']:.0f} s)" if v in cells
-             else "" for v in variants] for step, cells in sorted(points.items())]
-  return report.table(["step", "epoch"] + variants, body)
-
-
 def _header(results: dict) -> list[str]:
   options = results["options"]
   first = next((r["final"] for r in results["runs"] if r.get("final")), None)
@@ -126,7 +114,9 @@ def markdown(results: dict) -> str:
   for link, rows in summary["links"].items():
     lines += [f"## {link}", ""] + _link_table(rows)
     runs = [r for r in results["runs"] if r["link"] == link]
-    lines += ["Test accuracy (training seconds) at each evaluation:", ""] + _curve_table(runs)
+    lines += ["Test accuracy (training seconds) at each evaluation:", ""] + report.curve_table(
+        runs, ("epoch", lambda p: f"{p['epoch']:.2f}"),
+        lambda p: f"{p['test_accuracy']:.4f} ({p['train_s']:.0f} s)")
   return "\n".join(lines + failures(results["runs"])) + "\n"
 
 
