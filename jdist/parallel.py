@@ -170,7 +170,7 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
   def step(*args):
     # Looked up per call, not at decoration: a module-level @data_parallel
     # must leave the user's later jdist.init(...) free to set the job up.
-    job = job_lib.get() or routes.ensure_job()
+    job = job_lib.get() or routes.ensure_job()  # initializes on a first call only
     topo = job.topology
     context.refuse_per_replica_step(name)  # a model axis it cannot use: say so, not JAX
     if check_inputs:
@@ -217,6 +217,13 @@ def _with_out_axes(out: Any, out_axes: Any, name: str) -> Any:
   return out
 
 
+def _note_trace(name: str, args: Any) -> None:
+  """Tells the job step `name` is traced (a step compiled outside its call: no job yet)."""
+  job = job_lib.get()
+  if job is not None:
+    job.step_traced(name, args)
+
+
 def _per_device_step(fn: Callable, name: str, out_axes: Any) -> Callable:
   """The shard_map body: `fn` on one device's arguments, pmap's output axes, an end marker.
 
@@ -235,7 +242,7 @@ def _per_device_step(fn: Callable, name: str, out_axes: Any) -> Callable:
         args.append(jax.tree.map(lambda x: x[0], dynamic[item]))
       else:
         args.append(dynamic[item])
-    job_lib.get().step_traced(name, args)
+    _note_trace(name, args)
     with base.step_scope(name):  # numbers the step's exchanges (the native route's names)
       out = fn(*args)
     return _with_out_axes(out, out_axes, name), jnp.zeros((1,), jnp.int8)
@@ -275,7 +282,7 @@ def _pmap_over_processes(fn: Callable, name: str, static: tuple[int, ...],
                          out_axes: Any) -> Callable:
   """`jax.pmap(fn)` over every process's devices, returning (outputs, end marker)."""
   def with_marker(*args):
-    job_lib.get().step_traced(name, args)
+    _note_trace(name, args)
     with base.step_scope(name):
       return fn(*args), jnp.zeros((), jnp.int8)
 
