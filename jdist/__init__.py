@@ -46,8 +46,8 @@ from jdist.runtime.host import barrier
 from jdist.runtime.host import broadcast_params
 from jdist.runtime.host import host_allreduce
 from jdist.runtime.topology import Topology
-from jdist.collectives.start import init
-from jdist.runtime.topology import current as get_topology
+from jdist.collectives.routes import init
+from jdist.runtime.job import current as get_topology
 from jdist.transforms.allreduce import AllReduceState
 from jdist.transforms.allreduce import allreduce
 from jdist.transforms.allreduce import wire_bytes

@@ -26,7 +26,7 @@ import numpy as np
 
 from jdist.data import batches
 from jdist import errors
-from jdist.runtime import topology as topology_lib
+from jdist.runtime import job as job_lib
 from jdist.runtime import host
 
 _SHOWN = 10  # mismatches an error message lists before "... and N more"
@@ -113,10 +113,10 @@ def check_replicas(tree: Any, *, raise_on_mismatch: bool = False) -> list[Replic
     jdist.errors.ShapeError: a leaf lacks the leading device axis.
     jdist.errors.StructureMismatchError: processes passed different trees.
   """
-  devices = topology_lib.current().local_device_count
+  devices = job_lib.current().local_device_count
   plain = jax.tree.map(_plain, tree)
   # First, so that a tree that differs on one process fails on every process.
-  host.check_structure(plain, "jdist.consistency.check_replicas")
+  job_lib.check_structure(plain, "jdist.consistency.check_replicas")
   with_paths = jax.tree_util.tree_leaves_with_path(plain)
   paths = [jax.tree_util.keystr(path) for path, _ in with_paths]
   copies = [_local_copies(leaf, devices, path) for path, (_, leaf) in zip(paths, with_paths)]

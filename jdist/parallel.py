@@ -23,15 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from jdist.collectives.routes import base
 from jdist.data import batches
-from jdist.runtime import host
-from jdist.runtime import topology as topology_lib
+from jdist.runtime import job as job_lib
 from jdist.collectives import context
-from jdist.collectives import mesh_axes
 from jdist.collectives import ops
-from jdist.collectives import start
-from jdist.collectives import steps
-from jdist.collectives.wire import DATA_AXIS
+from jdist.collectives import routes
+from jdist.collectives.routes.base import DATA_AXIS
 
 
 def _mapped_positions(in_axes, num_args: int, static: Sequence[int]) -> list[int]:
@@ -172,12 +170,13 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
   def step(*args):
     # Looked up per call, not at decoration: a module-level @data_parallel
     # must leave the user's later jdist.init(...) free to set the job up.
-    topo = start.ensure_initialized()
-    mesh_axes.refuse_per_replica_step(name)  # a model axis it cannot use: say so, not JAX
+    job = job_lib.get() or routes.ensure_job()  # initializes on a first call only
+    topo = job.topology
+    context.refuse_per_replica_step(name)  # a model axis it cannot use: say so, not JAX
     if check_inputs:
       check_mapped_inputs(args, _mapped_positions(in_axes, len(args), static),
                           topo.local_device_count, name)
-    if topo.backend == "jax" and topo.multi_process:
+    if topo.backend == "jax" and topo.process_count > 1:
       outputs, marker = multi_process_pmap()(*args)
     else:
       if topo.local_device_count > 1:
@@ -185,7 +184,7 @@ def data_parallel(fn: Callable | None = None, *, donate_argnums: int | Sequence[
         args = _commit_to_mesh(list(args), positions, _axis_flags(in_axes, positions))
       outputs, marker = compiled(*args)
     _limit_inflight(marker)
-    host.note_step_dispatched(marker, name)
+    job.step_dispatched(marker, name)
     return outputs
 
   step.compiled = compiled
@@ -218,6 +217,13 @@ def _with_out_axes(out: Any, out_axes: Any, name: str) -> Any:
   return out
 
 
+def _note_trace(name: str, args: Any) -> None:
+  """Tells the job step `name` is traced (a step compiled outside its call: no job yet)."""
+  job = job_lib.get()
+  if job is not None:
+    job.step_traced(name, args)
+
+
 def _per_device_step(fn: Callable, name: str, out_axes: Any) -> Callable:
   """The shard_map body: `fn` on one device's arguments, pmap's output axes, an end marker.
 
@@ -236,8 +242,8 @@ def _per_device_step(fn: Callable, name: str, out_axes: Any) -> Callable:
         args.append(jax.tree.map(lambda x: x[0], dynamic[item]))
       else:
         args.append(dynamic[item])
-    host.note_step_trace(name, args)
-    with steps.step_scope(name):  # numbers the step's exchanges (the native route's names)
+    _note_trace(name, args)
+    with base.step_scope(name):  # numbers the step's exchanges (the native route's names)
       out = fn(*args)
     return _with_out_axes(out, out_axes, name), jnp.zeros((1,), jnp.int8)
 
@@ -276,8 +282,8 @@ def _pmap_over_processes(fn: Callable, name: str, static: tuple[int, ...],
                          out_axes: Any) -> Callable:
   """`jax.pmap(fn)` over every process's devices, returning (outputs, end marker)."""
   def with_marker(*args):
-    host.note_step_trace(name, args)
-    with steps.step_scope(name):
+    _note_trace(name, args)
+    with base.step_scope(name):
       return fn(*args), jnp.zeros((), jnp.int8)
 
   return jax.pmap(with_marker, axis_name=DATA_AXIS, in_axes=in_axes, out_axes=(out_axes, 0),
@@ -334,7 +340,7 @@ def unreplicate(tree: Any) -> Any:
 def local_replicas(tree: Any) -> list[Any]:
   """Host copies of the tree on each local device, in device order."""
   host = jax.device_get(tree)
-  count = topology_lib.current().local_device_count
+  count = job_lib.current().local_device_count
   return [jax.tree.map(lambda x, i=i: x[i], host) for i in range(count)]
 
 

@@ -15,8 +15,7 @@ from jdist import fusion
 from jdist.collectives import native
 from jdist.collectives import ops
 from jdist.collectives import routes
-from jdist.collectives import start
-from jdist.runtime import host
+from jdist.runtime import job
 from tests import jaxpr_graph
 
 
@@ -105,10 +104,10 @@ def test_host_allreduce_sums_over_processes(topo):
 
 
 def test_the_started_route_is_an_object_named_like_the_topology(topo):
-  route = start.route_named(None)
+  route = routes.named(None)
   assert isinstance(route, routes.Route)
   assert route.name == collectives.route() == topo.route
-  assert start.route_named(route.name) is route
+  assert routes.named(route.name) is route
   if topo.process_count > 1 and native.running():
     assert topo.route == "native"
   # Jit steps take the same route in every topology, MxN included.
@@ -159,9 +158,9 @@ def test_route_selection():
 
 
 def test_structure_mismatch_message_names_first_leaf():
-  a = host._signature({"w": jnp.ones((2, 3)), "b": jnp.ones(3)})
-  b = host._signature({"w": jnp.ones((2, 4)), "b": jnp.ones(3)})
-  message = host._describe_mismatch([a, b], "jdist.psum")
+  a = job._signature({"w": jnp.ones((2, 3)), "b": jnp.ones(3)})
+  b = job._signature({"w": jnp.ones((2, 4)), "b": jnp.ones(3)})
+  message = job._describe_mismatch([a, b], "jdist.psum")
   assert "['w']" in message and "(2, 3)" in message and "(2, 4)" in message and "rank 1" in message
 
 

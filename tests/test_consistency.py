@@ -14,7 +14,7 @@ from jax import lax
 import jdist
 from jdist import consistency
 from jdist import errors
-from jdist.runtime import host
+from jdist.runtime import job
 
 
 def _tree(topo, *, extra=False, wide=False):
@@ -31,20 +31,20 @@ def _tree(topo, *, extra=False, wide=False):
 def test_mismatch_message_names_first_differing_leaf_and_both_sides():
   ours = [("['b']", (2,), "float32"), ("['w']", (2, 4), "float32")]
   theirs = [("['b']", (2,), "float32"), ("['w']", (3, 4), "float32")]
-  text = host._describe_mismatch([ours, theirs], "jdist.psum")  # pylint: disable=protected-access
+  text = job._describe_mismatch([ours, theirs], "jdist.psum")  # pylint: disable=protected-access
   assert text.startswith("jdist.psum: processes hold different pytrees")
   assert "leaf #1: rank 0 has ['w'] shape=(2, 4) dtype=float32, rank 1 has ['w'] shape=(3, 4)" in text
   extra = ours + [("['z_extra']", (5,), "float32")]
-  text = host._describe_mismatch([ours, ours, extra], "x")  # pylint: disable=protected-access
+  text = job._describe_mismatch([ours, ours, extra], "x")  # pylint: disable=protected-access
   assert "leaf #2: rank 0 has no leaf, rank 2 has ['z_extra'] shape=(5,)" in text
 
 
 def test_structure_check_is_a_noop_in_one_process_and_passes_equal_trees(topo):
   # Equal trees pass in every topology; in one process any tree passes.
-  host.check_structure(_tree(topo), "test")
+  job.check_structure(_tree(topo), "test")
   if topo.process_count == 1:
-    host.check_structure(_tree(topo, extra=True, wide=True), "test")
-    host.check_structure({"anything": np.zeros(7)}, "test")
+    job.check_structure(_tree(topo, extra=True, wide=True), "test")
+    job.check_structure({"anything": np.zeros(7)}, "test")
 
 
 @pytest.mark.parametrize("kind", ["extra_leaf", "shape"])

@@ -14,9 +14,9 @@ import optax
 from jax import lax
 
 import jdist
+from jdist.collectives.routes import base
 from jdist import collectives
 from jdist import consistency
-from jdist.collectives import steps
 from jdist.runtime import host
 from jdist.transforms.finite import skip_nonfinite
 from tests import reference
@@ -119,10 +119,10 @@ def test_topk_gather_beside_the_nonfinite_flag_allreduce(topo):
 def test_ordinals_number_a_steps_exchanges_from_zero_each_trace():
   seen = []
   for _ in range(2):
-    with steps.step_scope("s"):
-      seen.append([steps.next_ordinal() for _ in range(3)])
+    with base.step_scope("s"):
+      seen.append([base.next_ordinal() for _ in range(3)])
   assert seen == [[0, 1, 2], [0, 1, 2]]
-  assert steps.next_ordinal() >= 1 << 20  # outside a step: far from a step's
+  assert base.next_ordinal() >= 1 << 20  # outside a step: far from a step's
 
 
 def test_native_route_is_taken_across_processes(topo):

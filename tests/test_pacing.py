@@ -21,7 +21,7 @@ import pytest
 import jdist
 from jdist.collectives import deferred
 from jdist.collectives import native
-from jdist.runtime import world as world_lib
+from jdist.runtime import job as job_lib
 from tests import test_deferred
 
 SEGMENT_BYTES = 64 << 10
@@ -75,7 +75,7 @@ def test_small_sum_passes_a_started_sum_held_back_by_its_peer(topo, paced):
     # latter, paced, one segment was handed to MPI (all of it unpaced).
     assert _in_flight() == (0 if rank else 1 if paced else segments)
     crossed = native.segments_completed()
-    world_lib.get().barrier("test_pacing")
+    job_lib.world().barrier("test_pacing")
     if rank == 0:
       _small(ones)
     else:

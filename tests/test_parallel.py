@@ -99,13 +99,13 @@ def test_decorating_initializes_nothing_subprocess():
   script = textwrap.dedent("""
       import numpy as np
       import jdist
-      from jdist.runtime import topology
+      from jdist.runtime import job
 
       @jdist.data_parallel
       def step(x):
         return jdist.pmean(x)
 
-      assert not topology.is_initialized(), "decorating initialized jdist"
+      assert not job.is_initialized(), "decorating initialized jdist"
       topo = jdist.init(timeout=600)
       assert topo.timeout == 600, topo.timeout
       print("sum", float(step(np.ones((topo.local_device_count, 2), np.float32)).sum()))

@@ -30,14 +30,14 @@ def test_init_rejects_conflicting_backend(topo):
 
 
 def test_timeout_validation(monkeypatch):
-  assert topology_lib._resolve_timeout(5) == 5.0
+  assert topology_lib.resolve_timeout(5) == 5.0
   monkeypatch.setenv(topology_lib.TIMEOUT_ENV, "42")
-  assert topology_lib._resolve_timeout(None) == 42.0
+  assert topology_lib.resolve_timeout(None) == 42.0
   monkeypatch.setenv(topology_lib.TIMEOUT_ENV, "soon")
   with pytest.raises(ValueError, match="JDIST_TIMEOUT='soon'"):
-    topology_lib._resolve_timeout(None)
+    topology_lib.resolve_timeout(None)
   with pytest.raises(ValueError, match="positive"):
-    topology_lib._resolve_timeout(-1)
+    topology_lib.resolve_timeout(-1)
 
 
 def test_init_timeout_comes_from_the_environment_with_a_floor(monkeypatch):
@@ -92,11 +92,11 @@ def test_subprocess_jax_backend_trains_like_one_device():
 _GETTER = (
     "import sys\n"
     "import jdist\n"
-    "from jdist.runtime import topology\n"
+    "from jdist.runtime import job\n"
     "try:\n"
     "  topo = jdist.get_topology()\n"
     "  print('TOPO', topo.process_count, topo.local_device_count, topo.route,\n"
-    "        topology.is_initialized())\n"
+    "        job.is_initialized())\n"
     "except jdist.errors.JdistError as err:\n"
     "  print('ERROR:', err)\n"
     "print('MPI STARTED:', 'mpi4py.MPI' in sys.modules)\n")

@@ -34,6 +34,7 @@ from jdist.compression import sparseloco
 from jdist.consistency import ReplicaMismatchError
 from jdist.runtime import abort
 from jdist.runtime import host
+from jdist.runtime import job as job_lib
 from jdist.runtime import topology
 
 EXIT_USAGE = 2
@@ -256,7 +257,7 @@ def _collective_errors() -> tuple[type, ...]:
 
 def _report_failure(prog: str, err: BaseException) -> int:
   """Prints one error line (rank 0 for collective errors) and ends this process's part."""
-  topo = topology.current() if topology.is_initialized() else None
+  topo = job_lib.current() if job_lib.is_initialized() else None
   text = str(err) or type(err).__name__
   if isinstance(err, _collective_errors()):
     if topo is None or topo.is_primary:

@@ -51,9 +51,10 @@ from etils import epath
 from jdist.checkpoint import layout
 from jdist import errors
 from jdist.data import grain as grain_data
-from jdist.collectives import start as start_lib
+from jdist.collectives import routes
 from jdist.runtime import topology as topology_lib
 from jdist.runtime import host
+from jdist.runtime import job as job_lib
 # Re-exported: the record's format and `fingerprint` are part of this module's API.
 from jdist.checkpoint.layout import (  # pylint: disable=unused-import
     FORMAT, FORMAT_VERSION, fingerprint)
@@ -105,8 +106,8 @@ class CheckpointManager:
     self.directory = epath.Path(os.path.abspath(os.fspath(directory))) if isinstance(
         directory, (str, os.PathLike)) else epath.Path(directory)
     self.keep = keep
-    self.topology = topology or start_lib.init()
-    real = start_lib.init()
+    self.topology = topology or routes.init()
+    real = routes.init()
     if (self.topology.process_count, self.topology.process_index) != (
         real.process_count, real.process_index) or (
             self.topology.local_device_count > jax.local_device_count()):
@@ -244,8 +245,8 @@ class CheckpointManager:
     if not leaves:
       raise ValueError("CheckpointManager.save: the state has no arrays to save.")
     key_impls, host_leaves = layout.host_copies(leaves, style)
-    host.check_structure(jax.tree.unflatten(jax.tree.structure(state), host_leaves),
-                        "jdist.CheckpointManager.save")
+    job_lib.check_structure(jax.tree.unflatten(jax.tree.structure(state), host_leaves),
+                            "jdist.CheckpointManager.save")
     user, problem = layout.encode_metadata(metadata)
     if problem is None and topo.is_primary:
       try:

@@ -17,6 +17,6 @@ from jdist.collectives.ops import pmean
 from jdist.collectives.ops import psum
 from jdist.collectives.ops import reduce_payload
 from jdist.collectives.ops import require_data_parallel
-from jdist.collectives.start import route
-from jdist.collectives.wire import DATA_AXIS
-from jdist.collectives.wire import measure
+from jdist.collectives.routes import route
+from jdist.collectives.routes.base import DATA_AXIS
+from jdist.collectives.routes.base import measure

@@ -47,13 +47,12 @@ import jax
 import numpy as np
 from jax import lax
 
+from jdist.collectives.routes import base
 from jdist import errors
-from jdist.collectives import autodiff
 from jdist.collectives import context
 from jdist.collectives import native
-from jdist.collectives import start as start_lib
-from jdist.collectives import steps
-from jdist.collectives.wire import DATA_AXIS
+from jdist.collectives import routes
+from jdist.collectives.routes.base import DATA_AXIS
 
 START_TARGET = "jdist_deferred_start"
 FINISH_TARGET = "jdist_deferred_finish"
@@ -63,7 +62,7 @@ TOKEN_SHAPE = (3,)  # [ordinal, seq, session]; session 0: nothing in flight
 # A started sum stays on the wire while later steps run exchanges of their
 # own, whose ordinals count from 0 in every step; the engine tags messages by
 # ordinal and segment, so deferred sums take ordinals above any step's
-# (and below the unscoped ones, `steps._UNSCOPED_FIRST`): no two exchanges
+# (and below the unscoped ones, `base._UNSCOPED_FIRST`): no two exchanges
 # in flight share a tag.
 ORDINAL_BASE = 1 << 19
 _registered = False
@@ -105,7 +104,7 @@ def applies(what: str = "a deferred sum") -> bool:
       return False
   except errors.CollectiveContextError:  # traced outside any step
     return False
-  return available(start_lib.active_route())
+  return available(routes.active())
 
 
 def _device(axis: str) -> jax.Array:
@@ -121,12 +120,12 @@ def start(buffer: jax.Array, axis: str = DATA_AXIS) -> jax.Array:
   Returns:
     int32 [3]: [ordinal, seq, session], for `finish`.
   """
-  route = start_lib.active_route()
-  route.record(autodiff.SUM, buffer.nbytes)
+  route = routes.active()
+  route.record(base.SUM, buffer.nbytes)
   _library()
   return jax.ffi.ffi_call(START_TARGET, jax.ShapeDtypeStruct(TOKEN_SHAPE, np.int32),
                           has_side_effect=True)(
-      _device(axis), buffer, ordinal=np.int64(ORDINAL_BASE + steps.next_ordinal()))
+      _device(axis), buffer, ordinal=np.int64(ORDINAL_BASE + base.next_ordinal()))
 
 
 def finish(token: jax.Array, like: jax.ShapeDtypeStruct, axis: str = DATA_AXIS) -> jax.Array:
@@ -191,7 +190,7 @@ def set_segment_bytes(nbytes: int) -> int:
   Its segments cross one at a time, each posted once the previous one
   crossed: at most this many bytes of it are queued ahead of a step's own
   exchange. Starts from `$JDIST_NATIVE_BACKGROUND_SEGMENT_BYTES`, else 64 KiB.
-  Every process must set the same value, between steps.
+  Every process must set the same value, between base.
 
   Args:
     nbytes: wire bytes per segment; 0 or less sends a started sum as any

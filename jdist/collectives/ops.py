@@ -29,13 +29,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jdist.collectives.routes import base
 from jdist.collectives import context
 from jdist import fusion
 from jdist.collectives import routes
 from jdist.collectives.routes.base import HALF_DTYPES
-from jdist.collectives import autodiff
 from jdist.runtime import flight_recorder
-from jdist.runtime import host
+from jdist.runtime import job as job_lib
 
 
 def require_data_parallel(what: str) -> None:
@@ -62,13 +62,13 @@ def _fused(span: context.Span, tree: Any, what: str, reduce_buffer, bucket_bytes
   reduce_one = lambda buffer: reduce_buffer(buffer, span.route, span.axis)
   if not _packs_buckets(span, fuse_local):
     return jax.tree.map(lambda leaf: reduce_one(leaf.reshape(-1)).reshape(leaf.shape), tree)
-  host.check_structure(tree, what)
+  job_lib.check_structure(tree, what)
   leaves, treedef = jax.tree.flatten(tree)
   shapes = [leaf.shape for leaf in leaves]
   buckets = fusion.plan_buckets(leaves, bucket_bytes, first_bucket_bytes=first_bucket_bytes)
   reduced = [reduce_one(fusion.pack(leaves, bucket)) for bucket in buckets]
   # Read together, so a bucket's update cannot wait between two exchanges.
-  reduced = list(autodiff.join(span.route, tuple(reduced))) if len(reduced) > 1 else reduced
+  reduced = list(base.join(span.route, tuple(reduced))) if len(reduced) > 1 else reduced
   out = {}
   for bucket, buffer in zip(buckets, reduced):
     out.update(fusion.unpack(buffer, bucket, shapes))
@@ -174,7 +174,7 @@ def psum(tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES) -> Any:
   transpose is again a sum over every replica. So a replica's gradient of
   `pmean(its local mean loss)` is its local loss's gradient, and averaging
   gradients over replicas (`jdist.allreduce`) gives one device's gradient on
-  the whole batch, in every topology (see `jdist.collectives.autodiff`).
+  the whole batch, in every topology (see `jdist.collectives.routes.base`).
   """
   return _JOBS_ROUTE.psum(tree, bucket_bytes=bucket_bytes)
 

@@ -20,7 +20,7 @@ import optax
 
 from jdist.collectives.routes.base import HALF_DTYPES
 from jdist.compression import protocol
-from jdist.runtime import topology as topology_lib
+from jdist.runtime import job as job_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +121,7 @@ def cast(dtype: Any = jnp.float16) -> optax.GradientTransformation:
 
   def update_fn(updates, state, params=None):
     del params
-    scale = 1.0 / topology_lib.current().replica_count
+    scale = 1.0 / job_lib.current().replica_count
     if isinstance(updates, protocol.WirePayload):
       return updates.to_16bit(dtype, scale), state
     return to_half(updates, dtype, scale), state

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jdist import errors
 from jdist.collectives import context
 from jdist.runtime import host
-from jdist.runtime import topology as topology_lib
+from jdist.runtime import job as job_lib
 
 _AGREED_LIMIT = 64  # global batch signatures every process is known to have passed
 _agreed: set = set()
@@ -117,7 +117,7 @@ def process_slice(global_batch: Any, topology=None) -> Any:
       leaves disagree on G.
   """
   if topology is None:
-    topology = topology_lib.current()
+    topology = job_lib.current()
   size = _leading_size(global_batch, "process_slice")
   if size % topology.replica_count:
     raise _not_divisible("process_slice", size, topology.replica_count,
@@ -155,7 +155,7 @@ def shard_global_batch(global_batch: Any, topology=None) -> Any:
       (naming each rank's).
   """
   if topology is None:
-    topology = topology_lib.current()
+    topology = job_lib.current()
   if topology.process_count > 1:
     check_same_batch(global_batch, "jdist.shard_global_batch")
   return place_process_rows(process_slice(global_batch, topology), topology)
@@ -188,7 +188,7 @@ def check_same_batch(global_batch: Any, what: str) -> None:
     return
   paths = [path for path, _ in jax.tree_util.tree_leaves_with_path(global_batch)]
   mine = _describe_batch(signature[1], paths)
-  rank = topology_lib.current().process_index
+  rank = job_lib.current().process_index
   before = f", after {_last_agreed[0]} until now" if _last_agreed else ""
   every = host.allgather_object(
       (repr(signature), mine),

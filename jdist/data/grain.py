@@ -40,6 +40,7 @@ from jdist.data import batches
 from jdist.data import loader as data
 from jdist import errors
 from jdist.data.epoch_order import check_int
+from jdist.runtime import job as job_lib
 from jdist.runtime import topology as topology_lib
 
 STYLES = ("global", "replicated")
@@ -68,7 +69,7 @@ def _absl_flags_parsed() -> None:
 
 def _topology(topology: topology_lib.Topology | None) -> topology_lib.Topology:
   if topology is None:
-    return topology_lib.current()
+    return job_lib.current()
   if not isinstance(topology, topology_lib.Topology):
     raise ValueError(f"topology={topology!r} must be a jdist.Topology or None (jdist.init()'s).")
   return topology

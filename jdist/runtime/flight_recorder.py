@@ -16,7 +16,7 @@ done), in a ring of the last `SLOTS`:
     by the watchdog's `waiting`, numbered by its host exchange count.
 
 An exchange is named by its ordinal (its position in the step, the same on
-every process; `jdist.collectives.steps`) and its call (how many times this
+every process; `jdist.collectives.routes.base`) and its call (how many times this
 process ran that ordinal before), so the same exchange has the same name on
 every rank. Host exchanges have kind "host" and their count as ordinal.
 

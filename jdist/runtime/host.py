@@ -9,34 +9,31 @@ from __future__ import annotations
 
 from typing import Any
 
-import hashlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdist import errors
 from jdist import fusion
+from jdist.runtime import job as job_lib
 from jdist.runtime import start_check
 from jdist.runtime import topology as topology_lib
-from jdist.runtime import world as world_lib
 
 
 def _world():
   """The MPI world of a job of several processes, else None.
 
   Under an MPI launcher before `jdist.init()`, raises (see
-  `jdist.runtime.topology.current`) rather than exchanging nothing.
+  `jdist.runtime.job.current`) rather than exchanging nothing.
   """
-  world = world_lib.get()
+  world = job_lib.world()
   if world is None and topology_lib.launched_by_mpi():
-    topology_lib.current()  # before jdist.init(): raises, naming it
+    job_lib.current()  # before jdist.init(): raises, naming it
   return world if world is not None and world.size > 1 else None
 
 
 def is_multiprocess() -> bool:
   """True when this process exchanges with others over MPI."""
-  world = world_lib.get()
+  world = job_lib.world()
   return world is not None and world.size > 1
 
 
@@ -45,33 +42,18 @@ def abort(code: int = 1) -> None:
 
   A no-op outside a job of several MPI processes.
   """
-  world = world_lib.get()
+  world = job_lib.world()
   if world is not None and world.size > 1:
     world.abort(code)
 
 
 def mpi_description() -> str | None:
   """The MPI library and its thread level, once MPI is started; else None."""
-  world = world_lib.get()
+  world = job_lib.world()
   if world is None:
     return None
   library = world.MPI.Get_library_version().strip().splitlines()[0]
   return f"{library} (thread multiple: {world.thread_multiple})"
-
-
-def note_step_trace(name: str, args: Any) -> None:
-  """Tells the watchdog a step is traced, with its arguments' shapes.
-
-  Runs only while tracing: a re-trace's shapes, for a divergence report.
-  """
-  if is_multiprocess():
-    world_lib.get().watchdog.note_trace(name, args)
-
-
-def note_step_dispatched(marker: Any, name: str) -> None:
-  """Tells the watchdog a step was dispatched; `marker` is ready when it ends."""
-  if is_multiprocess():
-    world_lib.get().watchdog.step_dispatched(marker, name)
 
 
 def _per_bucket(tree: Any, exchange) -> Any:
@@ -84,48 +66,6 @@ def _per_bucket(tree: Any, exchange) -> Any:
     buffer = np.concatenate([host[i].reshape(-1) for i in bucket.leaf_ids])
     out.update(fusion.unpack(exchange(buffer), bucket, shapes))
   return jax.tree.unflatten(treedef, [out[i] for i in range(len(host))])
-
-
-def _signature(tree: Any) -> list[tuple[str, tuple[int, ...], str]]:
-  leaves = jax.tree_util.tree_leaves_with_path(tree)
-  return [(jax.tree_util.keystr(path), tuple(leaf.shape), str(jnp.dtype(leaf.dtype)))
-          for path, leaf in leaves]
-
-
-def check_structure(tree: Any, what: str) -> None:
-  """Checks that every process holds a pytree of the same signature.
-
-  Host side (call at trace time or outside jit). A no-op in one process.
-
-  Raises:
-    StructureMismatchError: on every rank, naming the first differing leaf.
-  """
-  world = _world()
-  if world is None:
-    return
-  signature = _signature(tree)
-  digest = hashlib.sha256(repr(signature).encode()).hexdigest()
-  digests = world.allgather_object(digest, f"structure check of {what}")
-  if len(set(digests)) == 1:
-    return
-  signatures = world.allgather_object(signature, f"structure check of {what}")
-  raise errors.StructureMismatchError(_describe_mismatch(signatures, what))
-
-
-def _describe_mismatch(signatures: list[list[tuple]], what: str) -> str:
-  reference = signatures[0]
-  for rank, other in enumerate(signatures[1:], start=1):
-    for index in range(max(len(reference), len(other))):
-      mine = reference[index] if index < len(reference) else None
-      theirs = other[index] if index < len(other) else None
-      if mine != theirs:
-        def show(entry):
-          return "no leaf" if entry is None else f"{entry[0]} shape={entry[1]} dtype={entry[2]}"
-        return (f"{what}: processes hold different pytrees, so they cannot be "
-                f"reduced together. First difference at leaf #{index}: rank 0 has "
-                f"{show(mine)}, rank {rank} has {show(theirs)}. Every process must "
-                f"build the same model and optimizer (same shapes and dtypes).")
-  return f"{what}: processes hold different pytree structures ({len(reference)} leaves on rank 0)."
 
 
 def broadcast_params(tree: Any, root: int = 0) -> Any:
@@ -151,7 +91,7 @@ def broadcast_params(tree: Any, root: int = 0) -> Any:
     raise ValueError(f"root={root} is not a process index: there are {size} processes.")
   if world is None:
     return jax.tree.map(jnp.asarray, tree)
-  check_structure(tree, "jdist.broadcast_params")
+  job_lib.check_structure(tree, "jdist.broadcast_params")
   out = _per_bucket(tree, lambda b: world.bcast_array(b, root, "jdist.broadcast_params"))
   start_check.params_broadcast()  # an identical start after all
   return jax.tree.map(jnp.asarray, out)
@@ -166,7 +106,7 @@ def host_allreduce(tree: Any, *, mean: bool = False) -> Any:
   world = _world()
   if world is None:
     return jax.tree.map(np.asarray, tree)
-  check_structure(jax.tree.map(np.asarray, tree), "jdist.host_allreduce")
+  job_lib.check_structure(jax.tree.map(np.asarray, tree), "jdist.host_allreduce")
   out = _per_bucket(tree, lambda b: world.allreduce_array(b, "jdist.host_allreduce"))
   return jax.tree.map(lambda x: x / world.size if mean else x, out)
 

@@ -207,17 +207,6 @@ def describe_diverged_calls(rank: int, calls: dict[int, dict[str, Any]]) -> str:
       "method...) in the same order. Aborting the job."])
 
 
-def trace_signature(args: Any) -> list[tuple[str, str]]:
-  """[(argument path, "dtype[shape]"), ...] of a traced step's array arguments."""
-  import jax  # pylint: disable=g-import-not-at-top
-  out = []
-  for path, leaf in jax.tree_util.tree_leaves_with_path(args):
-    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-      shape = ", ".join(str(d) for d in leaf.shape)
-      out.append((f"argument {jax.tree_util.keystr(path)}", f"{leaf.dtype}[{shape}]"))
-  return out
-
-
 def find_divergence(status: dict[int, dict[str, Any]], grace: float):
   """Two ranks whose waits exclude each other, or None.
 

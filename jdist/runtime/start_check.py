@@ -27,7 +27,7 @@ import numpy as np
 import optax
 
 from jdist import errors
-from jdist.runtime import world as world_lib
+from jdist.runtime import job as job_lib
 
 ENABLE_ENV = "JDIST_CHECK_START"
 _pending: str | None = None  # the error the next traced update raises
@@ -55,7 +55,7 @@ def note_initial_params(params: Any, what: str) -> None:
   A no-op in one process, when disabled, or for traced values.
   """
   global _pending, _checked
-  world = world_lib.get()
+  world = job_lib.world()
   if not enabled() or world is None or world.size == 1:
     return
   leaves = jax.tree.leaves(params)

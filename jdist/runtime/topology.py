@@ -1,11 +1,11 @@
 """Who is where: processes, local devices and replicas.
 
-`init_world()` is the runtime's half of `jdist.init()` (the collective layer's
-`jdist.collectives.start.init` calls it, then starts its route). Launched by
-`mpirun` (an MPI environment with more than one process) it starts the MPI
-world; launched as a plain `python` process it needs no MPI at all. Either
-way it returns the same `Topology` object on every later call. `current()`
-is a getter and starts nothing.
+`Topology` describes this process's place in the job; `BACKENDS` holds the
+starters `jdist.runtime.job.start` (the runtime's half of `jdist.init()`)
+runs once to discover it. Launched by `mpirun` (an MPI environment with
+more than one process) a starter starts the MPI world; launched as a plain
+`python` process it needs no MPI at all. The started topology is the job's
+(`jdist.runtime.job.current`).
 
 A *replica* is one device of one process: the unit of data parallelism. The
 global replica index of local device `d` on process `p` is
@@ -17,12 +17,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-import threading
-from typing import Callable
 
 import jax
 
-from jdist import errors
 from jdist.runtime import abort
 from jdist.runtime import world
 from jdist.runtime import xla_cpu
@@ -118,10 +115,6 @@ class Topology:
             f"replicas (backend {self.backend}, route {self.route})")
 
 
-_lock = threading.Lock()
-_topology: Topology | None = None
-
-
 def launched_by_mpi() -> bool:
   """True when an MPI launcher started this process as one of several."""
   for name in _LAUNCHER_SIZE_VARS:
@@ -166,7 +159,7 @@ def _env_seconds(name: str) -> float | None:
   return seconds
 
 
-def _resolve_timeout(timeout: float | None) -> float:
+def resolve_timeout(timeout: float | None) -> float:
   if timeout is None:
     timeout = _env_seconds(TIMEOUT_ENV)
     if timeout is None:
@@ -200,16 +193,22 @@ def _bind_local_gpu(local_rank: int) -> None:
     jax.config.update("jax_cuda_visible_devices", str(local_rank))
 
 
-def _single_process(timeout: float, bind_gpu: bool | None,
-                    jax_distributed: bool = False) -> Topology:
-  del bind_gpu, jax_distributed  # one process drives every visible device
+def one_process(timeout: float) -> Topology:
+  """The topology of a single process, which drives every visible device."""
   return Topology(0, 1, jax.local_device_count(), backend="none", timeout=timeout)
+
+
+def _single_process(timeout: float, bind_gpu: bool | None,
+                    jax_distributed: bool = False) -> tuple[Topology, None]:
+  del bind_gpu, jax_distributed  # one process drives every visible device
+  return one_process(timeout), None
 
 
 def _mpi_processes(backend: str):
   """The starter of a job of several processes launched by MPI, for `backend`."""
 
-  def start(timeout: float, bind_gpu: bool | None, jax_distributed: bool) -> Topology:
+  def start(timeout: float, bind_gpu: bool | None,
+            jax_distributed: bool) -> tuple[Topology, world.MpiWorld]:
     xla_cpu.reserve_host_threads(jax_distributed or backend == "jax", backend)
     # Raises MissingMPIError if mpi4py is absent. Backend "jax" runs its
     # collectives on JAX's runtime and XLA's cross-process collectives, so it
@@ -242,100 +241,11 @@ def _mpi_processes(backend: str):
     if mpi_world.rank == 0:
       abort.announce_hosts(hosts)
     mpi_world.attach(topology)
-    return topology
+    return topology, mpi_world
 
   return start
 
 
-# backend -> its starter: (timeout, bind_gpu, jax_distributed) -> Topology.
-_BACKENDS = {"mpi": _mpi_processes("mpi"), "jax": _mpi_processes("jax"),
+# backend -> its starter: (timeout, bind_gpu, jax_distributed) -> (Topology, world or None).
+BACKENDS = {"mpi": _mpi_processes("mpi"), "jax": _mpi_processes("jax"),
              "none": _single_process}
-
-
-def init_world(*, timeout: float | None = None, backend: str | None = None,
-               bind_gpu: bool | None = None, jax_distributed: bool = True,
-               finish: Callable[[Topology], Topology] | None = None) -> Topology:
-  """Discovers and starts the processes' world; returns this process's `Topology`.
-
-  The runtime's half of `jdist.init` (see its documentation for the
-  arguments, errors and idempotence): it starts MPI and, for backend "jax",
-  JAX's multi-process runtime, and knows nothing of how steps exchange
-  buffers. The collective layer passes `finish`, which starts its route.
-
-  Args:
-    timeout: see `jdist.init`.
-    backend: see `jdist.init`.
-    bind_gpu: see `jdist.init`.
-    jax_distributed: under mpirun, also start JAX's distributed runtime
-      (see `jdist.init`); backend "jax" always does.
-    finish: called once, under the initialization lock, with the new
-      topology; what it returns is published (e.g. with its `route` named).
-
-  Returns:
-    The `Topology` of this process: the first call's on every later call.
-
-  Raises:
-    jdist.errors.MissingMPIError: launched by mpirun but mpi4py/mpi4jax are
-      not installed.
-    ValueError: an unknown backend or a bad timeout, or arguments that
-      disagree with the first call's.
-  """
-  global _topology
-  with _lock:
-    if _topology is not None:
-      if backend is not None and backend != _topology.backend:
-        raise ValueError(
-            f"jdist.init(backend={backend!r}) after jdist was initialized with "
-            f"backend={_topology.backend!r}; call init once, first.")
-      if timeout is not None and _resolve_timeout(timeout) != _topology.timeout:
-        raise ValueError(
-            f"jdist.init(timeout={timeout!r}) after jdist was initialized with "
-            f"timeout={_topology.timeout:g}; call init once, first.")
-      return _topology
-    resolved_timeout = _resolve_timeout(timeout)
-    if backend is None:
-      backend = "mpi" if launched_by_mpi() else "none"
-    if backend not in _BACKENDS:
-      raise ValueError(f"backend={backend!r} is not one of 'mpi', 'jax', 'none'.")
-    if backend == "none" and launched_by_mpi():
-      raise ValueError(
-          "backend='none' but this process was started by mpirun with several "
-          "processes; use backend='mpi' (the default) or 'jax'.")
-    xla_cpu.avoid_slow_concatenation()
-    topology = _BACKENDS[backend](resolved_timeout, bind_gpu, jax_distributed)
-    if finish is not None:
-      topology = finish(topology)
-    _topology = topology
-    return topology
-
-
-_one_process: Topology | None = None
-
-
-def current() -> Topology:
-  """The initialized `Topology`; a getter: it never starts MPI.
-
-  Before `jdist.init()`, a plain single process gets the one-process
-  topology (nothing is initialized: a later `jdist.init(...)` still sets the
-  job up).
-
-  Raises:
-    jdist.errors.JdistError: not initialized in a process that an MPI
-      launcher started with several processes.
-  """
-  global _one_process
-  if _topology is not None:
-    return _topology
-  if launched_by_mpi():
-    raise errors.JdistError(
-        "jdist is not initialized, but this process was started by an MPI launcher "
-        "with several processes: call jdist.init() first, on every process, before "
-        "anything that needs the job's topology (jdist.get_topology(), jdist.mesh(), "
-        "jdist.broadcast_params, reductions).")
-  if _one_process is None:
-    _one_process = _single_process(_resolve_timeout(None), None)
-  return _one_process
-
-
-def is_initialized() -> bool:
-  return _topology is not None

@@ -49,6 +49,8 @@ import threading
 import time
 from typing import Any
 
+import jax
+
 from jdist.runtime import abort
 from jdist.runtime import flight_recorder
 from jdist.runtime import flight_report
@@ -56,7 +58,6 @@ from jdist.runtime import watchdog_peers
 from jdist.runtime.stall_report import describe_departure
 from jdist.runtime.stall_report import describe_divergence  # re-exported
 from jdist.runtime.stall_report import find_divergence  # re-exported
-from jdist.runtime.stall_report import trace_signature
 from jdist.runtime.stall_report import describe_stall  # re-exported
 from jdist.runtime.stall_report import in_jax_compiler
 from jdist.runtime.stall_report import is_missing
@@ -67,6 +68,17 @@ DEPARTURE_GRACE_S = 5.0  # a wait this old, that a departed rank never reached, 
 DIVERGENCE_GRACE_S = 5.0  # waits this old, in a step and a host exchange that exclude each other
 _POLL_S = 0.1
 _LEAVING_ALONE_S = 1.0  # at exit: peers that have not left by then still run
+
+
+def trace_signature(args: Any) -> list[tuple[str, str]]:
+  """[(argument path, "dtype[shape]"), ...] of a traced step's array arguments."""
+  out = []
+  for path, leaf in jax.tree_util.tree_leaves_with_path(args):
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+      shape = ", ".join(str(d) for d in leaf.shape)
+      out.append((f"argument {jax.tree_util.keystr(path)}", f"{leaf.dtype}[{shape}]"))
+  return out
+
 
 @dataclasses.dataclass
 class _Wait:

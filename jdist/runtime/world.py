@@ -360,11 +360,9 @@ class MpiWorld:
     self.comm.Abort(code)
 
 
-_world: MpiWorld | None = None
-_lock = threading.Lock()
 def start(timeout: float, init_timeout: float, launcher_rank: int = 0, *,
           jax_distributed_runtime: bool = True, xla_collectives: bool = False) -> MpiWorld:
-  """Initializes MPI once and returns the world.
+  """Initializes MPI and returns the world (`jdist.runtime.job.start` calls it once).
 
   Then, with `jax_distributed_runtime`, JAX's distributed runtime, so that
   `jax.process_index()` is this MPI rank (`jdist.runtime.jax_distributed`).
@@ -384,15 +382,7 @@ def start(timeout: float, init_timeout: float, launcher_rank: int = 0, *,
       distributed runtime cannot start.
     jdist.errors.CoordinatorError: JAX's coordinator was not reached in time.
   """
-  global _world
-  with _lock:
-    if _world is None:
-      _world = MpiWorld(_import_mpi_within(init_timeout, launcher_rank), timeout, init_timeout)
-      if jax_distributed_runtime:
-        jax_distributed.start(_world, xla_collectives=xla_collectives)
-    return _world
-
-
-def get() -> MpiWorld | None:
-  """The MPI world, or None in a single-process run."""
-  return _world
+  world = MpiWorld(_import_mpi_within(init_timeout, launcher_rank), timeout, init_timeout)
+  if jax_distributed_runtime:
+    jax_distributed.start(world, xla_collectives=xla_collectives)
+  return world

@@ -5,7 +5,7 @@ Two numbers say whether a compressed exchange does what it should:
   * the **compression ratio**: the bytes a dense all-reduce of the gradient
     would have sent across processes, over the bytes the step's jdist
     transformations did send (`jdist.wire_bytes`), both counted the way
-    `jdist.collectives.wire` counts them (2(P-1)/P * b for a sum of b bytes);
+    `jdist.collectives.routes.base` counts them (2(P-1)/P * b for a sum of b bytes);
   * the **residual norm**: the L2 norm, over every leaf, of what error
     feedback holds back (the `residual` field of `jdist.topk` /
     `jdist.threshold`, `jdist.powersgd` and `jdist.qsgd` states, and of any
@@ -80,7 +80,7 @@ def dense_wire_bytes(params: Any, processes: int) -> float:
     processes: processes in the job (one process sends nothing across processes).
 
   Returns:
-    2(P-1)/P times the gradient's bytes, as `jdist.collectives.wire` counts a sum.
+    2(P-1)/P times the gradient's bytes, as `jdist.collectives.routes.base` counts a sum.
   """
   nbytes = sum(int(np.size(leaf)) * jnp.dtype(leaf.dtype).itemsize
                for leaf in jax.tree.leaves(params))

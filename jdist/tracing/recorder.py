@@ -34,7 +34,7 @@ from jdist.tracing import chrome_trace as timeline_format
 from jdist.collectives import native
 from jdist.runtime import flight_recorder
 from jdist.runtime import host
-from jdist.runtime import topology as topology_lib
+from jdist.runtime import job as job_lib
 
 DEFAULT_MAX_RECORDS = 20_000  # per rank: a few MB of JSON (docs/timeline.md)
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -107,9 +107,9 @@ class Timeline:
     self._jit_rows_at = 0.0  # when the poller last saw an exchange
     self._steps_recorded = 0
     self._poller: threading.Thread | None = None
-    self.rank = topology_lib.current().process_index
+    self.rank = job_lib.current().process_index
     self._counters = timeline_counters.Dispatcher(
-        max(1, topology_lib.current().process_count))
+        max(1, job_lib.current().process_count))
 
   # -- recording -------------------------------------------------------------
 
@@ -261,7 +261,7 @@ class Timeline:
     if self._steps_recorded:
       return None
     traced = jit_steps.traced_names()
-    topo = topology_lib.current()
+    topo = job_lib.current()
     if self.function is not None and self.function not in traced:
       return (f"no step of {self.function} was recorded: it is not a jdist.data_parallel step, "
               f"and no jax.jit step of that name ran a jdist exchange (jdist.pmean, "
@@ -299,8 +299,8 @@ class Timeline:
   def _fetch_exchanges(self) -> list[tuple]:
     """Exchanges finished since the last call: the engine's rows, then the recorder's."""
     out = []
-    devices = max(1, topology_lib.current().local_device_count)
-    processes = max(1, topology_lib.current().process_count)
+    devices = max(1, job_lib.current().local_device_count)
+    processes = max(1, job_lib.current().process_count)
     rows = []
     while True:  # a small buffer each time: this runs every step
       more = native.take_trace(_ROWS_PER_TAKE)

@@ -20,7 +20,7 @@ class AllReduceState(NamedTuple):
 
   Attributes:
     wire_bytes: bytes this process sent across processes in the last step
-      (float32; see `jdist.collectives.wire` for how they are counted).
+      (float32; see `jdist.collectives.routes.base` for how they are counted).
   """
   wire_bytes: jax.Array
 

@@ -66,7 +66,7 @@ from jdist.compression import half as half_lib
 from jdist.compression import protocol
 from jdist.compression import qsgd as qsgd_lib
 from jdist.compression import sparseloco
-from jdist.runtime import topology as topology_lib
+from jdist.runtime import job as job_lib
 from jdist.transforms import diloco_background as background
 
 PAYLOADS = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
@@ -222,7 +222,7 @@ def replica_mean(tree: Any, codec) -> Any:
   """Mean over every replica, in full precision or through jdist's 16-bit codec."""
   if codec is None:
     return collectives.reduce_payload(tree, mean=True)
-  scale = 1.0 / topology_lib.current().replica_count
+  scale = 1.0 / job_lib.current().replica_count
   return collectives.reduce_payload(half_lib.to_half(tree, codec, scale), mean=True)
 
 
@@ -343,7 +343,7 @@ class _Fragments:
     x = fusion.ravel(delta, jnp.float32) + fusion.ravel(missed, jnp.float32)
     payload, sent = sparseloco.encode(x, spec, self.codec.ratio)
     token, self.sent[p + 1] = background.start_gather(payload.to_wire())
-    share = sent * (1.0 / topology_lib.current().replica_count)
+    share = sent * (1.0 / job_lib.current().replica_count)
     pending, residual = list(pending), list(residual)
     for i, mine, left in zip(self.plan[p], fusion.unravel(share, spec),
                              fusion.unravel(x - sent, fusion.flat_spec(missed))):
@@ -359,7 +359,7 @@ class _Fragments:
 
     def gathered_mean():
       everyone = background.finish_gather(token, sparseloco.wire_size(ctx))
-      return sparseloco.decode_sum(everyone, ctx) * (1.0 / topology_lib.current().replica_count)
+      return sparseloco.decode_sum(everyone, ctx) * (1.0 / job_lib.current().replica_count)
 
     return background.average(mine, token, gathered_mean)
 

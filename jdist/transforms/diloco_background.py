@@ -30,7 +30,7 @@ from jax import lax
 from jdist import collectives
 from jdist import fusion
 from jdist.collectives import deferred
-from jdist.runtime import topology as topology_lib
+from jdist.runtime import job as job_lib
 
 TOKEN_SHAPE = deferred.TOKEN_SHAPE  # DiLoCoState.in_flight's rows
 
@@ -55,7 +55,7 @@ def start(delta: list[jax.Array], pending: list[jax.Array],
     exchange; the token for `average`; the bytes it sends across processes).
   """
   share = fusion.ravel(delta, jnp.float32) * jnp.float32(
-      1.0 / topology_lib.current().replica_count)  # as collectives.reduce_payload's mean
+      1.0 / job_lib.current().replica_count)  # as collectives.reduce_payload's mean
   with collectives.measure("DiLoCo") as ledger:
     token = deferred.start(share)
   pending = list(pending)
@@ -70,7 +70,7 @@ def start_gather(wire: jax.Array) -> tuple[jax.Array, float]:
   Returns:
     (the token for `finish_gather`; the bytes it sends across processes).
   """
-  replicas = topology_lib.current().replica_count
+  replicas = job_lib.current().replica_count
   words = lax.bitcast_convert_type(jnp.pad(wire, (0, -wire.shape[0] % 4)).reshape(-1, 4),
                                    jnp.int32)
   rows = jnp.zeros((replicas, words.shape[0]), jnp.int32).at[collectives.replica_index()].set(
@@ -82,7 +82,7 @@ def start_gather(wire: jax.Array) -> tuple[jax.Array, float]:
 
 def finish_gather(token: jax.Array, size: int) -> jax.Array:
   """Every replica's `size` bytes started by `start_gather`: uint8 [R, size]."""
-  replicas = topology_lib.current().replica_count
+  replicas = job_lib.current().replica_count
   words = -(-size // 4)
   summed = deferred.finish(token, jax.ShapeDtypeStruct((replicas * words,), jnp.int32))
   rows = lax.bitcast_convert_type(summed.reshape(replicas, words), jnp.uint8)

@@ -1,14 +1,15 @@
-"""jdist's native exchange: an XLA FFI custom call into a small C++ engine.
+"""jdist's native exchange: an XLA FFI custom call into a small C++ engine, and its route.
 
-The route across processes for several devices per process (`"native"` in
-`jdist.collectives.route()`). Each exchange of a step is one custom call per
+The route across processes for several devices per process (`NativeRoute`,
+`"native"` in `jdist.collectives.route()`), the default wherever the engine
+runs. Each exchange of a step is one custom call per
 device (`jax.ffi.ffi_call(..., has_side_effect=True)`, no JAX effect, so it
 is accepted in a multi-device pmap). The handler does not block: it hands its
 device's buffer to the engine and returns an XLA future. Once every local
 device has posted, the engine reduces the parts in C++ and runs the
 cross-process part with non-blocking MPI on a communicator of its own, tagged
 by the exchange's ordinal (its position in the step, fixed when the step is
-traced; see `jdist.collectives.steps`). Since no device thread waits inside
+traced; see `jdist.collectives.routes.base`). Since no device thread waits inside
 an exchange, exchanges may complete in any order, inside `lax.cond` branches
 as well, without the deadlocks of blocking host callbacks.
 
@@ -34,9 +35,11 @@ import threading
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jdist.collectives.routes.base import Route
 from jdist.runtime import flight_recorder
 from jdist.runtime import topology
 
@@ -343,7 +346,7 @@ def enable_trace(on: bool) -> bool:
 FLIGHT_COLUMNS = ("id", "ordinal", "call", "kind", "bytes", "state", "posted_ns", "wire_ns",
                   "done_ns")
 FLIGHT_SLOTS = 256
-_KIND_NAMES = ("sum", "sum16", "gather")  # JdistKind, as jdist.collectives.autodiff names them
+_KIND_NAMES = ("sum", "sum16", "gather")  # JdistKind, as jdist.collectives.routes.base names them
 
 
 def flight_snapshot() -> np.ndarray:
@@ -366,7 +369,7 @@ def flight_rows() -> list[flight_recorder.Entry]:
 def process_index_value() -> jax.Array | None:
   """This process's index as an int32 read at run time, on CPU devices; else None.
 
-  Every process then compiles the same program (see `jdist.collectives.steps`).
+  Every process then compiles the same program (see `jdist.collectives.routes.base.rank_value`).
   """
   if not _started or "cpu" not in _registered:
     return None
@@ -395,3 +398,51 @@ def call(kind: int, buffer: jax.Array, result: jax.ShapeDtypeStruct, ordinal: in
   return jax.ffi.ffi_call(TARGET, result, has_side_effect=True,
                           input_output_aliases=aliases)(
       device, buffer, ordinal=np.int64(ordinal), kind=np.int32(kind))
+
+
+class NativeRoute(Route):
+  """jdist's C++ engine, one FFI custom call per exchange and device."""
+
+  name = "native"
+
+  def join(self, buffers: list[jax.Array]) -> list[jax.Array]:
+    """Every reduced bucket, read only once all of them are: lets the exchanges
+    run beside the rest of the backward pass (`join`)."""
+    return join(buffers)
+
+  def process_index_value(self) -> jax.Array:
+    """Read at run time on CPU (no literal in the program at all), else behind a barrier."""
+    value = process_index_value()
+    return super().process_index_value() if value is None else value
+
+  def _call(self, kind: int, buffer: jax.Array, result: jax.ShapeDtypeStruct,
+            ordinal: int, axis: str) -> jax.Array:
+    return call(kind, buffer, result, ordinal, axis)
+
+  def _sum(self, buffer: jax.Array, ordinal: int, axis: str) -> jax.Array:
+    """Any numeric dtype: those the engine sums directly, others through them."""
+    dtype = buffer.dtype
+    if buffer.size == 0:
+      return buffer
+    if np.dtype(dtype) in SUM_DTYPES:
+      return self._call(SUM, buffer, jax.ShapeDtypeStruct(buffer.shape, dtype), ordinal,
+                        axis)
+    if jnp.issubdtype(dtype, jnp.complexfloating):  # a sum of (real, imag) pairs
+      parts = jnp.stack([buffer.real, buffer.imag], axis=-1).reshape(-1)
+      summed = self._sum(parts, ordinal, axis).reshape(-1, 2)
+      return lax.complex(summed[:, 0], summed[:, 1]).astype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating):  # float8 and friends: in float32
+      return self._sum(buffer.astype(jnp.float32), ordinal, axis).astype(dtype)
+    wide = jnp.int64 if jnp.dtype(dtype).itemsize == 8 else jnp.int32
+    return self._sum(buffer.astype(wide), ordinal, axis).astype(dtype)  # bools, small ints
+
+  def _sum16(self, buffer: jax.Array, ordinal: int, axis: str) -> jax.Array:
+    if buffer.shape[0] == 0:
+      return buffer
+    return self._call(SUM16, buffer, jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
+                      ordinal, axis)
+
+  def _gather(self, buffer: jax.Array, ordinal: int, axis: str) -> jax.Array:
+    return self._call(GATHER, buffer,
+                      jax.ShapeDtypeStruct((self.replicas,) + buffer.shape, buffer.dtype),
+                      ordinal, axis)

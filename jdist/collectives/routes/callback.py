@@ -13,8 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from jdist.collectives import autodiff
-from jdist.collectives import steps
+from jdist.collectives.routes import base
 from jdist.runtime import flight_recorder
 from jdist.collectives.routes.base import Route
 from jdist.collectives.routes.base import bits
@@ -29,11 +28,11 @@ from jdist.collectives.routes.base import pad_to
 # become ready, and device 0 of process A waiting in exchange X's local
 # all-gather for device 1, itself in exchange Y's MPI call waiting for process
 # B, where the roles are swapped, is a deadlock (seen in 2x2 with a flag
-# all-reduce beside a top-K all-gather). `steps.chain_input` makes each
+# all-reduce beside a top-K all-gather). `base.chain_input` makes each
 # exchange's input depend on the previous exchange's output in the trace
-# (`chained`: `autodiff.exchange` does it around the exchange's primitive).
-after_previous_exchange = steps.chain_input
-exchange_done = steps.chain_output
+# (`chained`: `base.exchange` does it around the exchange's primitive).
+after_previous_exchange = base.chain_input
+exchange_done = base.chain_output
 
 
 def host_callback(host_fn, axis: str, result: jax.ShapeDtypeStruct, *args):
@@ -103,7 +102,7 @@ class CallbackRoute(Route):
     shard = pad_to(buffer, devices)
     if devices > 1:
       shard = lax.psum_scatter(shard, axis, tiled=True)
-    shard = host_callback(self._recorded(self._host_allreduce, autodiff.SUM, ordinal, buffer),
+    shard = host_callback(self._recorded(self._host_allreduce, base.SUM, ordinal, buffer),
                           axis, jax.ShapeDtypeStruct(shard.shape, shard.dtype), shard)
     if devices > 1:
       shard = lax.all_gather(shard, axis, tiled=True)
@@ -114,7 +113,7 @@ class CallbackRoute(Route):
     padded = pad_to(buffer, devices * self.processes)
     shard = local_sum16(padded, devices, axis).astype(dtype) if devices > 1 else padded
     is_bf16 = np.int32(dtype == jnp.bfloat16)
-    shard_bits = host_callback(self._recorded(self._host_sum16, autodiff.SUM16, ordinal, buffer),
+    shard_bits = host_callback(self._recorded(self._host_sum16, base.SUM16, ordinal, buffer),
                                axis, jax.ShapeDtypeStruct(shard.shape, jnp.uint16),
                                bits(shard), is_bf16)
     shard = from_bits(shard_bits, dtype)
@@ -125,7 +124,7 @@ class CallbackRoute(Route):
   def _gather(self, buffer: jax.Array, ordinal: int, axis: str) -> jax.Array:
     processes, devices = self.processes, self.devices
     per_process = host_callback(
-        self._recorded(self._host_allgather, autodiff.GATHER, ordinal, buffer), axis,
+        self._recorded(self._host_allgather, base.GATHER, ordinal, buffer), axis,
         jax.ShapeDtypeStruct((processes,) + buffer.shape, buffer.dtype),
         buffer)
     if devices == 1:

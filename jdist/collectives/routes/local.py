@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax
 from jax import lax
 
-from jdist.collectives import wire
-from jdist.collectives.wire import DATA_AXIS
+from jdist.collectives.routes import base
+from jdist.collectives.routes.base import DATA_AXIS
 from jdist.collectives.routes.base import Route
 from jdist.collectives.routes.base import local_sum16
 from jdist.collectives.routes.base import pad_to
@@ -23,7 +23,7 @@ class LocalRoute(Route):
 
   def sum_all(self, buffer: jax.Array, axis: str = DATA_AXIS) -> jax.Array:
     if self.processes > 1:  # backend "jax": XLA's collectives cross processes
-      wire.record(2 * (self.processes - 1) / self.processes * buffer.nbytes, 1)
+      base.add_to_ledger(2 * (self.processes - 1) / self.processes * buffer.nbytes, 1)
     return lax.psum(buffer, axis)
 
   def _exchange(self, kind: str, buffer: jax.Array, axis: str) -> jax.Array:

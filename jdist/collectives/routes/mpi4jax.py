@@ -11,7 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jdist.collectives.wire import DATA_AXIS
+from jdist.collectives.routes.base import DATA_AXIS
 from jdist.runtime import world as world_lib
 from jdist.collectives.routes.base import Route
 from jdist.collectives.routes.base import add_rows
