@@ -11,11 +11,10 @@ the same assertions check all three topologies.
 import os
 import tempfile
 
-_devices = int(os.environ.get("JDIST_TEST_DEVICES", "4"))
-os.environ["XLA_FLAGS"] = " ".join(
-    [f for f in os.environ.get("XLA_FLAGS", "").split()
-     if not f.startswith("--xla_force_host_platform_device_count")]
-    + [f"--xla_force_host_platform_device_count={_devices}"])
+from tests import launch  # imports no JAX
+
+os.environ["XLA_FLAGS"] = launch.xla_flags(int(os.environ.get("JDIST_TEST_DEVICES", "4")),
+                                          os.environ.get("XLA_FLAGS", ""))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the whole run, the jobs tests launch
 # included (they inherit the environment): the three sessions and dozens of
@@ -37,15 +36,18 @@ import jdist  # noqa: E402
 def rig_ready():
   """Skips (fails under CI) a test that needs the multi-node rig where it cannot be built."""
   from benchmarks.harness import cluster  # pylint: disable=g-import-not-at-top
-  from tests import launch  # pylint: disable=g-import-not-at-top
   launch.require(cluster.missing_requirements(), "the multi-node rig")
 
 
-@pytest.fixture(scope="session")
-def topo():
-  """The job's topology: 1x4 under plain pytest, 2xN under mpirun."""
-  return jdist.init()
+def pytest_collection_modifyitems(items):
+  """Groups the tests for pytest-xdist's workers (`--dist loadgroup`): a file's on one worker.
 
-
-def pytest_report_header(config):
-  return f"jdist test topology: {jdist.init()}"
+  A file's module and session fixtures (the benchmarks' quick run) then run
+  once, not once per worker. The rig's tests, in several files, share one
+  group and run one after another: each builds network namespaces on a free
+  10.x subnet and kills what runs on them, and two at once would race for the
+  subnet. Under plain pytest the marks do nothing.
+  """
+  for item in items:
+    rig = "rig_ready" in getattr(item, "fixturenames", ())
+    item.add_marker(pytest.mark.xdist_group("rig" if rig else item.nodeid.split("::")[0]))
