@@ -51,3 +51,13 @@ def pytest_collection_modifyitems(items):
   for item in items:
     rig = "rig_ready" in getattr(item, "fixturenames", ())
     item.add_marker(pytest.mark.xdist_group("rig" if rig else item.nodeid.split("::")[0]))
+
+
+@pytest.fixture(scope="session")
+def topo():
+  """The job's topology: 1x4 under plain pytest, 2xN under mpirun."""
+  return jdist.init()
+
+
+def pytest_report_header(config):
+  return f"jdist test topology: {jdist.init()}"
