@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from benchmarks.harness import report
 from benchmarks.sections.time_to_accuracy.targets import (  # pylint: disable=unused-import
-    FLOOR, is_local, show_ratio, summarize)
+    is_local, show_ratio, summarize)
 
 
 def _seconds(row: dict) -> str:
@@ -69,10 +69,10 @@ def _header(results: dict) -> list[str]:
 
 
 def _local_lines(results: dict) -> list[str]:
-  """The header's lines on DiLoCo, local SGD, the floor and the caps, where they ran."""
+  """The header's lines on DiLoCo, local SGD, the paired floors and the caps, where they ran."""
   options, variants = results["options"], {r["variant"] for r in results["runs"]}
   lines = []
-  if any(is_local(v) or v in (FLOOR, "ddp_postlocal") for v in variants):
+  if any(is_local(v) or v == "ddp_postlocal" for v in variants):
     lines.append(
         "Low-communication modes: `dist_opt(inner, diloco=H)` (`jdist.diloco`, inner = "
         "the same SGD, outer `optax.sgd(0.7, momentum=0.9, nesterov=True)`; sdiloco32: "
@@ -84,17 +84,14 @@ def _local_lines(results: dict) -> list[str]:
         "`PostLocalSGDOptimizer` with `PeriodicModelAverager(period=32, warmup_steps=32)`. "
         "Their replicas differ between syncs: an evaluation tests the replicas' average "
         "(an exchange outside the clock; on a sync step, the synced model). "
-        f"{FLOOR}: the same SGD steps with `jax.jit` on each rank's own rows and nothing "
-        "exchanged (not even the loss); its accuracy is rank 0's own model. "
-        "<mode>_nosync: that DiLoCo mode's own floor, the same step with a sync period "
-        "longer than the run (nothing exchanged; an evaluation averages the replicas "
-        "outside the clock). Sent per step: the mean over the steps trained.")
+        "<mode>_paired: that DiLoCo mode, its compute floor (the same SGD steps with "
+        "`jax.jit` on each rank's own rows, nothing exchanged) and its own never-syncing "
+        "step (`<mode>_nosync`) a step each in turn in one job. Sent per step: the mean "
+        "over the steps trained.")
   caps = ", ".join(f"{k} {v:g} s" for k, v in options.get("caps", {}).items())
   if options.get("max_seconds") or caps:
     lines.append(f"Caps (training seconds): {options.get('max_seconds') or 'none'} s "
                  f"each{'; ' + caps if caps else ''}.")
-  lines += [f"{k} ran {v} (the DiLoCo mode that reached the target soonest before)."
-            for k, v in options.get("resolved", {}).items()]
   return lines
 
 

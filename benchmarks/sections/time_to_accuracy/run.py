@@ -9,11 +9,10 @@
 Each (link, variant) is one job of 2 processes x 1 device in the link's fresh
 shaped namespace (shm: none), training SINGA's CNN to `--target` test accuracy
 (`benchmarks.sections.time_to_accuracy.train`): jdist's modes
-(`benchmarks.sections.accuracy.MODES`), `compute_floor`, `<mode>_nosync`,
-`<mode>_paired` and DDP over gloo (`ddp`, `ddp_fp16`, `ddp_powersgd`,
-`ddp_postlocal`), from the same weights, data order and rows per rank.
-`diloco_best@LINK` runs the DiLoCo mode that reached the target soonest on the
-links before LINK. A variant is `NAME` (every link) or `NAME@LINK`; the variants
+(`benchmarks.sections.accuracy.MODES`), `<mode>_paired` (a DiLoCo mode with
+its compute floors in the same job) and DDP over gloo (`ddp`, `ddp_fp16`,
+`ddp_powersgd`, `ddp_postlocal`), from the same weights, data order and rows
+per rank. A variant is `NAME` (every link) or `NAME@LINK`; the variants
 in `--full` train every epoch instead of stopping at the target; `--max-seconds`
 (`--max-seconds-of` per variant) caps a run, whose seconds then bound its time
 to the target. The method and the measured runs: docs/communication.md (time to
@@ -43,11 +42,10 @@ from benchmarks.sections.network import shaped as network
 from benchmarks.sections.time_to_accuracy import report as time_to_accuracy_report
 from benchmarks.sections.time_to_accuracy import train as train_to_target
 
-BEST_DILOCO = "diloco_best"  # resolved when its link comes: see resolve_best_diloco
-VARIANTS = (tuple(accuracy.MODES) + (train_to_target.FLOOR,) + train_to_target.TORCH_VARIANTS
+VARIANTS = (tuple(mode for mode in accuracy.MODES if not accuracy.never_syncs(mode))
+            + train_to_target.TORCH_VARIANTS
             + tuple(mode + accuracy.PAIRED for mode, options in accuracy.MODES.items()
-                    if "diloco" in options and not accuracy.never_syncs(mode))
-            + (BEST_DILOCO,))
+                    if "diloco" in options and not accuracy.never_syncs(mode)))
 DEFAULTS = {"links": "1gbit,100mbit", "variants": "ddp,plain@1gbit,powersgd4,powersgd1",
             "full": "plain,powersgd4,powersgd1", "dataset": "auto", "epochs": 4,
             "target": 0.88}
@@ -95,20 +93,6 @@ def parse_caps(text: str, links: list[str],
   return caps
 
 
-def is_diloco(variant: str) -> bool:
-  """A DiLoCo mode that syncs (not a `*_nosync` floor)."""
-  return (variant in accuracy.MODES and "diloco" in accuracy.MODES[variant]
-          and not accuracy.never_syncs(variant))
-
-
-def resolve_best_diloco(runs: list[dict]) -> str | None:
-  """The DiLoCo mode that reached the target in the fewest training seconds in `runs`."""
-  reached = [r for r in runs if is_diloco(r["variant"]) and r.get("final")
-             and r["final"].get("time_to_target_s") is not None]
-  best = min(reached, key=lambda r: r["final"]["time_to_target_s"], default=None)
-  return best and best["variant"]
-
-
 def variant_job(link: netns.Link, variant: str, options: dict[str, Any]) -> jobs_lib.Job:
   """The job training `variant` on `link` (placed in its namespace by the caller)."""
   env = network.gloo_env() if variant in train_to_target.TORCH_VARIANTS else ()
@@ -121,8 +105,7 @@ def run_record(link: str, variant: str, result: dict) -> dict[str, Any]:
   section = result.get("sections", {}).get(train_to_target.NAME, {})
   rows = section.get("rows", [])
   final = next((r for r in rows if r["kind"] == "final"), None)
-  framework = ("torch" if variant in train_to_target.TORCH_VARIANTS else "none"
-               if variant == train_to_target.FLOOR else "jdist")
+  framework = "torch" if variant in train_to_target.TORCH_VARIANTS else "jdist"
   return {"link": link, "variant": variant, "framework": framework,
           "curve": [r for r in rows if r["kind"] == "eval"], "final": final,
           "error": result.get("error") or section.get("error"), "wall_s": result["wall_s"]}
@@ -152,14 +135,13 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print,
              "batch": args.batch, "target": args.target, "eval_every": args.eval_every}
   netns.remove_stale()
   runs = []
-  resolved = {}
 
   def results_now() -> dict[str, Any]:
     environment["load_average_end"] = list(os.getloadavg())
     results = {"command": args.command, "environment": environment, "skipped": skipped,
                "options": dict(options, stop_at_target=args.stop_at_target,
                                full=[f"{v}@{l}" for v, l in plan if (v, l) in args.full],
-                               max_seconds=args.max_seconds, resolved=resolved,
+                               max_seconds=args.max_seconds,
                                caps={f"{v}@{l}": c for (v, l), c in args.caps.items()},
                                learning_rate=accuracy.LEARNING_RATE,
                                momentum=accuracy.MOMENTUM),
@@ -175,13 +157,6 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print,
       for variant in variants:
         stop = args.stop_at_target and (variant, link.name) not in args.full
         cap = args.caps.get((variant, link.name), args.max_seconds)
-        if variant == BEST_DILOCO:
-          variant = resolve_best_diloco(runs)
-          if variant is None:
-            log(f"[time_to_accuracy] SKIPPED {BEST_DILOCO}@{link.name}: no DiLoCo mode "
-                "reached the target on an earlier link")
-            continue
-          resolved[f"{BEST_DILOCO}@{link.name}"] = variant
         job = network.in_namespace(variant_job(link, variant, dict(
             options, stop_at_target=stop, max_seconds=cap)), name)
         result = jobs_lib.run(job, quick=False, timeout=args.timeout, log=log)
