@@ -235,14 +235,7 @@ class FloorTrainer(JdistTrainer):
                        f"{len(replicas)} replicas ({list(replicas)}). Use 2 processes x 1 "
                        "device, as benchmarks.sections.time_to_accuracy.run does.")
     tx = optax.sgd(accuracy.LEARNING_RATE, momentum=accuracy.MOMENTUM)
-
-    @jax.jit
-    def train_step(params, opt_state, x, y):
-      loss, grads = workload.loss_and_grads(model, params, x, y)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, loss
-
-    self.train_step = train_step
+    self.train_step = workload.plain_jit_step(model, tx)
     self.params = jax.tree.map(jax.numpy.asarray, params)
     self.opt_state = tx.init(self.params)
     self.replicas = list(replicas)
