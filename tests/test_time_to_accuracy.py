@@ -19,6 +19,7 @@ from benchmarks import __main__ as entry
 from benchmarks.sections import accuracy
 from benchmarks.sections.time_to_accuracy import report as tta_report
 from benchmarks.sections.time_to_accuracy import run as time_to_accuracy
+from benchmarks.sections.time_to_accuracy import targets
 from benchmarks.sections.time_to_accuracy import train as train_to_target
 from jdist.app import models
 from tests import launch
@@ -218,7 +219,7 @@ def _results(runs):
              "skipped": ["torch is not installed"], "runs": runs, "wall_s": 60.0,
              "options": {"epochs": 4, "target": 0.88, "batch": 32, "dataset": "auto",
                          "learning_rate": 0.005, "momentum": 0.9}}
-  results["summary"] = tta_report.summarize(results)
+  results["summary"] = targets.summarize(results)
   return results
 
 
@@ -538,7 +539,6 @@ def test_paired_trainer_times_each_program_on_its_own_and_rotates_the_order():
 
 
 def test_paired_runs_give_the_floor_rows_of_their_own_job():
-  from benchmarks.sections.time_to_accuracy import targets  # pylint: disable=g-import-not-at-top
   run = _slow_record("100mbit", "sdiloco32_int4_paired", reached=26.0, step=4,
                      curve=[(4, 26.0, 0.89)])
   run["final"].update(paired_mode="sdiloco32_int4", paired_floors={

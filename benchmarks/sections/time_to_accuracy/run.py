@@ -40,6 +40,7 @@ from benchmarks.harness.section import UsageError
 from benchmarks.sections import accuracy
 from benchmarks.sections.network import shaped as network
 from benchmarks.sections.time_to_accuracy import report as time_to_accuracy_report
+from benchmarks.sections.time_to_accuracy import targets
 from benchmarks.sections.time_to_accuracy import train as train_to_target
 
 VARIANTS = (tuple(mode for mode in accuracy.MODES if not accuracy.never_syncs(mode))
@@ -181,7 +182,7 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print,
                "runs": [dict(r, framework="torch" if r["variant"] in train_to_target.TORCH_VARIANTS
                              else "jdist") for r in runs],
                "wall_s": time.perf_counter() - start}
-    results["summary"] = time_to_accuracy_report.summarize(results)
+    results["summary"] = targets.summarize(results)
     return results
 
   def job_for(link: netns.Link, variant: str) -> jobs_lib.Job:
@@ -284,7 +285,7 @@ def measure_or_render(args: argparse.Namespace, run_benchmark, summarize,
 
 
 def main(args: argparse.Namespace) -> int:
-  done = measure_or_render(args, run_benchmark, time_to_accuracy_report.summarize,
+  done = measure_or_render(args, run_benchmark, targets.summarize,
                            write_outputs)
   if done is None:
     return 0
