@@ -12,10 +12,10 @@ import pytest
 from benchmarks.harness import analysis
 from tests import launch
 
-SECTIONS = ("allreduce", "overhead", "compression", "selection", "scaling")
+SECTIONS = ("allreduce", "overhead", "compression", "scaling")
 # Every job of the smoke run and the sections it must fill.
 JOBS = {"1x1": {"scaling"}, "1x2": {"overhead", "scaling"},
-        "2x1": {"allreduce", "compression", "selection", "scaling"},
+        "2x1": {"allreduce", "compression", "scaling"},
         "2x2": {"allreduce"}, "2x1-jax": {"allreduce"}}
 
 

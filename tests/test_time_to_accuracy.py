@@ -19,6 +19,7 @@ from benchmarks import __main__ as entry
 from benchmarks.sections import accuracy
 from benchmarks.sections.time_to_accuracy import report as tta_report
 from benchmarks.sections.time_to_accuracy import run as time_to_accuracy
+from benchmarks.sections.time_to_accuracy import targets
 from benchmarks.sections.time_to_accuracy import train as train_to_target
 from jdist.app import models
 from tests import launch
@@ -218,7 +219,7 @@ def _results(runs):
              "skipped": ["torch is not installed"], "runs": runs, "wall_s": 60.0,
              "options": {"epochs": 4, "target": 0.88, "batch": 32, "dataset": "auto",
                          "learning_rate": 0.005, "momentum": 0.9}}
-  results["summary"] = tta_report.summarize(results)
+  results["summary"] = targets.summarize(results)
   return results
 
 
@@ -345,7 +346,7 @@ def _slow_record(link, variant, *, reached=None, train_s=None, step=2816, curve=
        "train_loss": 0.5} for s, t, a in curve] or record["curve"])
 
 
-def test_slow_targets_bound_a_capped_ddp_plain_and_compare_diloco_with_its_floor():
+def test_slow_targets_bound_a_capped_ddp_plain():
   def runs(ddp_cap):
     return [
         _slow_record("shm", "plain", reached=170.0, curve=[(256, 15.0, 0.79),
@@ -357,25 +358,17 @@ def test_slow_targets_bound_a_capped_ddp_plain_and_compare_diloco_with_its_floor
         _slow_record("10mbit", "plain", train_s=120.0),
         _slow_record("10mbit", "ddp", train_s=ddp_cap),
         _slow_record("10mbit", "ddp_powersgd", reached=400.0),
-        _slow_record("100mbit", "diloco128", reached=130.0, step=2816),
-        _slow_record("100mbit", "compute_floor", train_s=160.0,
-                     curve=[(2816, 125.0, 0.85), (3072, 137.0, 0.85)]),
-        # Its own floor reached the target sooner, but it is no DiLoCo run to rank.
-        _slow_record("100mbit", "diloco128_nosync", reached=120.0, step=2816,
-                     curve=[(2816, 120.0, 0.881)])]
+        _slow_record("100mbit", "diloco128", reached=130.0, step=2816)]
 
-  current, ddp, ddp_best, floor, own, accuracy = _results(runs(120.0))["summary"]["targets"]
+  current, ddp, ddp_best, floor, accuracy = _results(runs(120.0))["summary"]["targets"]
   assert current["measured"] == pytest.approx(0.5) and current["met"] is True
   assert "diloco128 / powersgd1" in current["where"]
   # DDP plain capped at 120 s: 150 / 120 bounds the ratio from above, too loosely.
   assert ddp["kind"] == "<=" and ddp["measured"] == pytest.approx(1.25)
   assert ddp["met"] is None and "ddp not reached in 120 s" in ddp["note"]
-  assert "projected 7040 s (2816 steps" in ddp["note"]  # 3 s + 2815 x 2.5 s
   assert ddp_best["measured"] == pytest.approx(150 / 400) and ddp_best["met"] is True
-  assert floor["measured"] == pytest.approx(130 / 125) and floor["met"] is True
-  assert "diloco128" in floor["where"] and "nosync" not in floor["where"]
-  assert own["measured"] == pytest.approx(130 / 120) and own["met"] is True
-  assert "never syncing" in own["target"] and "at step 2816" in own["note"]
+  # The floors come from a <mode>_paired run only; a DiLoCo run alone gives none.
+  assert floor["measured"] is None and "_paired run" in floor["note"]
   assert accuracy["measured"] == pytest.approx(0.881 - 0.886) and accuracy["met"] is True
   assert "step 2816" in accuracy["note"]
   results = _results(runs(2000.0))
@@ -389,8 +382,7 @@ def test_slow_targets_bound_a_capped_ddp_plain_and_compare_diloco_with_its_floor
       pytest.approx(0.075), "<=")
 
 
-def test_diloco_best_runs_the_fastest_diloco_mode_of_the_earlier_links(monkeypatch,
-                                                                        tmp_path):
+def test_runs_follow_the_links_with_their_caps_and_report_progress(monkeypatch, tmp_path):
   import contextlib  # pylint: disable=import-outside-toplevel
   from benchmarks.harness import netns  # pylint: disable=import-outside-toplevel
   network = time_to_accuracy.network
@@ -413,16 +405,15 @@ def test_diloco_best_runs_the_fastest_diloco_mode_of_the_earlier_links(monkeypat
   monkeypatch.setattr(time_to_accuracy.jobs_lib, "run", fake_run)
   args = entry.parse_args([
       "time_to_accuracy", "--links", "shm,10mbit", "--variants",
-      "diloco32@shm,diloco128@shm,local_sgd32@shm,diloco_best@10mbit,compute_floor@10mbit",
+      "diloco32@shm,diloco128@shm,local_sgd32@shm,diloco128@10mbit,plain@10mbit",
       "--max-seconds", "300",
-      "--max-seconds-of", "compute_floor=50", "--out", str(tmp_path)])
+      "--max-seconds-of", "plain=50", "--out", str(tmp_path)])
   results = time_to_accuracy.run_benchmark(args, log=lambda line: None,
                                            progress=progress.append)
   assert launched == [("diloco32@shm", 300.0), ("diloco128@shm", 300.0),
                       ("local_sgd32@shm", 300.0), ("diloco128@10mbit", 300.0),
-                      ("compute_floor@10mbit", 50.0)]
-  assert results["options"]["resolved"] == {"diloco_best@10mbit": "diloco128"}
-  assert [r["framework"] for r in results["runs"]][-1] == "none"
+                      ("plain@10mbit", 50.0)]
+  assert {r["framework"] for r in results["runs"]} == {"jdist"}
   assert [len(p["runs"]) for p in progress] == [1, 2, 3, 4, 5]
 
 
@@ -510,7 +501,7 @@ def test_each_diloco_mode_has_its_own_floor_that_never_syncs():
     floor = name + accuracy.NO_SYNC
     assert accuracy.MODES[floor] == dict(options, diloco=accuracy.NEVER)
     assert accuracy.never_syncs(floor) and not accuracy.never_syncs(name)
-    assert time_to_accuracy.is_diloco(name) and not time_to_accuracy.is_diloco(floor)
+    assert name in time_to_accuracy.VARIANTS and floor not in time_to_accuracy.VARIANTS
   assert "local_sgd32" + accuracy.NO_SYNC not in accuracy.MODES
 
 
@@ -548,7 +539,6 @@ def test_paired_trainer_times_each_program_on_its_own_and_rotates_the_order():
 
 
 def test_paired_runs_give_the_floor_rows_of_their_own_job():
-  from benchmarks.sections.time_to_accuracy import targets  # pylint: disable=g-import-not-at-top
   run = _slow_record("100mbit", "sdiloco32_int4_paired", reached=26.0, step=4,
                      curve=[(4, 26.0, 0.89)])
   run["final"].update(paired_mode="sdiloco32_int4", paired_floors={

@@ -111,15 +111,6 @@ def compression(jobs: list[dict]) -> list[dict]:
   return out
 
 
-def selection(jobs: list[dict]) -> list[dict]:
-  """Each piece's time against the whole `jdist.topk` update."""
-  rows = section_rows(jobs, "selection")
-  whole = _index([r for r in rows if r["piece"] == "topk_update"], "job", "model", "ratio")
-  return [dict(row, vs_topk_update=row["time_s"] / whole[(row["job"], row["model"],
-                                                           row["ratio"])]["time_s"])
-          for row in rows]
-
-
 def scaling(jobs: list[dict]) -> list[dict]:
   """Samples/s and weak-scaling efficiency against one replica (1x1)."""
   rows = section_rows(jobs, "scaling")
@@ -206,7 +197,7 @@ def summarize(jobs: list[dict]) -> dict[str, Any]:
   reduce_rows = allreduce(jobs)
   summary = {"allreduce": reduce_rows, "rank_per_replica": rank_per_replica(reduce_rows),
              "overhead": overhead(jobs),
-             "compression": compression(jobs), "selection": selection(jobs),
+             "compression": compression(jobs),
              "scaling": scaling(jobs), "backends": backends(jobs), "failures": failures(jobs)}
   summary["targets"] = targets(summary)
   return summary

@@ -211,13 +211,6 @@ def _compression(summary: dict) -> list[str]:
                      "comm ms", "step/plain", "comm/plain"], body)
 
 
-def _selection(summary: dict) -> list[str]:
-  body = [[r["model"], num(r["ratio"]), f"{r['k']:,}", r["piece"], ms(r["time_s"]),
-           num(r["vs_topk_update"])] for r in summary["selection"]]
-  return ["### Where top-K's time goes (local work only, no communication)", ""
-          ] + table(["model", "ratio", "k", "piece", "ms", "/ topk_update"], body)
-
-
 def _scaling(summary: dict) -> list[str]:
   body = [[r["job"], r["model"], r["replicas"], r["per_replica_batch"], ms(r["time_s"]),
            ms(r.get("compute_time_s")), num(r["comm_share"]), num(r["samples_per_s"], 4),
@@ -275,7 +268,7 @@ def _network(results: dict) -> list[str]:
 def markdown(results: dict) -> str:
   summary = results["summary"]
   parts = (_header(results) + _targets(summary) + _allreduce(summary) + _overhead(summary)
-           + _compression(summary) + _selection(summary) + _scaling(summary)
+           + _compression(summary) + _scaling(summary)
            + _backends(summary) + _network(results) + _failures(summary))
   figures = [f"![{name}]({name}.png)" for name in results.get("figures", [])]
   return "\n".join(parts + ["## Figures", ""] + figures) + "\n"

@@ -5,11 +5,11 @@ Models are named so every job builds the same one: SINGA's MNIST CNN
 whose widths set the parameter count (~1M and ~10M, plus tiny ones for the
 smoke run).
 
-Three steps on the same model and data:
+Steps on the same model and data:
   * `jdist_step`: `jdist.data_parallel` + the transformation given (usually
     `jdist.dist_opt(optax.sgd(...))`), the way a user writes it;
   * `jit_step`: the same written as a `jax.jit` step over global arrays
-    (the quickstart's);
+    (the quickstart's); `StyleSetup` places one global batch for both;
   * `pmap_step`: the hand-written `jax.pmap(axis_name="i")` + `lax.pmean`
     step that jdist's overhead is measured against (one process only);
   * `shard_map_step`: the same written as `jax.jit(jax.shard_map(...))`,
@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jdist
@@ -79,13 +80,18 @@ def loss_and_grads(model: nn.Module, params, x, y):
   return loss, grads
 
 
-def _user_step(model: nn.Module, tx: optax.GradientTransformation):
-  """The body a user writes once for either style: `(params, opt_state, x, y) -> (..., loss)`."""
+def _user_step(model: nn.Module, tx: optax.GradientTransformation, *, mean_loss: bool = True):
+  """The body a user writes once for either style: `(params, opt_state, x, y) -> (..., loss)`.
+
+  With `mean_loss=False` the step has no reduction of its own: the loss returned is
+  this replica's (`tx` may still exchange: a `jdist.dist_opt` does).
+  """
 
   def step(params, opt_state, x, y):
     loss, grads = loss_and_grads(model, params, x, y)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, jdist.pmean(loss)
+    return (optax.apply_updates(params, updates), opt_state,
+            jdist.pmean(loss) if mean_loss else loss)
 
   return step
 
@@ -131,19 +137,46 @@ def shard_map_step(model: nn.Module, tx: optax.GradientTransformation):
                                check_vma=False))
 
 
-def compute_step(model: nn.Module, tx: optax.GradientTransformation):
-  """The same step with no reduction of its own: each replica hands `tx` its own
-  gradients and returns its own loss. With a plain optax `tx` nothing is
-  exchanged (the compute floor); with `jdist.diloco` / `jdist.local_sgd`, only
-  their syncs are (the local-update modes of `benchmarks.sections.time_to_accuracy.train`)."""
+def mpi4jax_sum(comm):
+  """`flat -> its sum over `comm`'s ranks`, one `mpi4jax.allreduce` (traceable)."""
+  import mpi4jax  # pylint: disable=import-outside-toplevel
+  from mpi4py import MPI  # pylint: disable=import-outside-toplevel
 
-  @jdist.data_parallel
+  def total(flat):
+    out = mpi4jax.allreduce(flat, op=MPI.SUM, comm=comm)
+    return out[0] if isinstance(out, tuple) else out  # older mpi4jax: (out, token)
+
+  return total
+
+
+def mpi4jax_step(model: nn.Module, tx: optax.GradientTransformation, comm):
+  """The hand-written step body, one device per process: the raveled gradients
+  summed by one `mpi4jax.allreduce` over `comm`, averaged, then `tx`; returns this
+  process's loss. Not compiled: the caller wraps it in `jax.jit` or `jax.pmap`."""
+  total, size = mpi4jax_sum(comm), comm.Get_size()
+
   def step(params, opt_state, x, y):
     loss, grads = loss_and_grads(model, params, x, y)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    flat, unravel = ravel_pytree(grads)
+    updates, opt_state = tx.update(unravel(total(flat) / size), opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
   return step
+
+
+def compute_step(model: nn.Module, tx: optax.GradientTransformation):
+  """The same step with no reduction of its own, under `jdist.data_parallel`. With a
+  plain optax `tx` nothing is exchanged (the compute floor); with `jdist.diloco` /
+  `jdist.local_sgd`, only their syncs are (the local-update modes of
+  `benchmarks.sections.time_to_accuracy.train`)."""
+  return jdist.data_parallel(_user_step(model, tx, mean_loss=False))
+
+
+def plain_jit_step(model: nn.Module, tx: optax.GradientTransformation):
+  """The same step under a bare `jax.jit`, no jdist: a plain optax `tx` on one device
+  is the compute floor; on arrays sharded over a multi-process mesh, XLA inserts
+  the gradient all-reduce (plain JAX multi-controller)."""
+  return jax.jit(_user_step(model, tx, mean_loss=False))
 
 
 @dataclasses.dataclass
@@ -172,6 +205,55 @@ def setup(name: str, per_replica: int, seed: int = 0) -> Setup:
   x, y = local_batch(topo.local_device_count, per_replica, seed + 1 + topo.process_index)
   return Setup(name, model, jdist.replicate(params), (shard(x), shard(y)),
                models.param_count(params))
+
+
+STYLES = ("data_parallel", "jit")
+
+
+@dataclasses.dataclass
+class StyleSetup:
+  """One global batch and a model's parameters placed for both step styles.
+
+  Attributes:
+    model: the flax module.
+    process_rows: this process's rows of the global batch (host arrays).
+    dp_params: the parameters replicated over the local devices (`data_parallel`).
+    dp_batch: `process_rows` as [local_devices, per_replica, ...], on the devices.
+    jit_params: the parameters replicated over `jdist.mesh()` (the jit style).
+    jit_batch: the global batch sharded over the mesh (`jdist.shard_global_batch`).
+  """
+  model: nn.Module
+  process_rows: tuple[np.ndarray, np.ndarray]
+  dp_params: Any
+  dp_batch: tuple[Any, Any]
+  jit_params: Any
+  jit_batch: tuple[Any, Any]
+
+  def stepper(self, style: str, tx: optax.GradientTransformation,
+              step=None) -> timing.Stepper:
+    """A fresh stepper of `style` (one of `STYLES`) from these parameters and `tx`'s
+    initial state on this batch; `step` defaults to the user's step of that style
+    (`jdist_step` or `jit_step` of the model and `tx`)."""
+    if style == "jit":
+      replicated = NamedSharding(jdist.mesh(), PartitionSpec())
+      state = jax.jit(tx.init, out_shardings=replicated)(self.jit_params)
+      return timing.Stepper(step or jit_step(self.model, tx), (self.jit_params, state),
+                            self.jit_batch)
+    state = jdist.data_parallel(tx.init)(self.dp_params)
+    return timing.Stepper(step or jdist_step(self.model, tx), (self.dp_params, state),
+                          self.dp_batch)
+
+
+def style_setup(model: nn.Module, params: Any, x: np.ndarray, y: np.ndarray) -> StyleSetup:
+  """`params` and the global batch `(x, y)` (the same on every rank) placed for both
+  styles; call it under `jax.set_mesh(jdist.mesh())`."""
+  devices = jdist.init().local_device_count
+  rows_x, rows_y = jdist.process_slice((x, y))
+  dp_batch = (shard(rows_x.reshape((devices, -1) + x.shape[1:])),
+              shard(rows_y.reshape(devices, -1)))
+  jit_params = jax.device_put(params, NamedSharding(jdist.mesh(), PartitionSpec()))
+  return StyleSetup(model, (rows_x, rows_y), jdist.replicate(params), dp_batch, jit_params,
+                    jdist.shard_global_batch((x, y)))
 
 
 @functools.cache

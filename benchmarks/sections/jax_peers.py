@@ -28,7 +28,6 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 import optax
-from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jdist
@@ -67,74 +66,36 @@ def _global_batch(size: int) -> tuple[np.ndarray, np.ndarray]:
   return x, y
 
 
-def _allreduce_mpi4jax(comm):
-  import mpi4jax  # pylint: disable=import-outside-toplevel
-  from mpi4py import MPI  # pylint: disable=import-outside-toplevel
-
-  def total(flat):
-    out = mpi4jax.allreduce(flat, op=MPI.SUM, comm=comm)
-    return out[0] if isinstance(out, tuple) else out
-
-  return total
-
-
-def _mpi4jax_step(model, sgd, comm, size: int):
-  """The hand-written step: flatten the gradients, one `mpi4jax.allreduce`, SGD."""
-  total = _allreduce_mpi4jax(comm)
-
-  @jax.jit
-  def step(params, opt_state, x, y):
-    loss, grads = workload.loss_and_grads(model, params, x, y)
-    flat, unravel = ravel_pytree(grads)
-    updates, opt_state = sgd.update(unravel(total(flat) / size), opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  return step
-
-
 def _jdist_job(ctx, model, params, x, y) -> tuple[dict, dict]:
   """The jdist job's steps and all-reduces: name -> (stepper factory, host params of a stepper)."""
   from mpi4py import MPI  # pylint: disable=import-outside-toplevel
   topo = ctx.topo
   tx, sgd = jdist.dist_opt(optax.sgd(LEARNING_RATE)), optax.sgd(LEARNING_RATE)
-  mesh = jdist.mesh()
-  replicated = NamedSharding(mesh, PartitionSpec())
-  mine_x, mine_y = jdist.process_slice((x, y))
+  placed = workload.style_setup(model, params, x, y)
   devices = topo.local_device_count
-  dp_batch = (workload.shard(mine_x.reshape((devices, -1) + x.shape[1:])),
-              workload.shard(mine_y.reshape(devices, -1)))
-  dp_params = jdist.replicate(params)
-  jit_params = jax.device_put(params, replicated)
-  jit_batch = jdist.shard_global_batch((x, y))
   first = lambda s: jax.device_get(jdist.unreplicate(s.state[0]))  # noqa: E731
   steps = {
-      "jdist_jit": (lambda: timing.Stepper(
-          workload.jit_step(model, tx),
-          (jit_params, jax.jit(tx.init, out_shardings=replicated)(jit_params)), jit_batch),
-                    lambda s: jax.device_get(s.state[0])),
-      "jdist_dp": (lambda: timing.Stepper(workload.jdist_step(model, tx),
-                                          (dp_params, jdist.data_parallel(tx.init)(dp_params)),
-                                          dp_batch), first),
+      "jdist_jit": (lambda: placed.stepper("jit", tx), lambda s: jax.device_get(s.state[0])),
+      "jdist_dp": (lambda: placed.stepper("data_parallel", tx), first),
   }
   comm = MPI.COMM_WORLD.Dup()
   one_device = devices == 1 and topo.process_count > 1
   if one_device:
     device = jax.local_devices()[0]
     hand_params = jax.device_put(params, device)
-    hand_batch = jax.device_put((mine_x, mine_y), device)
+    hand_batch = jax.device_put(placed.process_rows, device)
     steps["mpi4jax"] = (lambda: timing.Stepper(
-        _mpi4jax_step(model, sgd, comm, topo.process_count),
+        jax.jit(workload.mpi4jax_step(model, sgd, comm)),
         (hand_params, sgd.init(hand_params)), hand_batch), lambda s: jax.device_get(s.state[0]))
-  steps["floor"] = (lambda: timing.Stepper(workload.compute_step(model, sgd),
-                                           (dp_params, jdist.data_parallel(sgd.init)(dp_params)),
-                                           dp_batch), first)
+  steps["floor"] = (lambda: placed.stepper("data_parallel", sgd,
+                                           workload.compute_step(model, sgd)), first)
 
   n = ALLREDUCE_BYTES // 4
   rows = workload.shard(np.ones((devices, n), np.float32))
   psum = jdist.data_parallel(jdist.psum)
   reduces = {"jdist.psum": lambda: psum(rows)}
   if one_device:
-    total = jax.jit(_allreduce_mpi4jax(comm))
+    total = jax.jit(workload.mpi4jax_sum(comm))
     flat = jax.device_put(np.ones(n, np.float32), jax.local_devices()[0])
     reduces["mpi4jax.allreduce"] = lambda: total(flat)
   send, recv = np.ones(n, np.float32), np.empty(n, np.float32)
@@ -160,13 +121,7 @@ def _gloo_job(ctx, model, params, x, y) -> tuple[dict, dict]:
 
   g_params = jax.tree.map(lambda leaf: put(leaf, replicated), params)
   g_batch = (put(x, rows), put(y, rows))
-
-  @jax.jit
-  def step(params, opt_state, x, y):
-    loss, grads = workload.loss_and_grads(model, params, x, y)
-    updates, opt_state = sgd.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
+  step = workload.plain_jit_step(model, sgd)
   host = lambda s: jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), s.state[0])  # noqa
   steps = {"jax_gloo": (lambda: timing.Stepper(
       step, (g_params, jax.jit(sgd.init, out_shardings=replicated)(g_params)), g_batch), host)}

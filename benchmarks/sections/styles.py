@@ -32,7 +32,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
 
 import jdist
 from benchmarks.harness import timing
@@ -88,27 +87,14 @@ def measure(name: str, global_batch: int, repeats: int, warmup: int = 3) -> dict
                      f"{topo.replica_count} replicas.")
   model, params, x, y = _model_and_batch(name, global_batch)
   tx = jdist.dist_opt(optax.sgd(LEARNING_RATE))
-  mesh = jdist.mesh()
-  mine_x, mine_y = jdist.process_slice((x, y))
-  devices, per_replica = topo.local_device_count, global_batch // topo.replica_count
-  dp_batch = (workload.shard(mine_x.reshape((devices, per_replica) + x.shape[1:])),
-              workload.shard(mine_y.reshape(devices, per_replica)))
-  replicated = NamedSharding(mesh, PartitionSpec())
-  with jax.set_mesh(mesh):
-    jit_params = jax.device_put(params, replicated)
-    jit_state = jax.jit(tx.init, out_shardings=replicated)(jit_params)
-    jit_batch = jdist.shard_global_batch((x, y))
-    dp_params = jdist.replicate(params)
-    variants = {
-        "data_parallel": timing.Stepper(workload.jdist_step(model, tx),
-                                        (dp_params, jdist.data_parallel(tx.init)(dp_params)),
-                                        dp_batch),
-        "jit": timing.Stepper(workload.jit_step(model, tx), (jit_params, jit_state), jit_batch),
-    }
+  with jax.set_mesh(jdist.mesh()):
+    placed = workload.style_setup(model, params, x, y)
+    variants = {style: placed.stepper(style, tx) for style in workload.STYLES}
     series = timing.interleaved(variants, repeats=repeats, warmup=warmup, sync=jdist.barrier)
   jit, dp = series["jit"], series["data_parallel"]
   return {"model": name, "params": models.param_count(params), "global_batch": global_batch,
-          "processes": topo.process_count, "devices": devices, "route": topo.route,
+          "processes": topo.process_count, "devices": topo.local_device_count,
+          "route": topo.route,
           "jit_route": topo.jit_route, "repeats": repeats,
           **jit.as_dict("jit_"), **dp.as_dict("data_parallel_"),
           "ratio_of_medians": jit.median / dp.median,

@@ -144,20 +144,11 @@ def _header(results: dict) -> list[str]:
   caps = ", ".join(f"{k} {v:g} s" for k, v in options.get("caps", {}).items())
   return report.header(
       "jdist: a small language model, DiLoCo against plain at equal tokens", results,
-      "Model and data: examples/minigpt_single.py's miniGPT architecture in flax linen, no "
-      f"dropout (`benchmarks.sections.lm_diloco.workload`), byte tokens, on its generated stories: {sizes}.",
-      "Method: 2 processes x 1 device (`mpirun -np 2`), one job per link and variant, a "
-      "fresh network namespace per shaped link (shm: none); the same initial weights and "
-      f"window order in every variant. plain: `dist_opt(optax.adamw({options['lr']}))`; "
-      "powersgdR: `powersgd=R`; dilocoH: `diloco=H` (`jdist.diloco`, inner the same "
-      "AdamW, outer `optax.sgd(0.7, momentum=0.9, nesterov=True)`), _int8: 8-bit "
-      "pseudo-gradients, _sparse (_sparse1, _sparse3): `diloco_payload='sparse'` (SparseLoCo: "
-      "top 2% (1%, 3%) of each chunk in 2 bits, error feedback), _sgd1: outer `optax.sgd(1.0)` "
-      "(SparseLoCo's, no momentum); local_sgdH: `local_sgd=H, local_sgd_warmup=32`. Validation loss: "
-      "nats per token on the held-out windows, of the replicas' average (for DiLoCo and "
-      "local SGD off a sync step, an exchange outside the clock). Training seconds: the "
-      "sum of step times, evaluations excluded; the step is compiled by a discarded "
-      "warm-up step before the clock starts. Sent per step: bytes across processes, the mean over the steps trained.",
+      f"examples/minigpt_single.py's miniGPT on its generated stories: {sizes}.",
+      f"2 processes x 1 device, one job per link and variant; plain: "
+      f"`dist_opt(optax.adamw({options['lr']}))`; validation loss in nats per token on "
+      "held-out windows; training seconds exclude evaluations and compilation. The "
+      "modes and the method: docs/diloco.md (language model).",
       f"Caps (training seconds): {options.get('max_seconds') or 'none'} each"
       f"{'; ' + caps if caps else ''}; a capped run's seconds are a lower bound on its time "
       "to the target.", minutes=True)

@@ -46,29 +46,15 @@ SIZES = ("tokens", "batch", "seq", "embed", "blocks", "lr", "stories", "validati
 JOB_TIMEOUT = 900  # seconds per job
 
 
-def run_record(link: str, variant: str, result: dict) -> dict[str, Any]:
-  """One run's curve, final row and error (None when it went well), from its job."""
-  section = result.get("sections", {}).get(lm_train.NAME, {})
-  rows = section.get("rows", [])
-  return {"link": link, "variant": variant,
-          "curve": [r for r in rows if r["kind"] == "eval"],
-          "final": next((r for r in rows if r["kind"] == "final"), None),
-          "error": result.get("error") or section.get("error"), "wall_s": result["wall_s"]}
-
-
 def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print,
                   progress: Callable[[dict], None] | None = None) -> dict[str, Any]:
   """Runs every (link, variant) job of `args`; returns the results, summary included."""
   start = time.perf_counter()
   environment = network.environment()
-  links, skipped = network.available_links(netns.link_named(n) for n in args.links)
-  for reason in skipped:
-    log(f"[{lm_train.NAME}] SKIPPED {reason}")
   options = {key: getattr(args, key) for key in SIZES}
-  netns.remove_stale()
-  runs = []
 
-  def results_now() -> dict[str, Any]:
+  def results_of(runs: list[dict], skipped: list[str], plan: list) -> dict[str, Any]:
+    del plan  # every run is in `runs`
     environment["load_average_end"] = list(os.getloadavg())
     results = {"command": args.command, "environment": environment, "skipped": skipped,
                "options": dict(options, target_at=args.target_at, max_seconds=args.max_seconds,
@@ -77,21 +63,13 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print,
     results["summary"] = lm_diloco_report.summarize(results)
     return results
 
-  for link in links:
-    variants = [v for v, l in args.variants if l == link.name]
-    if not variants:
-      continue
-    with network.link_namespace(link) as name:
-      for variant in variants:
-        cap = args.caps.get((variant, link.name), args.max_seconds)
-        job = jobs_lib.Job(f"{variant}@{link.name}", 2, 1, (lm_train,), options=tuple(
-            dict(options, variant=variant, max_seconds=cap).items()))
-        result = jobs_lib.run(network.in_namespace(job, name), quick=False,
-                              timeout=args.timeout, log=log)
-        runs.append(run_record(link.name, variant, result))
-        if progress is not None:
-          progress(results_now())
-  return results_now()
+  def job_for(link: netns.Link, variant: str) -> jobs_lib.Job:
+    cap = args.caps.get((variant, link.name), args.max_seconds)
+    return jobs_lib.Job(f"{variant}@{link.name}", 2, 1, (lm_train,), options=tuple(
+        dict(options, variant=variant, max_seconds=cap).items()))
+
+  return time_to_accuracy.run_plan(args, lm_train, job_for, results_of, log=log,
+                                   progress=progress)
 
 
 def write_outputs(results: dict, out_dir: str) -> list[str]:
@@ -102,11 +80,8 @@ def write_outputs(results: dict, out_dir: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   """The section's options; `--quick` (the settings of `QUICK`) and `--out` are common."""
-  parser.add_argument("--links", help=f"comma-separated, from "
-                      f"{','.join(l.name for l in netns.LINKS)} (default {DEFAULTS['links']})")
-  parser.add_argument("--variants", help="comma-separated NAME or NAME@LINK, NAME from "
-                      f"{','.join(lm_train.VARIANTS)} (default "
-                      f"{DEFAULTS['variants']})".replace("%", "%%"))
+  time_to_accuracy.add_plan_arguments(parser, DEFAULTS, lm_train.VARIANTS, "lm_diloco.json",
+                                      JOB_TIMEOUT)
   for key, kind, text in (
       ("tokens", int, "tokens trained, all replicas together"),
       ("batch", int, "windows per replica per step"), ("seq", int, "tokens per window"),
@@ -120,36 +95,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--target-at", type=float, default=0.5,
                       help="the loss target is plain's validation loss after this fraction "
                       "of the tokens (default 0.5)")
-  time_to_accuracy.add_cap_arguments(parser, "lm_diloco.json", JOB_TIMEOUT)
 
 
 def check(args: argparse.Namespace) -> None:
   """Fills the defaults (of --quick or the full run) and parses the variant lists."""
-  base = QUICK if args.quick else DEFAULTS
-  for key, value in base.items():
-    if getattr(args, key) is None:
-      setattr(args, key, value)
-  try:
-    args.links = [netns.link_named(n.strip()).name for n in args.links.split(",")]
-    args.variants = time_to_accuracy.parse_variants(args.variants, args.links, lm_train.VARIANTS)
-    args.caps = time_to_accuracy.parse_caps(args.max_seconds_of, args.links, lm_train.VARIANTS)
-  except ValueError as err:
-    raise UsageError(str(err)) from err
+  time_to_accuracy.parse_plan(args, QUICK if args.quick else DEFAULTS, lm_train.VARIANTS)
   if (min(args.tokens, args.batch, args.seq, args.embed, args.blocks, args.stories,
           args.validation_stories) < 1 or args.eval_every < 0 or args.lr <= 0
       or not 0 < args.target_at <= 1 or args.max_seconds < 0):
     raise UsageError("--tokens, --batch, --seq, --embed, --blocks and the story "
-                              "counts must be >= 1, --eval-every >= 0 (0: at the end only), "
-                              "--lr > 0, --target-at in (0, 1], --max-seconds >= 0.")
+                     "counts must be >= 1, --eval-every >= 0 (0: at the end only), "
+                     "--lr > 0, --target-at in (0, 1], --max-seconds >= 0.")
 
 
 def main(args: argparse.Namespace) -> int:
-  if args.render:
-    network.render(args.render, lm_diloco_report.summarize, write_outputs, args.out)
+  done = time_to_accuracy.measure_or_render(args, run_benchmark, lm_diloco_report.summarize,
+                                            write_outputs)
+  if done is None:
     return 0
-  netns.terminate_on_sigterm()  # so a killed run still deletes its namespace
-  results = run_benchmark(args, progress=lambda partial: write_outputs(partial, args.out))
-  written = write_outputs(results, args.out)
+  results, written = done
   target = results["summary"]["target"]
   print(f"target: validation loss {target['loss']} (plain's after {target['tokens']} tokens)")
   for row in (r for rows in results["summary"]["links"].values() for r in rows):

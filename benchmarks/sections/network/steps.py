@@ -20,7 +20,6 @@ from __future__ import annotations
 import statistics
 
 import jax
-import jax.flatten_util
 import numpy as np
 import optax
 
@@ -40,26 +39,6 @@ REPEATS = 15
 WARMUP = 3
 # Each row's step against these, round by round (the torch peer's when present).
 PAIRED_REFERENCES = ("compute", "torch_compute", "ddp", "ddp_fp16")
-
-
-def handwritten_step(model, tx: optax.GradientTransformation):
-  """A pmapped step (one device per process) summing the raveled gradients with raw
-  mpi4jax: `(params, opt_state, x, y) -> (params, opt_state, loss)`."""
-  import mpi4jax  # pylint: disable=import-outside-toplevel
-  from mpi4py import MPI  # pylint: disable=import-outside-toplevel
-  comm = MPI.COMM_WORLD.Clone()
-  size = comm.Get_size()
-
-  def average(tree):
-    flat, unravel = jax.flatten_util.ravel_pytree(tree)
-    return unravel(mpi4jax.allreduce(flat, op=MPI.SUM, comm=comm) / size)
-
-  def step(params, opt_state, x, y):
-    loss, grads = workload.loss_and_grads(model, params, x, y)
-    updates, opt_state = tx.update(average(grads), opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  return jax.pmap(step, axis_name="i")
 
 
 def mpi_floor(ctx, param_count: int, repeats: int, warmup: int) -> dict:
@@ -111,7 +90,9 @@ def run(ctx):
     kinds[mode] = "jdist"
   if ctx.topo.local_device_count == 1 and ctx.topo.process_count > 1 and \
       ctx.options.get("handwritten", True):
-    steppers["handwritten"] = bench.stepper(handwritten_step(bench.model, sgd), sgd,
+    from mpi4py import MPI  # pylint: disable=import-outside-toplevel
+    step = workload.mpi4jax_step(bench.model, sgd, MPI.COMM_WORLD.Clone())
+    steppers["handwritten"] = bench.stepper(jax.pmap(step, axis_name="i"), sgd,
                                             init=jax.pmap)
     kinds["handwritten"] = "handwritten"
   if ctx.options.get("torch"):

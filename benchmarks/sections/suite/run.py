@@ -28,12 +28,10 @@ from benchmarks.sections.suite import allreduce
 from benchmarks.sections.suite import compression
 from benchmarks.sections.suite import overhead
 from benchmarks.sections.suite import scaling
-from benchmarks.sections.suite import selection
 
 # The suite's parts (`--only`): its measurements, "backends" (the backend-"jax" job's
 # all-reduce) and "network" (the network section on shaped links).
-PARTS = ("allreduce", "overhead", "compression", "selection", "scaling", "backends",
-         "network")
+PARTS = ("allreduce", "overhead", "compression", "scaling", "backends", "network")
 # Seconds each job may run before it is killed (a hang must not block the suite).
 TIMEOUTS = {"1x1": 180, "1x2": 300, "1x4": 300, "2x1": 900, "2x2": 300, "2x1-jax": 300}
 QUICK_TIMEOUT = 150
@@ -46,7 +44,7 @@ def jobs(sections: set[str] | None = None, *, quick: bool = False) -> list[jobs_
       jobs_lib.Job("1x1", 1, 1, (scaling,)),
       jobs_lib.Job("1x2", 1, 2, (overhead, scaling)),
       jobs_lib.Job("1x4", 1, 4, (overhead,)),
-      jobs_lib.Job("2x1", 2, 1, (allreduce, compression, selection, scaling)),
+      jobs_lib.Job("2x1", 2, 1, (allreduce, compression, scaling)),
       jobs_lib.Job("2x2", 2, 2, (allreduce, scaling)),
       jobs_lib.Job("2x1-jax", 2, 1, (allreduce,), backend="jax"),
       # One rank per replica: 2x2's replicas as MPI ranks, the layout a user

@@ -9,8 +9,7 @@ step and ratio to DDP plain; the accuracy curves; the issue's targets).
 from __future__ import annotations
 
 from benchmarks.harness import report
-from benchmarks.sections.time_to_accuracy.targets import (  # pylint: disable=unused-import
-    FLOOR, is_local, show_ratio, summarize)
+from benchmarks.sections.time_to_accuracy.targets import show_ratio
 
 
 def _seconds(row: dict) -> str:
@@ -49,53 +48,19 @@ def _header(results: dict) -> list[str]:
           f"{first['test_examples']:,} test images), {first['steps_per_epoch']} steps per "
           f"epoch, evaluated every {first['eval_every']} steps" if first
           else f"{options['dataset']}")
+  caps = ", ".join(f"{k} {v:g} s" for k, v in options.get("caps", {}).items())
   return report.header(
       "jdist: time to accuracy on shaped links", results,
-      f"Method: SINGA's CNN on {data}; 2 processes x 1 device (`mpirun -np 2`), batch "
-      f"{options['batch']} per replica, the same initial weights (flax's, copied into the "
-      "torch model), data order and rows per rank in every variant; jdist "
-      f"`dist_opt(optax.sgd({options['learning_rate']}, momentum={options['momentum']}), "
-      "...)` (XLA's default CPU threads), DDP over gloo with `torch.optim.SGD` of the same "
-      "rate and momentum (torch threads: cores / processes, as torchrun), its compressed "
-      "variants by their comm hooks. One job per link and variant, a fresh "
-      "network namespace per link (shm: none). Time = training seconds only: the clock "
-      "stops while rank 0 measures the test accuracy, every "
-      "`eval_every` steps; it includes the first step, which for jdist is mostly the "
-      "step's compilation (column \"first step s\"). A run stops at "
-      f"the first evaluation at or above {options['target']:.2f} unless it is in --full "
-      f"(then it trains all {options['epochs']} epochs; here: "
-      f"{', '.join(options.get('full', [])) or 'none'}).", *_local_lines(results),
+      f"SINGA's CNN on {data}; 2 processes x 1 device, batch {options['batch']} per "
+      f"replica, SGD {options['learning_rate']} (momentum {options['momentum']}); time = "
+      "training seconds, evaluations excluded, first step (mostly compilation) included. "
+      f"A run stops at the first evaluation at or above {options['target']:.2f} unless in "
+      f"--full (then {options['epochs']} epochs; here: "
+      f"{', '.join(options.get('full', [])) or 'none'}). The method, the modes and the "
+      "floors of `<mode>_paired`: docs/diloco.md (time to accuracy), docs/communication.md.",
+      *([f"Caps (training seconds): {options.get('max_seconds') or 'none'} s each"
+         f"{'; ' + caps if caps else ''}."] if options.get("max_seconds") or caps else []),
       minutes=True)
-
-
-def _local_lines(results: dict) -> list[str]:
-  """The header's lines on DiLoCo, local SGD, the floor and the caps, where they ran."""
-  options, variants = results["options"], {r["variant"] for r in results["runs"]}
-  lines = []
-  if any(is_local(v) or v in (FLOOR, "ddp_postlocal") for v in variants):
-    lines.append(
-        "Low-communication modes: `dist_opt(inner, diloco=H)` (`jdist.diloco`, inner = "
-        "the same SGD, outer `optax.sgd(0.7, momentum=0.9, nesterov=True)`; sdiloco32: "
-        "4 fragments, no delay; _bg: `diloco_delay` (sdiloco32_bg 8, diloco128_bg 32) and "
-        "`diloco_mix=0.5`, the sync in the background; _int8/_int4: "
-        "`diloco_payload=\"int8\"`/`\"int4\"`), "
-        "`dist_opt(inner, local_sgd=H, local_sgd_warmup=32)`; "
-        "ddp_postlocal: PyTorch's `post_localSGD_hook` (start_localSGD_iter 32) + "
-        "`PostLocalSGDOptimizer` with `PeriodicModelAverager(period=32, warmup_steps=32)`. "
-        "Their replicas differ between syncs: an evaluation tests the replicas' average "
-        "(an exchange outside the clock; on a sync step, the synced model). "
-        f"{FLOOR}: the same SGD steps with `jax.jit` on each rank's own rows and nothing "
-        "exchanged (not even the loss); its accuracy is rank 0's own model. "
-        "<mode>_nosync: that DiLoCo mode's own floor, the same step with a sync period "
-        "longer than the run (nothing exchanged; an evaluation averages the replicas "
-        "outside the clock). Sent per step: the mean over the steps trained.")
-  caps = ", ".join(f"{k} {v:g} s" for k, v in options.get("caps", {}).items())
-  if options.get("max_seconds") or caps:
-    lines.append(f"Caps (training seconds): {options.get('max_seconds') or 'none'} s "
-                 f"each{'; ' + caps if caps else ''}.")
-  lines += [f"{k} ran {v} (the DiLoCo mode that reached the target soonest before)."
-            for k, v in options.get("resolved", {}).items()]
-  return lines
 
 
 def markdown(results: dict) -> str:

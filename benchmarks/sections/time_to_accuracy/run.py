@@ -9,11 +9,10 @@
 Each (link, variant) is one job of 2 processes x 1 device in the link's fresh
 shaped namespace (shm: none), training SINGA's CNN to `--target` test accuracy
 (`benchmarks.sections.time_to_accuracy.train`): jdist's modes
-(`benchmarks.sections.accuracy.MODES`), `compute_floor`, `<mode>_nosync`,
-`<mode>_paired` and DDP over gloo (`ddp`, `ddp_fp16`, `ddp_powersgd`,
-`ddp_postlocal`), from the same weights, data order and rows per rank.
-`diloco_best@LINK` runs the DiLoCo mode that reached the target soonest on the
-links before LINK. A variant is `NAME` (every link) or `NAME@LINK`; the variants
+(`benchmarks.sections.accuracy.MODES`), `<mode>_paired` (a DiLoCo mode with
+its compute floors in the same job) and DDP over gloo (`ddp`, `ddp_fp16`,
+`ddp_powersgd`, `ddp_postlocal`), from the same weights, data order and rows
+per rank. A variant is `NAME` (every link) or `NAME@LINK`; the variants
 in `--full` train every epoch instead of stopping at the target; `--max-seconds`
 (`--max-seconds-of` per variant) caps a run, whose seconds then bound its time
 to the target. The method and the measured runs: docs/communication.md (time to
@@ -41,13 +40,13 @@ from benchmarks.harness.section import UsageError
 from benchmarks.sections import accuracy
 from benchmarks.sections.network import shaped as network
 from benchmarks.sections.time_to_accuracy import report as time_to_accuracy_report
+from benchmarks.sections.time_to_accuracy import targets
 from benchmarks.sections.time_to_accuracy import train as train_to_target
 
-BEST_DILOCO = "diloco_best"  # resolved when its link comes: see resolve_best_diloco
-VARIANTS = (tuple(accuracy.MODES) + (train_to_target.FLOOR,) + train_to_target.TORCH_VARIANTS
+VARIANTS = (tuple(mode for mode in accuracy.MODES if not accuracy.never_syncs(mode))
+            + train_to_target.TORCH_VARIANTS
             + tuple(mode + accuracy.PAIRED for mode, options in accuracy.MODES.items()
-                    if "diloco" in options and not accuracy.never_syncs(mode))
-            + (BEST_DILOCO,))
+                    if "diloco" in options and not accuracy.never_syncs(mode)))
 DEFAULTS = {"links": "1gbit,100mbit", "variants": "ddp,plain@1gbit,powersgd4,powersgd1",
             "full": "plain,powersgd4,powersgd1", "dataset": "auto", "epochs": 4,
             "target": 0.88}
@@ -95,20 +94,6 @@ def parse_caps(text: str, links: list[str],
   return caps
 
 
-def is_diloco(variant: str) -> bool:
-  """A DiLoCo mode that syncs (not a `*_nosync` floor)."""
-  return (variant in accuracy.MODES and "diloco" in accuracy.MODES[variant]
-          and not accuracy.never_syncs(variant))
-
-
-def resolve_best_diloco(runs: list[dict]) -> str | None:
-  """The DiLoCo mode that reached the target in the fewest training seconds in `runs`."""
-  reached = [r for r in runs if is_diloco(r["variant"]) and r.get("final")
-             and r["final"].get("time_to_target_s") is not None]
-  best = min(reached, key=lambda r: r["final"]["time_to_target_s"], default=None)
-  return best and best["variant"]
-
-
 def variant_job(link: netns.Link, variant: str, options: dict[str, Any]) -> jobs_lib.Job:
   """The job training `variant` on `link` (placed in its namespace by the caller)."""
   env = network.gloo_env() if variant in train_to_target.TORCH_VARIANTS else ()
@@ -116,79 +101,97 @@ def variant_job(link: netns.Link, variant: str, options: dict[str, Any]) -> jobs
                       options=tuple(dict(options, variant=variant).items()))
 
 
-def run_record(link: str, variant: str, result: dict) -> dict[str, Any]:
-  """One run's curve, final row and error (None when it went well), from its job."""
-  section = result.get("sections", {}).get(train_to_target.NAME, {})
+def run_record(key: str, link: str, variant: str, result: dict) -> dict[str, Any]:
+  """One run's curve, final row and error (None when it went well), from its job's
+  results under `key` (the worker measurement's `NAME`)."""
+  section = result.get("sections", {}).get(key, {})
   rows = section.get("rows", [])
-  final = next((r for r in rows if r["kind"] == "final"), None)
-  framework = ("torch" if variant in train_to_target.TORCH_VARIANTS else "none"
-               if variant == train_to_target.FLOOR else "jdist")
-  return {"link": link, "variant": variant, "framework": framework,
-          "curve": [r for r in rows if r["kind"] == "eval"], "final": final,
+  return {"link": link, "variant": variant,
+          "curve": [r for r in rows if r["kind"] == "eval"],
+          "final": next((r for r in rows if r["kind"] == "final"), None),
           "error": result.get("error") or section.get("error"), "wall_s": result["wall_s"]}
 
 
-def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print,
-                  progress: Callable[[dict], None] | None = None) -> dict[str, Any]:
-  """Runs every (link, variant) job of `args` and returns the results (summary included).
+def run_plan(args: argparse.Namespace, measurement,
+             job_for: Callable[[netns.Link, str], jobs_lib.Job],
+             results_of: Callable[[list[dict], list[str], list], dict[str, Any]], *,
+             drop: Callable[[list], tuple[list, list[str]]] | None = None,
+             log: Callable[[str], None] = print,
+             progress: Callable[[dict], None] | None = None) -> dict[str, Any]:
+  """Runs each `(variant, link)` of `args.variants` one job after another, a fresh
+  shaped namespace per link; also lm_diloco's driver.
 
   Args:
-    args: `parse_args`'s namespace.
-    log: takes each progress line.
-    progress: called with the results so far (summary included) after each run.
+    args: has `links`, `variants` (`(variant, link)` pairs) and `timeout`.
+    measurement: the jobs' worker measurement (its `NAME` keys their results).
+    job_for: `(link, variant)` -> the job (placed in the namespace here).
+    results_of: `(runs, skipped, plan)` -> the results so far, summary included
+      (`plan`: the `(variant, link)` pairs that run).
+    drop: `plan` -> `(plan, reasons)`, removing what else this machine cannot run.
+    log: takes each progress line (and the reason for each link or variant skipped).
+    progress: called with the results so far after each run.
   """
-  start = time.perf_counter()
-  environment = network.environment()  # load average at the start
   links, skipped = network.available_links(netns.link_named(n) for n in args.links)
-  plan = [(variant, link) for variant, link in args.variants
-          if link in {l.name for l in links}]
-  torch_reason = network.torch_missing()
-  if torch_reason and any(v in train_to_target.TORCH_VARIANTS for v, _ in plan):
-    skipped.append(torch_reason)
-    plan = [(v, l) for v, l in plan if v not in train_to_target.TORCH_VARIANTS]
+  plan = [(v, l) for v, l in args.variants if l in {link.name for link in links}]
+  if drop is not None:
+    plan, reasons = drop(plan)
+    skipped += reasons
   for reason in skipped:
-    log(f"[time_to_accuracy] SKIPPED {reason}")
-  options = {"dataset": args.dataset, "limit": args.limit, "epochs": args.epochs,
-             "batch": args.batch, "target": args.target, "eval_every": args.eval_every}
+    log(f"[{measurement.NAME}] SKIPPED {reason}")
   netns.remove_stale()
   runs = []
-  resolved = {}
-
-  def results_now() -> dict[str, Any]:
-    environment["load_average_end"] = list(os.getloadavg())
-    results = {"command": args.command, "environment": environment, "skipped": skipped,
-               "options": dict(options, stop_at_target=args.stop_at_target,
-                               full=[f"{v}@{l}" for v, l in plan if (v, l) in args.full],
-                               max_seconds=args.max_seconds, resolved=resolved,
-                               caps={f"{v}@{l}": c for (v, l), c in args.caps.items()},
-                               learning_rate=accuracy.LEARNING_RATE,
-                               momentum=accuracy.MOMENTUM),
-               "runs": list(runs), "wall_s": time.perf_counter() - start}
-    results["summary"] = time_to_accuracy_report.summarize(results)
-    return results
-
   for link in links:
     variants = [v for v, l in plan if l == link.name]
     if not variants:
       continue
     with network.link_namespace(link) as name:
       for variant in variants:
-        stop = args.stop_at_target and (variant, link.name) not in args.full
-        cap = args.caps.get((variant, link.name), args.max_seconds)
-        if variant == BEST_DILOCO:
-          variant = resolve_best_diloco(runs)
-          if variant is None:
-            log(f"[time_to_accuracy] SKIPPED {BEST_DILOCO}@{link.name}: no DiLoCo mode "
-                "reached the target on an earlier link")
-            continue
-          resolved[f"{BEST_DILOCO}@{link.name}"] = variant
-        job = network.in_namespace(variant_job(link, variant, dict(
-            options, stop_at_target=stop, max_seconds=cap)), name)
+        job = network.in_namespace(job_for(link, variant), name)
         result = jobs_lib.run(job, quick=False, timeout=args.timeout, log=log)
-        runs.append(run_record(link.name, variant, result))
+        runs.append(run_record(measurement.NAME, link.name, variant, result))
         if progress is not None:
-          progress(results_now())
-  return results_now()
+          progress(results_of(runs, skipped, plan))
+  return results_of(runs, skipped, plan)
+
+
+def _without_torch(plan: list[tuple[str, str]]) -> tuple[list, list[str]]:
+  """`plan` less its torch variants where torch is missing, and why."""
+  reason = network.torch_missing()
+  if not reason or not any(v in train_to_target.TORCH_VARIANTS for v, _ in plan):
+    return plan, []
+  return [(v, l) for v, l in plan if v not in train_to_target.TORCH_VARIANTS], [reason]
+
+
+def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print,
+                  progress: Callable[[dict], None] | None = None) -> dict[str, Any]:
+  """Runs every (link, variant) job of `args` (`run_plan`); returns the results, summary included."""
+  start = time.perf_counter()
+  environment = network.environment()  # load average at the start
+  options = {"dataset": args.dataset, "limit": args.limit, "epochs": args.epochs,
+             "batch": args.batch, "target": args.target, "eval_every": args.eval_every}
+
+  def results_of(runs: list[dict], skipped: list[str], plan: list) -> dict[str, Any]:
+    environment["load_average_end"] = list(os.getloadavg())
+    results = {"command": args.command, "environment": environment, "skipped": skipped,
+               "options": dict(options, stop_at_target=args.stop_at_target,
+                               full=[f"{v}@{l}" for v, l in plan if (v, l) in args.full],
+                               max_seconds=args.max_seconds,
+                               caps={f"{v}@{l}": c for (v, l), c in args.caps.items()},
+                               learning_rate=accuracy.LEARNING_RATE,
+                               momentum=accuracy.MOMENTUM),
+               "runs": [dict(r, framework="torch" if r["variant"] in train_to_target.TORCH_VARIANTS
+                             else "jdist") for r in runs],
+               "wall_s": time.perf_counter() - start}
+    results["summary"] = targets.summarize(results)
+    return results
+
+  def job_for(link: netns.Link, variant: str) -> jobs_lib.Job:
+    return variant_job(link, variant, dict(
+        options, stop_at_target=args.stop_at_target and (variant, link.name) not in args.full,
+        max_seconds=args.caps.get((variant, link.name), args.max_seconds)))
+
+  return run_plan(args, train_to_target, job_for, results_of, drop=_without_torch, log=log,
+                  progress=progress)
 
 
 def write_outputs(results: dict, out_dir: str) -> list[str]:
@@ -199,10 +202,7 @@ def write_outputs(results: dict, out_dir: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   """The section's options; `--quick` (the settings of `QUICK`) and `--out` are common."""
-  parser.add_argument("--links", help=f"comma-separated, from "
-                      f"{','.join(l.name for l in netns.LINKS)} (default {DEFAULTS['links']})")
-  parser.add_argument("--variants", help="comma-separated NAME or NAME@LINK, NAME from "
-                      f"{','.join(VARIANTS)} (default {DEFAULTS['variants']})".replace("%", "%%"))
+  add_plan_arguments(parser, DEFAULTS, VARIANTS, "time_to_accuracy.json", JOB_TIMEOUT)
   parser.add_argument("--full", help="variants (NAME or NAME@LINK) that train every epoch "
                       f"instead of stopping at the target (default {DEFAULTS['full']} with "
                       "the default --variants, else none)")
@@ -216,11 +216,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="auto: Fashion-MNIST where installed, else digits")
   parser.add_argument("--limit", type=int, help="use only the first N training examples")
   parser.add_argument("--batch", type=int, default=32, help="examples per replica per step")
-  add_cap_arguments(parser, "time_to_accuracy.json", JOB_TIMEOUT)
 
 
-def add_cap_arguments(parser: argparse.ArgumentParser, json_name: str, timeout: float) -> None:
-  """--max-seconds, --max-seconds-of, --timeout and --render (also `benchmarks.sections.lm_diloco.run`'s)."""
+def add_plan_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any],
+                       choices: tuple[str, ...], json_name: str, timeout: float) -> None:
+  """--links, --variants (NAME from `choices`), --max-seconds, --max-seconds-of, --timeout
+  and --render: what `parse_plan` and `measure_or_render` read; also lm_diloco's."""
+  parser.add_argument("--links", help=f"comma-separated, from "
+                      f"{','.join(l.name for l in netns.LINKS)} (default {defaults['links']})")
+  parser.add_argument("--variants", help="comma-separated NAME or NAME@LINK, NAME from "
+                      f"{','.join(choices)} (default {defaults['variants']})".replace("%", "%%"))
   parser.add_argument("--max-seconds", type=float, default=0.0,
                       help="cap each run at this many training seconds (default 0: none)")
   parser.add_argument("--max-seconds-of", default="", metavar="NAME[@LINK]=S,...",
@@ -232,35 +237,59 @@ def add_cap_arguments(parser: argparse.ArgumentParser, json_name: str, timeout: 
                       "(default the JSON's directory)")
 
 
-def check(args: argparse.Namespace) -> None:
-  """Fills the defaults (of --quick or the full run) and parses the variant lists."""
-  base = dict(QUICK if args.quick else DEFAULTS)
-  if args.variants is not None:  # the default --full goes with the default --variants
-    base["full"] = ""
+def parse_plan(args: argparse.Namespace, base: dict[str, Any], choices: tuple[str, ...],
+               also: tuple[str, ...] = ()) -> None:
+  """Fills the options `args` left unset from `base`, then parses `--links`, `--variants`
+  (and each option named in `also`, into a set) and `--max-seconds-of` over them;
+  also lm_diloco's.
+
+  Raises:
+    UsageError: an unknown link or variant, or a bad cap.
+  """
   for key, value in base.items():
     if getattr(args, key) is None:
       setattr(args, key, value)
   try:
     args.links = [netns.link_named(n.strip()).name for n in args.links.split(",")]
-    args.variants = parse_variants(args.variants, args.links)
-    args.full = set(parse_variants(args.full, args.links))
-    args.caps = parse_caps(args.max_seconds_of, args.links)
+    args.variants = parse_variants(args.variants, args.links, choices)
+    for key in also:
+      setattr(args, key, set(parse_variants(getattr(args, key), args.links, choices)))
+    args.caps = parse_caps(args.max_seconds_of, args.links, choices)
   except ValueError as err:
     raise UsageError(str(err)) from err
+
+
+def check(args: argparse.Namespace) -> None:
+  """Fills the defaults (of --quick or the full run) and parses the variant lists."""
+  base = dict(QUICK if args.quick else DEFAULTS)
+  if args.variants is not None:  # the default --full goes with the default --variants
+    base["full"] = ""
+  parse_plan(args, base, VARIANTS, also=("full",))
   if (args.epochs < 1 or args.batch < 1 or args.eval_every < 0 or not 0 < args.target <= 1
       or args.max_seconds < 0):
     raise UsageError("--epochs and --batch must be >= 1, --eval-every >= 0 (0: a "
-                              "quarter epoch), --target in (0, 1], --max-seconds >= 0 (0: no "
-                              "cap).")
+                     "quarter epoch), --target in (0, 1], --max-seconds >= 0 (0: no cap).")
+
+
+def measure_or_render(args: argparse.Namespace, run_benchmark, summarize,
+                      write: Callable[[dict, str], list[str]]) -> tuple[dict, list[str]] | None:
+  """`--render`: rewrites the report of a results JSON and returns None; otherwise
+  `run_benchmark(args, progress=...)`, its report rewritten into `--out` after every
+  run; returns the results and the files written. Also lm_diloco's."""
+  if args.render:
+    network.render(args.render, summarize, write, args.out)
+    return None
+  netns.terminate_on_sigterm()  # so a killed run still deletes its namespace
+  results = run_benchmark(args, progress=lambda partial: write(partial, args.out))
+  return results, write(results, args.out)
 
 
 def main(args: argparse.Namespace) -> int:
-  if args.render:
-    network.render(args.render, time_to_accuracy_report.summarize, write_outputs, args.out)
+  done = measure_or_render(args, run_benchmark, targets.summarize,
+                           write_outputs)
+  if done is None:
     return 0
-  netns.terminate_on_sigterm()  # so a killed run still deletes its namespace
-  results = run_benchmark(args, progress=lambda partial: write_outputs(partial, args.out))
-  written = write_outputs(results, args.out)
+  results, written = done
   report.print_targets(results["summary"]["targets"])
   for run in results["runs"]:
     final = run["final"] or {}

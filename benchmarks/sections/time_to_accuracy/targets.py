@@ -4,8 +4,8 @@
 derives, per link, each variant's time to the target against DDP plain's and
 the fastest jdist mode; then the targets: at `TARGET_LINK` the issue's two
 (`targets`), or, where the run has `SLOW_LINK`, issue 28's (`slow_targets`:
-DiLoCo against jdist's and DDP's fastest, against its floors, and its accuracy
-at equal steps). A run that did not reach the target gives a lower bound (its
+DiLoCo against jdist's and DDP's fastest, against its floors in a
+`<mode>_paired` run, and its accuracy at equal steps). A run that did not reach the target gives a lower bound (its
 training seconds), so a ratio against it is a bound ("<=" or ">="), decided only
 when the bound settles it. Accuracy does not depend on the link, so a figure
 missing on one link comes from another link of the same run, never from
@@ -169,27 +169,13 @@ def fastest(rows: list[dict], keep) -> dict | None:
   return max(mine, key=lambda r: r["train_s"], default=None)
 
 
-def projected(row: dict, runs: list[dict]) -> str:
-  """A not-reached row's time projected from plain's steps to the target, or ""."""
-  if row.get("time_to_target_s") is not None or not row.get("median_step_s"):
-    return ""
-  steps = [r["final"]["reached_step"] for r in runs if r["variant"] in (PLAIN, REFERENCE)
-           and r.get("final") and r["final"].get("reached_step")]
-  if not steps:
-    return ""
-  guess = row["first_step_s"] + row["median_step_s"] * (min(steps) - 1)
-  return (f"; {row['variant']} projected {guess:.0f} s ({min(steps)} steps, plain's on "
-          f"another link, x median step {row['median_step_s'] * 1e3:.0f} ms)")
-
-
 def _describe(row: dict) -> str:
   seconds, exact = time_or_bound(row)
   return (f"{row['variant']} {seconds:.0f} s" if exact else
           f"{row['variant']} not reached in {seconds:.0f} s")
 
 
-def _slow_ratio(name: str, best: dict, other: dict | None, bound: float, where: str,
-                runs: list[dict]) -> dict:
+def _slow_ratio(name: str, best: dict, other: dict | None, bound: float, where: str) -> dict:
   target = {"target": f"time to target: fastest DiLoCo / {name}", "where": where,
             "bound": f"<= {bound}", "measured": None, "kind": "", "met": None, "note": ""}
   if other is None:
@@ -198,7 +184,7 @@ def _slow_ratio(name: str, best: dict, other: dict | None, bound: float, where: 
   value, kind = bounded_ratio(best, other)
   target.update(measured=value, kind=kind, met=decide(value, kind, bound),
                 where=f"{where} ({best['variant']} / {other['variant']})",
-                note=f"{_describe(best)} / {_describe(other)}" + projected(other, runs))
+                note=f"{_describe(best)} / {_describe(other)}")
   if value is None:
     target["note"] += " (neither reached the target)"
   return target
@@ -213,49 +199,15 @@ def at_step(runs: list[dict], variant: str, step: int) -> tuple[float | None, st
   return None, None
 
 
-FLOOR_TARGET = "time to target: DiLoCo / its compute floor (same steps, no exchange)"
-OWN_FLOOR_TARGET = "time to target: DiLoCo / the same DiLoCo step never syncing (same steps)"
-
-
-def _floor_row(target: str, diloco: dict | None = None, floor: str = "",
-               runs: tuple = ()) -> dict:
-  """`diloco`'s time to target over run `floor`'s training seconds at the same
-  step, both at `TARGET_LINK`; without `diloco`, the row saying none reached it."""
-  row = {"target": target, "where": TARGET_LINK, "bound": f"<= {SLOW_BOUNDS['floor']}",
-         "measured": None, "kind": "", "met": None,
-         "note": "no DiLoCo mode reached the target there"}
-  if diloco is None:
-    return row
-  row["where"] = f"{TARGET_LINK} ({diloco['variant']})"
-  run = next((r for r in runs if r["link"] == TARGET_LINK and r["variant"] == floor), None)
-  point = run and next((p for p in run.get("curve", [])
-                        if p["step"] == diloco["reached_step"]), None)
-  if point is None:
-    row["note"] = (f"{floor} did not run there" if run is None
-                   else f"{floor} has no evaluation at step {diloco['reached_step']}")
-    return row
-  value = diloco["time_to_target_s"] / point["train_s"]
-  row.update(measured=value, kind="=", met=value <= SLOW_BOUNDS["floor"],
-             note=f"{diloco['time_to_target_s']:.0f} s / {point['train_s']:.0f} s "
-             f"at step {point['step']}")
-  return row
-
-
 def floor_targets(runs: list[dict]) -> list[dict]:
-  """At `TARGET_LINK`: the fastest DiLoCo mode against the compute floor and
-  against its own never-syncing step (`*_nosync`), each a run of its own, at
-  the same step; then every `*_paired` run's floors from its own job. [] without
-  a DiLoCo run there."""
-  paired = [row for run in runs if run["link"] == TARGET_LINK
-            for row in _paired_floors(run)]
-  separate = [r for r in link_rows(runs, TARGET_LINK) if is_diloco(r["variant"])
-              and not r["variant"].endswith(PAIRED)]
-  fast = [r for r in separate if r.get("reached_step")]
-  if not fast:
-    return paired if paired or not separate else [_floor_row(FLOOR_TARGET)]
-  diloco = min(fast, key=lambda r: r["time_to_target_s"])
-  return [_floor_row(FLOOR_TARGET, diloco, FLOOR, runs),
-          _floor_row(OWN_FLOOR_TARGET, diloco, diloco["variant"] + NO_SYNC, runs)] + paired
+  """Every `*_paired` run's floor rows at `TARGET_LINK` ([] without one)."""
+  return [row for run in runs if run["link"] == TARGET_LINK for row in _paired_floors(run)]
+
+
+NO_PAIRED_RUN = {"target": "time to target: DiLoCo / its compute floors, step by step in "
+                 "the same job", "where": TARGET_LINK, "bound": f"<= {SLOW_BOUNDS['floor']}",
+                 "measured": None, "kind": "", "met": None,
+                 "note": f"no <mode>{PAIRED} run reached the target there"}
 
 
 def _paired_floors(run: dict) -> list[dict]:
@@ -290,13 +242,12 @@ def slow_targets(runs: list[dict]) -> list[dict]:
   found = [
       _slow_ratio("jdist's fastest current mode", best, fastest(
           rows, lambda r: r.get("framework") == "jdist" and not is_local(r["variant"])),
-                  SLOW_BOUNDS["current"], SLOW_LINK, runs),
+                  SLOW_BOUNDS["current"], SLOW_LINK),
       _slow_ratio("DDP plain", best, next((r for r in rows if r["variant"] == REFERENCE),
-                                          None), SLOW_BOUNDS["ddp"], SLOW_LINK, runs),
+                                          None), SLOW_BOUNDS["ddp"], SLOW_LINK),
       _slow_ratio("fastest DDP variant", best, fastest(
-          rows, lambda r: r["variant"] in DDP_VARIANTS), SLOW_BOUNDS["ddp_best"], SLOW_LINK,
-                  runs)]
-  found += floor_targets(runs) or [_floor_row(FLOOR_TARGET)]
+          rows, lambda r: r["variant"] in DDP_VARIANTS), SLOW_BOUNDS["ddp_best"], SLOW_LINK)]
+  found += floor_targets(runs) or [dict(NO_PAIRED_RUN)]
   accuracy = {"target": "test accuracy at equal steps: fastest DiLoCo - jdist plain",
               "where": best["variant"], "bound": f">= -{ACCURACY_BOUND} (at most one point "
               "below)",

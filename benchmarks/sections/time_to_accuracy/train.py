@@ -4,11 +4,11 @@ Runs in each rank of one job of `python -m benchmarks time_to_accuracy` (2
 processes x 1 device). SINGA's CNN from the same initial parameters, over the
 same batches (`benchmarks.sections.accuracy.epoch_batches`), as one of:
 `JdistTrainer` (a mode of `benchmarks.sections.accuracy.MODES`; local-update
-modes test the replicas' average), `FloorTrainer` ("compute_floor": the same
-inner SGD step with nothing exchanged), the DDP trainer
+modes test the replicas' average), the DDP trainer
 (`benchmarks.sections.time_to_accuracy.torch_trainer`) or `PairedTrainer`
-("<mode>_paired": the DiLoCo mode, the floor and `<mode>_nosync` a step each in
-turn in one job, so the floor ratios meet the same machine load).
+("<mode>_paired": the DiLoCo mode, the compute floor (`FloorTrainer`: the same
+inner SGD step with nothing exchanged) and `<mode>_nosync` a step each in turn
+in one job, so the floor ratios meet the same machine load).
 
 `run_to_target` stops the training clock every `eval_every` steps while rank 0
 measures the test accuracy, which every rank then takes, so all stop after the
@@ -235,14 +235,7 @@ class FloorTrainer(JdistTrainer):
                        f"{len(replicas)} replicas ({list(replicas)}). Use 2 processes x 1 "
                        "device, as benchmarks.sections.time_to_accuracy.run does.")
     tx = optax.sgd(accuracy.LEARNING_RATE, momentum=accuracy.MOMENTUM)
-
-    @jax.jit
-    def train_step(params, opt_state, x, y):
-      loss, grads = workload.loss_and_grads(model, params, x, y)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, loss
-
-    self.train_step = train_step
+    self.train_step = workload.plain_jit_step(model, tx)
     self.params = jax.tree.map(jax.numpy.asarray, params)
     self.opt_state = tx.init(self.params)
     self.replicas = list(replicas)
@@ -332,11 +325,9 @@ def trainer_for(variant: str, model, params, data, replicas):
     from benchmarks.sections.time_to_accuracy import (  # pylint: disable=g-import-not-at-top
         torch_trainer as torch_accuracy)
     return torch_accuracy.TorchTrainer(variant, model, params, data, replicas)
-  if variant == FLOOR:
-    return FloorTrainer(model, params, data, replicas)
   if variant not in accuracy.MODES:
-    raise ValueError(f"Unknown variant {variant!r}: choose from {list(accuracy.MODES)}, "
-                     f"{FLOOR} or {list(TORCH_VARIANTS)}.")
+    raise ValueError(f"Unknown variant {variant!r}: choose from {list(accuracy.MODES)} "
+                     f"or {list(TORCH_VARIANTS)}.")
   return JdistTrainer(variant, model, params, data, replicas)
 
 
