@@ -30,11 +30,11 @@ mpi_selection=(tests --ignore=tests/test_data.py --ignore=tests/test_datasets.py
                --capture=sys)
 
 # The plain session's tests run on every core (pytest-xdist), a file's tests on
-# one worker (conftest.py groups them): most of their time is XLA compiling
+# one worker (the rig's tests take turns: conftest.py): most of their time is XLA compiling
 # on one core or waiting for the jobs they launch.
 workers=${JDIST_TEST_WORKERS:-auto}
 echo "== tests: 1 process x 4 devices ($workers workers)"
-"$python" -m pytest tests -n "$workers" --dist loadgroup --durations=15 "$@"
+"$python" -m pytest tests -n "$workers" --dist loadfile --durations=15 "$@"
 for devices in 1 2; do
   echo "== tests: 2 processes x $devices device(s)"
   bash scripts/mpirun.sh -np 2 -x JDIST_TEST_DEVICES=$devices \

@@ -8,6 +8,7 @@ Every test compares against a single-device reference computed locally, so
 the same assertions check all three topologies.
 """
 
+import fcntl
 import os
 import tempfile
 
@@ -39,18 +40,22 @@ def rig_ready():
   launch.require(cluster.missing_requirements(), "the multi-node rig")
 
 
-def pytest_collection_modifyitems(items):
-  """Groups the tests for pytest-xdist's workers (`--dist loadgroup`): a file's on one worker.
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  """Runs the rig's tests one at a time, whichever pytest-xdist worker has them.
 
-  A file's module and session fixtures (the benchmarks' quick run) then run
-  once, not once per worker. The rig's tests, in several files, share one
-  group and run one after another: each builds network namespaces on a free
-  10.x subnet and kills what runs on them, and two at once would race for the
-  subnet. Under plain pytest the marks do nothing.
+  Each builds network namespaces on a free 10.x subnet and kills what runs on
+  them; two at once would race for the subnet. The tests of one file share a
+  worker already (`--dist loadfile` in scripts/test.sh); the rig's are in
+  several files, so a file lock orders them.
   """
-  for item in items:
-    rig = "rig_ready" in getattr(item, "fixturenames", ())
-    item.add_marker(pytest.mark.xdist_group("rig" if rig else item.nodeid.split("::")[0]))
+  del nextitem
+  if "rig_ready" not in getattr(item, "fixturenames", ()):
+    return (yield)
+  with open(os.path.join(tempfile.gettempdir(), f"jdist-tests-rig-{os.getuid()}.lock"),
+            "w", encoding="utf-8") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return (yield)
 
 
 @pytest.fixture(scope="session")
