@@ -65,7 +65,10 @@ def test_fault_rank_killed_survivors_shrink_and_finish(tmp_path):
           sys.executable, JOB, "2", "12", "--", *MAIN_JOB, "--epochs", "2",
           "--log-file", str(log)]
   try:
-    result = launch.run_own_session(argv, launch.clean_env(), timeout=400)
+    # --shrink moves data over TCP: on one host, over the loopback only, not a
+    # rig's bridge that a test beside this one builds and removes meanwhile.
+    env = launch.clean_env(OMPI_MCA_btl_tcp_if_include="lo")
+    result = launch.run_own_session(argv, env, timeout=400)
   except subprocess.TimeoutExpired as err:
     _kill_job(str(log))  # mpirun runs in a session of the launcher's own
     pytest.fail(f"the shrunk job hung: {err}")
