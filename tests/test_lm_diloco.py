@@ -55,12 +55,16 @@ def _one_device_losses(replicas: int, steps: int, eval_every: int) -> list[float
   tx = optax.adamw(SIZES["lr"])
   state = tx.init(params)
   validate = lm_workload.make_validate(model, corpus.validation)
+
+  @jax.jit
+  def step_fn(params, state, windows):
+    grads = jax.grad(functools.partial(lm_workload.loss, model))(params, windows)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
   losses = []
   for step, indices in enumerate(lm_train.batches(corpus, replicas, SIZES["batch"], steps), 1):
-    grads = jax.grad(functools.partial(lm_workload.loss, model))(params,
-                                                                   corpus.train[indices.ravel()])
-    updates, state = tx.update(grads, state, params)
-    params = optax.apply_updates(params, updates)
+    params, state = step_fn(params, state, corpus.train[indices.ravel()])
     if step % eval_every == 0:
       losses.append(validate(params))
   return losses
