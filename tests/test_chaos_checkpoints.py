@@ -73,6 +73,12 @@ def shared_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _written():
+  """Waits for rank 0, the writer: a save can return on the others before its files are renamed
+  into place, and an archive looking then would miss a checkpoint that is deleted next."""
+  host.barrier("checkpoint written")
+
+
 def _state(scale):
   return {"params": jdist.replicate({"w": jnp.arange(6.0).reshape(2, 3) * scale,
                                      "b": jnp.ones(3)})}
@@ -91,6 +97,7 @@ def test_both_tiers_read_alike_and_the_first_step_over_tolerance_is_found(tmp_pa
     (local if step == 12 else chaos).save(step, _state(scale),
                                           metadata={"epoch": 1, "batch_in_epoch": step % 16})
     replay.save(step, _state(theirs), metadata={"epoch": 1, "batch_in_epoch": step % 16})
+    _written()
     archive.scan()  # keep=1: each step is gone by the next save, but copied
   archive.scan()
   assert sorted(archive.copies("chaos")) == [8, 16, 24]
@@ -116,10 +123,12 @@ def test_a_step_saved_again_is_a_new_version(tmp_path, shared_dir):
   archive = chaos_checkpoints.Archive(str(tmp_path / "archive"), {"chaos": directory})
   manager = checkpoint_tiers.LocalManager(directory, keep=2)
   manager.save(4, _state(1.0))
+  _written()
   archive.scan()
   archive.scan()  # seen: not copied twice
   manager.drop_after(None)
   manager.save(4, _state(5.0))  # a resume from an older step saved 4 again
+  _written()
   archive.scan()
   (first, second), = archive.copies("chaos").values()
   assert first.endswith("4-0") and second.endswith("4-1")  # the newer save last
@@ -129,6 +138,7 @@ def test_a_step_saved_again_is_a_new_version(tmp_path, shared_dir):
   # Against a replay that went through the newer save: that one is the trajectory's.
   replay_dir = os.path.join(shared_dir, "replay")
   checkpoint_tiers.LocalManager(replay_dir).save(4, _state(5.0))
+  _written()
   archive.sources["replay"] = replay_dir
   archive.scan()
   result = chaos_checkpoints.compare(archive.copies("chaos"), archive.copies("replay"),
