@@ -117,10 +117,13 @@ def test_shrink_flags_parse_and_refuse_restarts(capsys):
 
 
 def test_fault_rig_shrink_survives_rank_0_lost_on_another_node(rig_ready, tmp_path):
-  """On the rig's 2 nodes x 2 processes, launch rank 0 (node A) dies: the 3 others go on.
+  """On the rig's 2 nodes x 2 processes, launch rank 0 (node A) dies mid-step: 3 go on.
 
   The rig's nodes have their own hostnames, so the survivors' exchange
-  crosses a 1 Gbit/s link and the lost host is named. A whole node lost is
+  crosses a 1 Gbit/s link and the lost host is named. Rank 0 SIGKILLs
+  itself 0.05 s into step 6 (in its gradient or in the allreduce): an
+  allreduce cut short there returned different sums to the survivors
+  before `ShrinkableComm.confirm` (their digests then differed). A whole node lost is
   another matter: PRRTE 3.0 ends the job when it loses a node's daemon
   (docs/multinode.md), which `faults.md` and the shrink section measure.
   """
@@ -129,7 +132,7 @@ def test_fault_rig_shrink_survives_rank_0_lost_on_another_node(rig_ready, tmp_pa
     pytest.skip("launches its own mpirun")
   from benchmarks.harness import cluster  # pylint: disable=import-outside-toplevel
   log = tmp_path / "run.jsonl"
-  job = [sys.executable, JOB, "0", "6", "--", *MAIN_JOB, "--epochs", "1", "--train-limit",
+  job = [sys.executable, JOB, "0", "6", "0.05", "--", *MAIN_JOB, "--epochs", "1", "--train-limit",
          "640", "--log-file", str(log)]
   with cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
     argv = rig.launch_argv(job, 2, ["--shrink", "-np", "4", "--mpirun-args", "--map-by slot"])

@@ -221,6 +221,7 @@ class ShrinkRun:
     local = np.concatenate([summed, np.asarray(flat_state, np.float64) / self.comm.size,
                             sums, [weights.sum()]])
     total = self.comm.sum(local)
+    self.comm.confirm()  # an allreduce cut short by a death may return wrong sums
     gradient = unravel_grad(jnp.asarray(total[:summed.size], flat_grad.dtype))
     state = unravel_state(jnp.asarray(total[summed.size:-3], flat_state.dtype))
     params, opt_state = self.program.apply(now.params, now.opt_state, gradient)
@@ -240,6 +241,7 @@ class ShrinkRun:
                                               weight)
         sums += [float(loss), float(correct)]
     total = self.comm.sum(sums)
+    self.comm.confirm()
     return total[0] / len(order), total[1] / len(order)
 
   def end_epoch(self, now: Snapshot, started: float) -> Snapshot:

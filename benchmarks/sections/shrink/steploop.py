@@ -5,7 +5,7 @@
 host compute (a matrix product, standing in for the model's gradient) and
 then the exchange `jdist train --shrink` does: one `ShrinkableComm.sum` of a
 float64 vector as long as the digits CNN's parameters (131,080) plus its
-tallies. Rank 0 prints one JSON line: the median step and exchange times
+tallies, then `confirm()` (the agreement that the sum counts). Rank 0 prints one JSON line: the median step and exchange times
 after the warm-up steps. The same program runs under `mpirun --with-ft ulfm`
 and under plain mpirun, so the difference is ULFM's.
 """
@@ -42,6 +42,7 @@ def main(steps: int = 200, warmup: int = 20, compute: int = 192) -> int:
         np.tanh(matrix @ matrix)  # the same work every step (the result is dropped)
     exchanged = time.perf_counter()
     comm.sum(gradient)
+    comm.confirm()  # as jdist train --shrink: a result counts once agreed
     ended = time.perf_counter()
     if step >= warmup:
       times.append(ended - began)
