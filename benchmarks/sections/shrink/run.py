@@ -81,14 +81,14 @@ def run_restarts(args: argparse.Namespace) -> list[dict]:
 
 
 def run_cost(args: argparse.Namespace) -> dict[str, list[dict]]:
-  rounds, steps = (1, 20) if args.quick else (args.rounds, args.steps)
+  rounds, steps, warmup = (1, 10, 3) if args.quick else (args.rounds, args.steps, 10)
   env = _env()
   print("cost, shared memory (2 processes on this host):", flush=True)
-  found = {"shm": cost.alternate(cost.shm_starter(env), rounds, steps)}
+  found = {"shm": cost.alternate(cost.shm_starter(env), rounds, steps, warmup)}
   if not args.quick:
     print("cost, across the rig (2 nodes x 1 process):", flush=True)
     with cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
-      found["rig"] = cost.alternate(cost.rig_starter(rig, env), rounds, steps)
+      found["rig"] = cost.alternate(cost.rig_starter(rig, env), rounds, steps, warmup)
   return found
 
 
@@ -123,16 +123,18 @@ def _seconds(value) -> str:
 def _fault_rows(rows: list[dict]) -> list[str]:
   lines = ["| fault | exit | fault -> detected | fault -> next completed step | fault -> job "
            "ended (not survived) | lost ranks | steps, replicas at the end | final test "
-           "accuracy | load |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "accuracy | train loss per epoch | load |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for row in rows:
     accuracy = "-" if row["test_accuracy"] is None else f"{row['test_accuracy']:.2%}"
     why = row["why"].replace("|", ";")  # a cell of its own table
     ended = _seconds(row["ended_s"]) + (f" ({why})" if why else "")
+    losses = ", ".join(f"{e[0]:.6f}" for e in row.get("epochs") or []) or "-"
     kept = "-" if row["steps"] is None else f"{row['steps']}, {row['replicas']}"
     lines.append(f"| {row['fault']} | {row['code']} | {_seconds(row['fault_to_detected_s'])} | "
                  f"**{_seconds(row['fault_to_resumed_s'])}** | {ended} | "
                  f"{row['lost_ranks'] or '-'} | {kept} | "
-                 f"{accuracy} | {row['load']:.1f} |")
+                 f"{accuracy} | {losses} | {row['load']:.1f} |")
   return lines
 
 
@@ -161,6 +163,8 @@ def markdown(results: dict) -> str:
           + (" (quick: a smoke run, not a measurement)" if results.get("quick") else "")
           + "; 2 nodes x 2 processes x 1 device, 1 Gbit/s per node, the digits CNN, "
           f"{results['epochs']} epochs, `--timeout 20`.\n"]
+  if results.get("note"):  # added by hand to a sitting's JSON (then re-rendered)
+    text.append(results["note"] + "\n")
   if "faults" in results:
     text += ["## `--shrink`: fault -> the survivors' next completed step\n",
              *_fault_rows(results["faults"]), ""]
