@@ -16,9 +16,11 @@ import sys
 import numpy as np
 import pytest
 
+from jdist.app import datasets
 from jdist.app import launch_shrink
 from jdist.app import train_shrink
 from jdist.app.config import TrainConfig
+from jdist.collectives import shrinkable
 from tests import launch
 
 JOB = os.path.join(launch.REPO, "tests", "jobs", "shrink_faults.py")
@@ -182,3 +184,40 @@ def test_launch_shrink_names_a_lost_node_as_beyond_shrink(tmp_path):
   assert done.returncode == 1, done.stderr[-2000:]
   assert "lost host nodeB" in done.stderr and "mpirun lost the daemon of nodeB" in done.stderr
   assert "--max-restarts" in done.stderr, done.stderr[-2000:]
+
+
+class _OneComm:
+  """A one-process stand-in for ShrinkableComm whose `confirm` fails at the calls named."""
+
+  def __init__(self, fail_at):
+    self.rank, self.size, self.launch_rank, self.calls = 0, 1, 0, 0
+    self.fail_at = set(fail_at)
+
+  def sum(self, array):
+    return np.array(array, copy=True)
+
+  minimum = bcast = sum
+
+  def confirm(self):
+    self.calls += 1
+    if self.calls in self.fail_at:
+      raise shrinkable.PeerLost(f"confirm {self.calls}")
+
+  def shrink(self):
+    return shrinkable.Shrunk((1,), ("ghost",), 1)
+
+
+def test_an_evaluation_cut_short_is_retaken_and_every_epoch_logged_once(tmp_path):
+  """A loss during epoch 1's evaluation and during the final one: shrunk past, logged once."""
+  rng = np.random.default_rng(0)
+  data = datasets.Dataset(rng.random((64, 8, 8, 1), np.float32), rng.integers(0, 10, 64),
+                          rng.random((20, 8, 8, 1), np.float32), rng.integers(0, 10, 20),
+                          10, "synthetic")
+  log = tmp_path / "run.jsonl"
+  config = TrainConfig(model="cnn", batch_size=16, epochs=2, lr=0.05, log_file=str(log))
+  # confirm calls: steps 1-4, epoch 1's evaluation (5), steps 5-8, epoch 2's (10), final (11).
+  summary = train_shrink.ShrinkRun(config, data, _OneComm(fail_at=(5, 11))).run()
+  records = [json.loads(line) for line in log.read_text().splitlines()]
+  assert [r["epoch"] for r in records if r["event"] == "epoch"] == [1, 2]
+  assert [r["step"] for r in records if r["event"] == "shrink"] == [4, 8]
+  assert summary["steps"] == 8 and summary["shrinks"] == 2 and records[-1] == summary
