@@ -23,7 +23,8 @@ import time
 from benchmarks.harness import cluster
 
 PER_NODE = 2
-# "kind:target": kill_rank:R (launch rank R's process), kill_node:I, link_down:I (node I).
+# "kind:target": kill_rank:R (launch rank R's process), kill_node:I, link_down:I (node I);
+# "A+B+C": A after the first epoch, B after the second, ... (a small chaos run).
 FAULTS = ("kill_rank:3", "kill_rank:0", "kill_node:1", "kill_node:0", "link_down:1")
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
@@ -45,6 +46,7 @@ class ShrinkRun:
   lost_ranks: list | None = None
   digest: str | None = None  # the final parameters' digest (runs agree bit for bit or not)
   epochs: list | None = None  # per epoch: [train loss, test accuracy, replicas]
+  resumed_s: list | None = None  # a chain's faults: each fault -> its next completed step
 
 
 def train_command(log: str, epochs: int, train_limit: int | None) -> list[str]:
@@ -93,9 +95,10 @@ def _read_log(path: str) -> list[dict]:
     return [json.loads(line) for line in handle if line.strip()]
 
 
-def _outcome(run: ShrinkRun, records: list[dict], fault_at: float | None,
+def _outcome(run: ShrinkRun, records: list[dict], times: list[float],
              ended_at: float, output: str) -> ShrinkRun:
-  """Fills `run` from the log's records and the job's output."""
+  """Fills `run` from the log's records, the faults' times and the job's output."""
+  fault_at = times[0] if times else None
   shrinks = [r for r in records if r.get("event") == "shrink"]
   summaries = [r for r in records if r.get("event") == "summary"]
   if summaries:
@@ -107,6 +110,7 @@ def _outcome(run: ShrinkRun, records: list[dict], fault_at: float | None,
     run.fault_to_detected_s = shrinks[0]["detected_at"] - fault_at
     run.fault_to_resumed_s = shrinks[0]["resumed_at"] - fault_at
     run.lost_ranks = sorted(r for s in shrinks for r in s["lost_ranks"])
+    run.resumed_s = [s["resumed_at"] - t for s, t in zip(shrinks, times)]
   elif fault_at is not None:
     run.ended_s = ended_at - fault_at
     why = [line.strip() for line in output.splitlines() if any(w in line for w in _WHY)]
@@ -126,14 +130,16 @@ def run_shrink(fault: str, env: dict[str, str], *, epochs: int = 3,
     job = subprocess.Popen(argv, env=rig.launch_env(env), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, cwd=_REPO,
                            start_new_session=True)
-    lines, marks = [], {"fault_at": None}
+    chain = [] if fault == "none" else fault.split("+")  # the i-th after epoch i's line
+    lines, times = [], []
 
     def read():
       for line in job.stdout:
         lines.append(line)
-        if fault != "none" and line.startswith("epoch 1/") and not marks.get("armed"):
-          marks["armed"] = True
-          threading.Timer(1.0, lambda: marks.update(fault_at=inject(rig, fault))).start()
+        epoch = line.startswith("epoch ") and line.split()[1].split("/")[0]
+        if epoch and epoch.isdigit() and 1 <= int(epoch) <= len(chain):
+          hit = chain[int(epoch) - 1]
+          threading.Timer(1.0, lambda hit=hit: times.append(inject(rig, hit))).start()
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -145,5 +151,5 @@ def run_shrink(fault: str, env: dict[str, str], *, epochs: int = 3,
         job.wait()
     ended = time.time()
     reader.join(timeout=5)
-    return _outcome(ShrinkRun(fault, job.returncode), _read_log(log), marks["fault_at"],
-                    ended, "".join(lines))
+    return _outcome(ShrinkRun(fault, job.returncode), _read_log(log), times, ended,
+                    "".join(lines))

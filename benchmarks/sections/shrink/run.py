@@ -129,10 +129,12 @@ def _fault_rows(rows: list[dict]) -> list[str]:
     accuracy = "-" if row["test_accuracy"] is None else f"{row['test_accuracy']:.2%}"
     why = row["why"].replace("|", ";")  # a cell of its own table
     ended = _seconds(row["ended_s"]) + (f" ({why})" if why else "")
+    resumed = (", ".join(_seconds(v) for v in row["resumed_s"]) if len(row.get("resumed_s") or [])
+               > 1 else _seconds(row["fault_to_resumed_s"]))
     losses = ", ".join(f"{e[0]:.6f}" for e in row.get("epochs") or []) or "-"
     kept = "-" if row["steps"] is None else f"{row['steps']}, {row['replicas']}"
     lines.append(f"| {row['fault']} | {row['code']} | {_seconds(row['fault_to_detected_s'])} | "
-                 f"**{_seconds(row['fault_to_resumed_s'])}** | {ended} | "
+                 f"**{resumed}** | {ended} | "
                  f"{row['lost_ranks'] or '-'} | {kept} | "
                  f"{accuracy} | {losses} | {row['load']:.1f} |")
   return lines
