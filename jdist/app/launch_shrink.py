@@ -14,6 +14,9 @@ does not end the others (`jdist train --shrink` shrinks past it), with:
 mpirun's exit status is that of the failed processes even when the
 survivors completed the run; the status here is 0 once the job's surviving
 rank 0 said it finished.
+
+A lost node is not survived: PRRTE 3.0 (Open MPI 5.0's runtime) ends the
+job when it loses a node's daemon, ULFM or not (`lost_node_message`).
 """
 
 from __future__ import annotations
@@ -67,4 +70,20 @@ def launch(command: Sequence[str], args: argparse.Namespace) -> int:
     sys.stderr.write(f"jdist launch --shrink: the surviving processes finished the run "
                      f"(mpirun's exit status {code} is the lost processes').\n")
     return 0
+  if state.lost():
+    sys.stderr.write(lost_node_message(state.lost()))
   return code
+
+
+def lost_node_message(hosts: Sequence[str]) -> str:
+  """Why a lost node ended a `--shrink` job, and what to use instead.
+
+  Open MPI 5.0's runtime (PRRTE 3.0) ends the whole job when it loses a
+  node's daemon (a node killed, or its link down once PRRTE's keepalive
+  expires), with ULFM on or not: `--shrink` survives lost processes, not
+  lost nodes (measured on the rig: docs/multinode.md).
+  """
+  return (f"jdist launch --shrink: mpirun lost the daemon of {', '.join(hosts)} and ended the "
+          f"job: Open MPI's runtime (PRRTE 3.0) does not run on past a lost node, ULFM or not, "
+          f"so --shrink survives lost processes only. For lost nodes, run with "
+          f"--max-restarts and checkpoints instead.\n")

@@ -221,6 +221,7 @@ class ShrinkRun:
     local = np.concatenate([summed, np.asarray(flat_state, np.float64) / self.comm.size,
                             sums, [weights.sum()]])
     total = self.comm.sum(local)
+    self.comm.confirm()  # an allreduce cut short by a death may return wrong sums
     gradient = unravel_grad(jnp.asarray(total[:summed.size], flat_grad.dtype))
     state = unravel_state(jnp.asarray(total[summed.size:-3], flat_state.dtype))
     params, opt_state = self.program.apply(now.params, now.opt_state, gradient)
@@ -240,6 +241,7 @@ class ShrinkRun:
                                               weight)
         sums += [float(loss), float(correct)]
     total = self.comm.sum(sums)
+    self.comm.confirm()
     return total[0] / len(order), total[1] / len(order)
 
   def end_epoch(self, now: Snapshot, started: float) -> Snapshot:
@@ -290,23 +292,33 @@ class ShrinkRun:
                  f"after the loss was detected")
 
   def run(self) -> dict:
-    """Trains every epoch, shrinking past lost processes; returns the summary record."""
+    """Trains every epoch, shrinking past lost processes; returns the summary record.
+
+    A loss during an epoch's evaluation (or the final one) is shrunk past
+    like one during a step: the survivors evaluate again, so every epoch is
+    logged once, and a shrink is logged once they completed their next step
+    or evaluation.
+    """
     began = epoch_began = time.time()
     now = before = self.start()
-    pending = None
-    while now.step < self.total_steps:
+    pending, due, final = None, False, None
+    while final is None:
       try:
-        after = self.train_step(now)
-        before, now = now, after
+        if not due and now.step < self.total_steps:
+          after = self.train_step(now)
+          before, now = now, after
+          due = now.step % self.steps_per_epoch == 0
+        elif due:
+          now, due, epoch_began = self.end_epoch(now, epoch_began), False, time.time()
+        else:
+          final = self.evaluate(now)
         if pending:
           self.resumed(pending, now)
           pending = None
-        if now.step % self.steps_per_epoch == 0:
-          now = self.end_epoch(now, epoch_began)
-          epoch_began = time.time()
       except shrinkable.PeerLost:
         now, pending = self.recover(now, before, pending)
-    test_loss, test_accuracy = self.evaluate(now)
+        due = due and now.step % self.steps_per_epoch == 0  # else the step is taken again
+    test_loss, test_accuracy = final
     summary = {"event": "summary", "steps": now.step, "replicas": self.comm.size,
                "test_loss": test_loss, "test_accuracy": test_accuracy,
                "shrinks": len(self.shrinks), "wall_time_s": time.time() - began,

@@ -1,27 +1,36 @@
 """`jdist train --shrink` where one rank dies, for tests/test_fault_shrink.py.
 
-Usage (under `jdist launch --shrink`): shrink_faults.py RANK STEP -- FLAGS...
+Usage (under `jdist launch --shrink`): shrink_faults.py RANK STEP [DELAY] -- FLAGS...
 Rank RANK (its launch rank) exits with os._exit(1) before global step STEP,
-as a killed process would: no MPI_Finalize, no goodbye. It prints
+as a killed process would: no MPI_Finalize, no goodbye; with DELAY, it
+SIGKILLs itself DELAY seconds into that step instead (mid-step: in the
+gradient or in the allreduce). It prints
 "jdist-job: rank R dies at <unix time>" on stderr first. Every survivor
 prints "jdist-job: rank R digest D" at the end (replicas must agree).
 """
 
 import os
+import signal
 import sys
+import threading
 import time
 
 
 def main(argv):
-  victim, at_step = int(argv[0]), int(argv[1])
-  flags = argv[3:] if argv[2:3] == ["--"] else argv[2:]
+  victim, at_step, rest = int(argv[0]), int(argv[1]), argv[2:]
+  delay = None
+  if rest and rest[0] != "--":
+    delay, rest = float(rest[0]), rest[1:]
+  flags = rest[1:] if rest[:1] == ["--"] else rest
   from jdist.app import cli  # pylint: disable=import-outside-toplevel
   from jdist.app import train_shrink  # pylint: disable=import-outside-toplevel
 
   def on_step(step, rank):
     if rank == victim and step == at_step:
       print(f"jdist-job: rank {rank} dies at {time.time():.3f}", file=sys.stderr, flush=True)
-      os._exit(1)  # pylint: disable=protected-access
+      if delay is None:
+        os._exit(1)  # pylint: disable=protected-access
+      threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
 
   config, _ = cli.parse_train_args(flags)
   summary = train_shrink.train(config, on_step=on_step)

@@ -1,0 +1,9 @@
+"""The shrink section: `jdist launch --shrink` through faults on the rig, beside a
+`--max-restarts` restart, and ULFM's steady-state cost (`run`)."""
+
+from benchmarks.harness.section import Run, section
+from benchmarks.sections.shrink import run
+
+SECTION = section("shrink", "jdist launch --shrink through faults on the rig; ULFM's cost",
+                  rig=Run.of(run, report=run.markdown, out="docs/benchmarks/cluster",
+                             quick=True))

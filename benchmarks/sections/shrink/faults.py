@@ -1,0 +1,155 @@
+"""Faults under `jdist launch --shrink` on the rig, and the `--max-restarts` restart beside them.
+
+`run_shrink` starts `jdist train --shrink` on 2 nodes x 2 processes (ranks
+0, 1 on node A, 2, 3 on node B), waits for its first epoch, injects one
+fault a second later and reads the JSON log's {"event": "shrink"} record:
+the seconds from the fault to `detected_at` and to `resumed_at` (the
+survivors' next completed step). A fault the job does not survive is timed
+from the fault to `jdist launch`'s exit, with the line that says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+
+from benchmarks.harness import cluster
+
+PER_NODE = 2
+# "kind:target": kill_rank:R (launch rank R's process), kill_node:I, link_down:I (node I);
+# "A+B+C": A after the first epoch, B after the second, ... (a small chaos run).
+FAULTS = ("kill_rank:3", "kill_rank:0", "kill_node:1", "kill_node:0", "link_down:1")
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
+_WHY = ("lost communication", "failed to report back", "jdist launch: the job failed")
+
+
+@dataclasses.dataclass
+class ShrinkRun:
+  """One `--shrink` job on the rig and what its fault did."""
+  fault: str  # "none" for the undisturbed run
+  code: int | None
+  fault_to_detected_s: float | None = None
+  fault_to_resumed_s: float | None = None
+  ended_s: float | None = None  # fault -> jdist launch's exit, when no shrink happened
+  why: str = ""  # the lines that say why the job ended, when it did not shrink
+  test_accuracy: float | None = None
+  replicas: int | None = None
+  steps: int | None = None
+  lost_ranks: list | None = None
+  digest: str | None = None  # the final parameters' digest (runs agree bit for bit or not)
+  epochs: list | None = None  # per epoch: [train loss, test accuracy, replicas]
+  resumed_s: list | None = None  # a chain's faults: each fault -> its next completed step
+
+
+def train_command(log: str, epochs: int, train_limit: int | None) -> list[str]:
+  """The `jdist train --shrink` the section runs (the main job's CNN on digits)."""
+  command = [cluster.tool("jdist"), "train", "--shrink", "--model", "cnn", "--dataset",
+             "digits", "--batch-size", "16", "--lr", "0.05", "--momentum", "0.9",
+             "--epochs", str(epochs), "--seed", "3", "--timeout", "20", "--no-progress",
+             "--log-file", log]
+  return command + (["--train-limit", str(train_limit)] if train_limit else [])
+
+
+def rank_pids(rig: cluster.Cluster, rank: int) -> list[int]:
+  """The processes of launch rank `rank` (its OMPI_COMM_WORLD_RANK) on any node."""
+  found = []
+  for pid in rig.namespace_pids():
+    with contextlib.suppress(OSError):
+      with open(f"/proc/{pid}/environ", "rb") as handle:
+        if f"OMPI_COMM_WORLD_RANK={rank}".encode() in handle.read().split(b"\0"):
+          found.append(pid)
+  return found
+
+
+def inject(rig: cluster.Cluster, fault: str) -> float:
+  """Injects `fault` ("kind:target"); returns its wall-clock time (time.time())."""
+  kind, _, target = fault.partition(":")
+  if kind == "kill_rank":
+    pids = rank_pids(rig, int(target))
+    if not pids:
+      raise RuntimeError(f"no process of rank {target} on the rig")
+    at = time.time()
+    for pid in pids:
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    return at
+  if kind not in ("kill_node", "link_down"):
+    raise ValueError(f"unknown fault {fault!r}: kill_rank:R, kill_node:I or link_down:I")
+  at = time.time()
+  getattr(rig, kind)(int(target))
+  return at
+
+
+def _read_log(path: str) -> list[dict]:
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding="utf-8") as handle:
+    return [json.loads(line) for line in handle if line.strip()]
+
+
+def _outcome(run: ShrinkRun, records: list[dict], times: list[float],
+             ended_at: float, output: str) -> ShrinkRun:
+  """Fills `run` from the log's records, the faults' times and the job's output."""
+  fault_at = times[0] if times else None
+  shrinks = [r for r in records if r.get("event") == "shrink"]
+  summaries = [r for r in records if r.get("event") == "summary"]
+  if summaries:
+    run.test_accuracy, run.replicas = summaries[-1]["test_accuracy"], summaries[-1]["replicas"]
+    run.steps, run.digest = summaries[-1]["steps"], summaries[-1]["params_digest"]
+  run.epochs = [[r["train_loss"], r["test_accuracy"], r["replicas"]]
+                for r in records if r.get("event") == "epoch"]
+  if shrinks and fault_at is not None:
+    run.fault_to_detected_s = shrinks[0]["detected_at"] - fault_at
+    run.fault_to_resumed_s = shrinks[0]["resumed_at"] - fault_at
+    run.lost_ranks = sorted(r for s in shrinks for r in s["lost_ranks"])
+    run.resumed_s = [s["resumed_at"] - t for s, t in zip(shrinks, times)]
+  elif fault_at is not None:
+    run.ended_s = ended_at - fault_at
+    why = [line.strip() for line in output.splitlines() if any(w in line for w in _WHY)]
+    run.why = "".join(c for c in " | ".join(why) if c.isprintable())[:400]
+  return run
+
+
+def run_shrink(fault: str, env: dict[str, str], *, epochs: int = 3,
+               train_limit: int | None = None, timeout: float = 600) -> ShrinkRun:
+  """One `jdist launch --shrink` job on a fresh 2-node rig, `fault` after its first epoch."""
+  with tempfile.TemporaryDirectory() as tmp, \
+       cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
+    log = os.path.join(tmp, "log.jsonl")
+    argv = rig.launch_argv(train_command(log, epochs, train_limit), PER_NODE,
+                           ["--shrink", "-np", str(2 * PER_NODE), "--mpirun-args",
+                            "--map-by slot"])
+    job = subprocess.Popen(argv, env=rig.launch_env(env), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, cwd=_REPO,
+                           start_new_session=True)
+    chain = [] if fault == "none" else fault.split("+")  # the i-th after epoch i's line
+    lines, times = [], []
+
+    def read():
+      for line in job.stdout:
+        lines.append(line)
+        epoch = line.startswith("epoch ") and line.split()[1].split("/")[0]
+        if epoch and epoch.isdigit() and 1 <= int(epoch) <= len(chain):
+          hit = chain[int(epoch) - 1]
+          threading.Timer(1.0, lambda hit=hit: times.append(inject(rig, hit))).start()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+      job.wait(timeout=timeout)
+    finally:
+      if job.poll() is None:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    ended = time.time()
+    reader.join(timeout=5)
+    return _outcome(ShrinkRun(fault, job.returncode), _read_log(log), times, ended,
+                    "".join(lines))

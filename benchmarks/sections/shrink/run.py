@@ -1,0 +1,183 @@
+"""`jdist launch --shrink` on the rig: time to go on after a fault, and ULFM's steady-state cost.
+
+    python -m benchmarks shrink --on rig                 # docs/benchmarks/cluster/shrink.md
+    python -m benchmarks shrink --quick --parts cost     # a smoke run (tests/test_fault_shrink.py)
+
+Parts (`--parts`, comma-separated; all by default):
+
+  * `faults`: an undisturbed `jdist train --shrink` on 2 nodes x 2 processes,
+    then one run per fault of `--faults` (`faults.FAULTS`: kill rank 3, kill
+    rank 0, kill node B, kill node A, node B's link down), each a second
+    after the first epoch: fault -> detected -> the survivors' next
+    completed step (the JSON log's "shrink" record), or fault -> the job's
+    end where it did not survive;
+  * `restart`: the same job under `jdist launch --max-restarts 1` (no
+    `--shrink`, checkpoints every 10 steps, `benchmarks.sections.elastic_restart`),
+    node B killed and node B's link down: fault -> "resumed from";
+  * `cost`: `steploop` alternated under ULFM on and off (`cost.py`), on
+    shared memory and across the rig's nodes.
+
+Every row carries the machine's load average when it ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import tempfile
+
+from benchmarks.harness import cluster
+from benchmarks.harness import outputs
+from benchmarks.sections import elastic_restart
+from benchmarks.sections.shrink import cost
+from benchmarks.sections.shrink import faults
+
+PARTS = ("faults", "restart", "cost")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--parts", default=",".join(PARTS), help="faults, restart, cost")
+  parser.add_argument("--faults", default=",".join(faults.FAULTS))
+  parser.add_argument("--epochs", type=int, default=3)
+  parser.add_argument("--rounds", type=int, default=4, help="cost: alternated rounds")
+  parser.add_argument("--steps", type=int, default=60, help="cost: timed steps per run")
+
+
+def _env() -> dict[str, str]:
+  return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+              PYTHONPATH=os.pathsep.join(filter(None, [faults._REPO,  # pylint: disable=protected-access
+                                                       os.environ.get("PYTHONPATH")])),
+              XLA_FLAGS="--xla_force_host_platform_device_count=1")
+
+
+def run_faults(args: argparse.Namespace) -> list[dict]:
+  rows = []
+  for fault in ["none"] + [f for f in args.faults.split(",") if f]:
+    load = os.getloadavg()[0]
+    run = faults.run_shrink(fault, _env(), epochs=args.epochs,
+                            train_limit=480 if args.quick else None)
+    rows.append(dict(dataclasses.asdict(run), load=load))
+    print(f"shrink {fault}: {rows[-1]}", flush=True)
+  return rows
+
+
+def run_restarts(args: argparse.Namespace) -> list[dict]:
+  rows = []
+  for fault in ("kill_node", "link_down"):
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp, cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
+      train = elastic_restart.train_args(args.epochs, 8, os.path.join(tmp, "ckpt"),
+                                         os.path.join(tmp, "log.jsonl"), 10,
+                                         extra=["--timeout", "20"])
+      result = elastic_restart.run_job(rig, 2, train, fault_after_epoch=1, fault=fault,
+                                       timeout=600, env=_env())
+    rows.append({"fault": f"{fault}:1", "code": result["code"], "load": load,
+                 "resumed_s": result["resumed_s"], "next_epoch_s": result["next_epoch_s"]})
+    print(f"restart {fault}: {rows[-1]}", flush=True)
+  return rows
+
+
+def run_cost(args: argparse.Namespace) -> dict[str, list[dict]]:
+  rounds, steps, warmup = (1, 10, 3) if args.quick else (args.rounds, args.steps, 10)
+  env = _env()
+  print("cost, shared memory (2 processes on this host):", flush=True)
+  found = {"shm": cost.alternate(cost.shm_starter(env), rounds, steps, warmup)}
+  if not args.quick:
+    print("cost, across the rig (2 nodes x 1 process):", flush=True)
+    with cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
+      found["rig"] = cost.alternate(cost.rig_starter(rig, env), rounds, steps, warmup)
+  return found
+
+
+def main(args: argparse.Namespace) -> int:
+  parts = [p for p in args.parts.split(",") if p]
+  unknown = set(parts) - set(PARTS)
+  if unknown:
+    sys.stderr.write(f"shrink: unknown parts {sorted(unknown)}; choose from {PARTS}\n")
+    return 2
+  if {"faults", "restart"} & set(parts) or not args.quick:
+    missing = cluster.missing_requirements()
+    if missing:
+      sys.stderr.write("shrink: the rig cannot be built: " + "; ".join(missing) + "\n")
+      return 1
+  results = {"command": args.command, "quick": args.quick, "epochs": args.epochs}
+  if "faults" in parts:
+    results["faults"] = run_faults(args)
+  if "restart" in parts:
+    results["restart"] = run_restarts(args)
+  if "cost" in parts:
+    results["cost"] = run_cost(args)
+  names = outputs.write_report(args.out, results, markdown, json_name="shrink.json",
+                               md_name="shrink.md")
+  print(f"wrote {', '.join(os.path.join(args.out, n) for n in names)}")
+  return 0
+
+
+def _seconds(value) -> str:
+  return "-" if value is None else f"{value:.2f} s"
+
+
+def _fault_rows(rows: list[dict]) -> list[str]:
+  lines = ["| fault | exit | fault -> detected | fault -> next completed step | fault -> job "
+           "ended (not survived) | lost ranks | steps, replicas at the end | final test "
+           "accuracy | train loss per epoch | load |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for row in rows:
+    accuracy = "-" if row["test_accuracy"] is None else f"{row['test_accuracy']:.2%}"
+    why = row["why"].replace("|", ";")  # a cell of its own table
+    ended = _seconds(row["ended_s"]) + (f" ({why})" if why else "")
+    resumed = (", ".join(_seconds(v) for v in row["resumed_s"]) if len(row.get("resumed_s") or [])
+               > 1 else _seconds(row["fault_to_resumed_s"]))
+    losses = ", ".join(f"{e[0]:.6f}" for e in row.get("epochs") or []) or "-"
+    kept = "-" if row["steps"] is None else f"{row['steps']}, {row['replicas']}"
+    lines.append(f"| {row['fault']} | {row['code']} | {_seconds(row['fault_to_detected_s'])} | "
+                 f"**{resumed}** | {ended} | "
+                 f"{row['lost_ranks'] or '-'} | {kept} | "
+                 f"{accuracy} | {losses} | {row['load']:.1f} |")
+  return lines
+
+
+def _cost_rows(found: dict[str, list[dict]]) -> list[str]:
+  lines = ["| placement | config | runs | median step (ms) | median exchange (ms) | "
+           "loads |", "| --- | --- | --- | --- | --- | --- |"]
+  for placement, records in found.items():
+    for config in cost.CONFIGS:
+      mine = [r for r in records if r["config"] == config]
+      if mine:
+        lines.append(
+            f"| {placement} | {config} | {len(mine)} | "
+            f"{statistics.median(r['step_s'] for r in mine) * 1e3:.1f} | "
+            f"{statistics.median(r['exchange_s'] for r in mine) * 1e3:.1f} | "
+            f"{min(r['load'] for r in mine):.1f}-{max(r['load'] for r in mine):.1f} |")
+    step, exchange = cost.ratios(records), cost.ratios(records, "exchange_s")
+    lines.append(f"| {placement} | **ratio** (median of per-round ratios) | | "
+                 + ", ".join(f"{k} {v:.3f}" for k, v in step.items()) + " | "
+                 + ", ".join(f"{k} {v:.3f}" for k, v in exchange.items()) + " | |")
+  return lines
+
+
+def markdown(results: dict) -> str:
+  """shrink.md: the runs' tables (see the module's docstring for what each part does)."""
+  text = [f"# `jdist launch --shrink` on the rig\n\n`{results['command']}`"
+          + (" (quick: a smoke run, not a measurement)" if results.get("quick") else "")
+          + "; 2 nodes x 2 processes x 1 device, 1 Gbit/s per node, the digits CNN, "
+          f"{results['epochs']} epochs, `--timeout 20`.\n"]
+  if results.get("note"):  # added by hand to a sitting's JSON (then re-rendered)
+    text.append(results["note"] + "\n")
+  if "faults" in results:
+    text += ["## `--shrink`: fault -> the survivors' next completed step\n",
+             *_fault_rows(results["faults"]), ""]
+  if "restart" in results:
+    text += ["## `--max-restarts 1` (no `--shrink`), the same sitting\n",
+             "| fault | exit | fault -> \"resumed from\" | fault -> next epoch done | load |",
+             "| --- | --- | --- | --- | --- |",
+             *(f"| {r['fault']} | {r['code']} | {_seconds(r['resumed_s'])} | "
+               f"{_seconds(r['next_epoch_s'])} | {r['load']:.1f} |" for r in results["restart"]),
+             ""]
+  if "cost" in results:
+    text += ["## ULFM's steady-state cost (`steploop`, alternated)\n",
+             *_cost_rows(results["cost"]), ""]
+  return "\n".join(text) + "\n"

@@ -1,0 +1,54 @@
+"""One rank of the ULFM cost loop: `jdist train --shrink`'s exchange, timed step by step.
+
+`cost.py` starts it under mpirun as `python -c LOOP_CODE STEPS WARMUP` (only
+`python -m benchmarks` parses arguments). Each step does a fixed amount of
+host compute (a matrix product, standing in for the model's gradient) and
+then the exchange `jdist train --shrink` does: one `ShrinkableComm.sum` of a
+float64 vector as long as the digits CNN's parameters (131,080) plus its
+tallies, then `confirm()` (the agreement that the sum counts). Rank 0 prints one JSON line: the median step and exchange times
+after the warm-up steps. The same program runs under `mpirun --with-ft ulfm`
+and under plain mpirun, so the difference is ULFM's.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import numpy as np
+
+GRADIENT_ELEMENTS = 131_080 + 3  # the digits CNN's parameters, then loss, correct, examples
+
+
+def main(steps: int = 200, warmup: int = 20, compute: int = 192) -> int:
+  """Runs the loop on this rank (collective); rank 0 prints the JSON line.
+
+  Args:
+    steps: timed steps.
+    warmup: untimed steps first.
+    compute: the side of the square matrix product done 4 times each step (0: none).
+  """
+  from jdist.collectives import shrinkable  # pylint: disable=import-outside-toplevel
+  comm = shrinkable.ShrinkableComm()
+  rng = np.random.default_rng(comm.rank)
+  matrix = rng.standard_normal((compute, compute)) if compute else None
+  gradient = rng.standard_normal(GRADIENT_ELEMENTS)
+  times, exchanges = [], []
+  for step in range(warmup + steps):
+    began = time.perf_counter()
+    if matrix is not None:
+      for _ in range(4):
+        np.tanh(matrix @ matrix)  # the same work every step (the result is dropped)
+    exchanged = time.perf_counter()
+    comm.sum(gradient)
+    comm.confirm()  # as jdist train --shrink: a result counts once agreed
+    ended = time.perf_counter()
+    if step >= warmup:
+      times.append(ended - began)
+      exchanges.append(ended - exchanged)
+  if comm.rank == 0:
+    print(json.dumps({"processes": comm.size, "hosts": sorted(set(comm.hosts)),
+                      "steps": steps, "step_s": statistics.median(times),
+                      "exchange_s": statistics.median(exchanges)}), flush=True)
+  return 0
