@@ -81,10 +81,16 @@ def quiet_if_told(comm, mpi) -> None:
 
 
 def end_quietly(comm, rank: int) -> None:
-  """Before an abort: the peers (told over the watchdog's `comm`) and this rank go quiet."""
+  """Before an abort: this rank, then the peers (told over the watchdog's `comm`), go quiet.
+
+  This rank first: its report is out, and when several ranks abort at once
+  (each watchdog finding the same stall) none answers the others' request,
+  so each waits out `_QUIET_WAIT_S`; the first to abort would otherwise end
+  the coordination service while the others can still print its noise.
+  """
+  silence_stderr()
   if comm.Get_size() > 1:
     _tell_peers_the_job_ends(comm, rank)
-  silence_stderr()
 
 
 def abort_job(comm, message: str, rank: int, code: int = 1) -> None:
