@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
 from typing import Any, Callable
@@ -187,3 +188,24 @@ def run(job: Job, *, quick: bool, timeout: float, log=print) -> dict[str, Any]:
   log(f"[{job.name}] done in {result['wall_s']:.1f} s"
       + (f": FAILED {result['error'][:300]}" if "error" in result else ""))
   return result
+
+
+def follow(job: subprocess.Popen, read: Callable[[], None], timeout: float) -> float:
+  """Waits for `job` while `read` (in a thread) consumes its output; returns when it ended.
+
+  The job runs in a session of its own (`start_new_session=True`); past
+  `timeout` its whole process group is killed and `subprocess.TimeoutExpired`
+  raised. The end time (`time.time()`) is taken before the reader is joined:
+  a lost node's daemons can hold the output pipe open for seconds.
+  """
+  reader = threading.Thread(target=read, daemon=True)
+  reader.start()
+  try:
+    job.wait(timeout=timeout)
+  finally:
+    if job.poll() is None:
+      os.killpg(job.pid, signal.SIGKILL)
+      job.wait()
+  ended = time.time()
+  reader.join(timeout=5)
+  return ended

@@ -23,6 +23,7 @@ import threading
 import time
 
 from benchmarks.harness import cluster
+from benchmarks.harness import jobs
 from benchmarks.harness.section import Run, section
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -69,15 +70,7 @@ def run_job(rig, per_node: int, train: list[str], *, fault_after_epoch: int | No
             and line.startswith("epoch ")):
         marks["next_epoch_at"] = now
 
-  reader = threading.Thread(target=read, daemon=True)
-  reader.start()
-  try:
-    job.wait(timeout=timeout)
-  finally:
-    if job.poll() is None:
-      os.killpg(job.pid, 9)
-      job.wait()
-  reader.join(timeout=5)
+  jobs.follow(job, read, timeout)
   fault_at = marks["fault_at"]
   since = lambda t: None if fault_at is None or t is None else round(t - fault_at, 1)  # noqa: E731
   return {"code": job.returncode, "output": "".join(lines), "fault_at": fault_at,

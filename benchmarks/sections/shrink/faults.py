@@ -21,6 +21,7 @@ import threading
 import time
 
 from benchmarks.harness import cluster
+from benchmarks.harness import jobs
 
 PER_NODE = 2
 # "kind:target": kill_rank:R (launch rank R's process), kill_node:I, link_down:I (node I);
@@ -141,15 +142,6 @@ def run_shrink(fault: str, env: dict[str, str], *, epochs: int = 3,
           hit = chain[int(epoch) - 1]
           threading.Timer(1.0, lambda hit=hit: times.append(inject(rig, hit))).start()
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-      job.wait(timeout=timeout)
-    finally:
-      if job.poll() is None:
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
-    ended = time.time()
-    reader.join(timeout=5)
+    ended = jobs.follow(job, read, timeout)
     return _outcome(ShrinkRun(fault, job.returncode), _read_log(log), times, ended,
                     "".join(lines))
