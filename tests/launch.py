@@ -16,7 +16,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The tests check logic and numerics against a reference compiled the same way,
 # not the speed of the generated code, and most of their time is XLA compiling:
-# LLVM's lighter optimization level (the default is 2) halves it without slowing
+# LLVM's lighter optimization level 1 (below the default) halves it without slowing
 # the training runs (level 0 does: a digits run went from 11 s to 87 s). Every
 # session and every job a test launches gets it, so both sides of a comparison
 # are compiled alike.
