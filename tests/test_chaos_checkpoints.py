@@ -79,6 +79,13 @@ def _written():
   host.barrier("checkpoint written")
 
 
+def _scan(archive):
+  """Copies what rank 0 wrote, then waits for every process's copy: the next save or
+  `drop_after` on rank 0 deletes steps another process's archive may still be copying."""
+  archive.scan()
+  host.barrier("checkpoints archived")
+
+
 def _state(scale):
   return {"params": jdist.replicate({"w": jnp.arange(6.0).reshape(2, 3) * scale,
                                      "b": jnp.ones(3)})}
@@ -98,7 +105,7 @@ def test_both_tiers_read_alike_and_the_first_step_over_tolerance_is_found(tmp_pa
                                           metadata={"epoch": 1, "batch_in_epoch": step % 16})
     replay.save(step, _state(theirs), metadata={"epoch": 1, "batch_in_epoch": step % 16})
     _written()
-    archive.scan()  # keep=1: each step is gone by the next save, but copied
+    _scan(archive)  # keep=1: each step is gone by the next save, but copied
   archive.scan()
   assert sorted(archive.copies("chaos")) == [8, 16, 24]
   assert sorted(archive.copies("chaos_local")) == [12]
@@ -124,12 +131,12 @@ def test_a_step_saved_again_is_a_new_version(tmp_path, shared_dir):
   manager = checkpoint_tiers.LocalManager(directory, keep=2)
   manager.save(4, _state(1.0))
   _written()
-  archive.scan()
-  archive.scan()  # seen: not copied twice
+  _scan(archive)
+  _scan(archive)  # seen: not copied twice
   manager.drop_after(None)
   manager.save(4, _state(5.0))  # a resume from an older step saved 4 again
   _written()
-  archive.scan()
+  _scan(archive)
   (first, second), = archive.copies("chaos").values()
   assert first.endswith("4-0") and second.endswith("4-1")  # the newer save last
   gap, _ = chaos_checkpoints.difference(chaos_checkpoints.read_checkpoint(first)[1],
