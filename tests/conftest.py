@@ -40,15 +40,45 @@ def rig_ready():
   launch.require(cluster.missing_requirements(), "the multi-node rig")
 
 
+def _is_rig_test(nodeid: str) -> bool:
+  name = nodeid.rsplit("::", 1)[-1].split("[", 1)[0]
+  return "rig" in name.split("_")
+
+
+def pytest_collection_modifyitems(config, items):
+  """Holds the naming rule the scheduler below relies on: a rig test says `rig` in its name."""
+  del config
+  for item in items:
+    if ("rig_ready" in getattr(item, "fixturenames", ())) != _is_rig_test(item.nodeid):
+      raise pytest.UsageError(
+          f"{item.nodeid}: a test needs the multi-node rig (the `rig_ready` fixture) exactly "
+          "when its name has the word `rig` (test_rig_..., test_fault_rig_...): the "
+          "scheduler in tests/conftest.py runs those one after another on one worker.")
+
+
+def pytest_xdist_make_scheduler(config, log):
+  """`--dist loadfile`, with the rig's tests as one more file.
+
+  Each rig test builds network namespaces on a free 10.x subnet and kills
+  what runs on them; two at once would race for the subnet. They live in
+  several files, so a worker that met one while another held the rig would
+  wait idle; as one work unit, they run one after another on one worker.
+  """
+  if config.getoption("dist") != "loadfile":
+    return None
+  from xdist.scheduler import LoadFileScheduling  # pylint: disable=g-import-not-at-top
+
+  class RigAsOneFile(LoadFileScheduling):
+
+    def _split_scope(self, nodeid: str) -> str:
+      return "the multi-node rig" if _is_rig_test(nodeid) else super()._split_scope(nodeid)
+
+  return RigAsOneFile(config, log)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-  """Runs the rig's tests one at a time, whichever pytest-xdist worker has them.
-
-  Each builds network namespaces on a free 10.x subnet and kills what runs on
-  them; two at once would race for the subnet. The tests of one file share a
-  worker already (`--dist loadfile` in scripts/test.sh); the rig's are in
-  several files, so a file lock orders them.
-  """
+  """Runs the rig's tests one at a time, across pytest processes too (a file lock)."""
   del nextitem
   if "rig_ready" not in getattr(item, "fixturenames", ()):
     return (yield)

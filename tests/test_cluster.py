@@ -105,7 +105,7 @@ def test_rig_subprocess_trains_where_host_names_do_not_resolve(rig_ready, tmp_pa
 
 
 @pytest.mark.parametrize("fault", cluster_faults.FAULTS)
-def test_fault_lost_node_ends_the_job_and_names_the_host(rig_ready, fault):
+def test_fault_rig_lost_node_ends_the_job_and_names_the_host(rig_ready, fault):
   """Under `jdist launch` every process is gone within timeout + 15 s of the fault."""
   timeout_s = 10
   with cluster.Cluster(nodes=2, rate_mbit=1000) as rig:

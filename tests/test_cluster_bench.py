@@ -34,7 +34,7 @@ def _positive(value) -> bool:
 
 
 @pytest.mark.timeout(600)
-def test_quick_run_subprocess_reports_every_row(rig_ready, tmp_path):
+def test_rig_quick_run_subprocess_reports_every_row(rig_ready, tmp_path):
   del rig_ready
   results = cluster_bench.run_all(quick=True, log=lambda line: None)
   written = cluster_bench.write_outputs(results, str(tmp_path))

@@ -274,7 +274,7 @@ def test_launch_main_checks_the_elastic_flags(capsys, tmp_path):
   assert "must be an executable file" in capsys.readouterr().err
 
 
-def test_fault_lost_node_restarts_and_training_goes_on(rig_ready, tmp_path):
+def test_fault_rig_lost_node_restarts_and_training_goes_on(rig_ready, tmp_path):
   """2 nodes x 2 processes; node B's link goes down in epoch 2; the job ends 0 on node A."""
   from benchmarks.harness import cluster  # pylint: disable=g-import-not-at-top
   from benchmarks.sections import elastic_restart  # pylint: disable=g-import-not-at-top
