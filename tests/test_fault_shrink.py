@@ -58,11 +58,12 @@ def _kill_job(marker: str) -> None:
       pass
 
 
-def test_fault_rank_killed_survivors_shrink_and_finish(tmp_path):
+def _run_shrink_job(tmp_path, *launch_flags):
+  """`jdist launch --shrink -np 3` of the digits job where rank 2 dies before step 12."""
   if launch.under_mpirun():
     pytest.skip("launches its own mpirun")
   log = tmp_path / "run.jsonl"
-  argv = [sys.executable, "-m", "jdist.app.cli", "launch", "--shrink", "-np", "3",
+  argv = [sys.executable, "-m", "jdist.app.cli", "launch", "--shrink", "-np", "3", *launch_flags,
           "--mpirun", launch.mpirun_binary(), "--mpirun-args=--oversubscribe", "--",
           sys.executable, JOB, "2", "12", "--", *MAIN_JOB, "--epochs", "2",
           "--log-file", str(log)]
@@ -80,15 +81,44 @@ def test_fault_rank_killed_survivors_shrink_and_finish(tmp_path):
   shrinks = [r for r in records if r["event"] == "shrink"]
   assert len(shrinks) == 1, output
   event = shrinks[0]
-  assert event["lost_ranks"] == [2] and event["replicas"] == 2 and event["lost_hosts"]
+  assert event["lost_ranks"] == [2] and event["lost_hosts"] and event["digests_equal"]
   assert 0 <= event["resumed_at"] - event["detected_at"] <= 10.0, event
-  summary = records[-1]
-  assert summary["event"] == "summary" and summary["replicas"] == 2
-  assert summary["test_accuracy"] > 0.85, output
+  assert records[-1]["event"] == "summary" and records[-1]["test_accuracy"] > 0.85, output
   digests = re.findall(r"jdist-job: rank (\d) digest (\w+)", output)
-  assert sorted(rank for rank, _ in digests) == ["0", "1"], output
   assert len({digest for _, digest in digests}) == 1, output  # replicas bit-identical
+  return records, output, sorted(rank for rank, _ in digests)
+
+
+def test_fault_rank_killed_survivors_shrink_and_finish(tmp_path):
+  records, output, ranks = _run_shrink_job(tmp_path)
+  assert ranks == ["0", "1"], output
+  assert records[-1]["replicas"] == 2 and records[-1]["grows"] == 0
+  assert [r for r in records if r["event"] == "shrink"][0]["replicas"] == 2
   assert "shrink: resumed at step 13 on 2 replicas" in output, output
+
+
+def test_fault_rank_killed_job_grows_back_with_the_state_from_memory(tmp_path):
+  records, output, ranks = _run_shrink_job(tmp_path, "--max-np", "3")
+  assert ranks == ["0", "1", "3"], output  # rank 3: started in rank 2's place
+  grows = [r for r in records if r["event"] == "grow"]
+  assert len(grows) == 1 and grows[0]["new_ranks"] == [3] and grows[0]["replicas"] == 3, output
+  assert grows[0]["step"] == 12, grows  # before the step rank 2 did not complete
+  assert grows[0]["digests_equal"], grows  # the new process holds the survivors' state
+  assert records[-1]["replicas"] == 3 and records[-1]["grows"] == 1
+  assert "shrink: resumed at step 13 on 3 replicas" in output, output
+  # Every epoch is logged once, by whichever process is rank 0.
+  assert [r["epoch"] for r in records if r["event"] == "epoch"] == [1, 2]
+
+
+def test_launch_shrink_checks_its_process_counts(capsys):
+  from jdist.app import launch as launch_cli  # pylint: disable=import-outside-toplevel
+  for flags, message in ((["--max-np", "2"], "--max-np 2 is below -np 3"),
+                         (["--min-np", "0"], "--min-np 0 must be at least 1"),
+                         (["--max-np", "4", "--min-np", "5"], "--min-np 5 is above --max-np 4")):
+    assert launch_cli.main(["--shrink", "-np", "3", *flags, "--", "true"]) == 2
+    assert message in capsys.readouterr().err
+  assert launch_cli.main(["--max-np", "4", "-np", "2", "--", "true"]) == 2
+  assert "--max-np and --min-np go with --shrink" in capsys.readouterr().err
 
 
 def test_launch_shrink_refuses_an_mpi_without_ulfm(tmp_path):
@@ -109,6 +139,7 @@ def test_launch_shrink_refuses_an_mpi_without_ulfm(tmp_path):
 def test_launch_shrink_adds_ulfm_and_tcp():
   assert launch_shrink.ULFM_MPIRUN_ARGS[:2] == ("--with-ft", "ulfm")
   assert "tcp,self" in launch_shrink.ULFM_MPIRUN_ARGS
+  assert "^han" in launch_shrink.ULFM_MPIRUN_ARGS  # HAN crashed on a grown job across nodes
   assert launch_shrink.SHRINK_ENV["JDIST_JAX_DISTRIBUTED"] == "0"
 
 
@@ -209,6 +240,9 @@ class _OneComm:
   def shrink(self):
     return shrinkable.Shrunk((1,), ("ghost",), 1)
 
+  def allgather_object(self, value):
+    return [value]
+
 
 def test_an_evaluation_cut_short_is_retaken_and_every_epoch_logged_once(tmp_path):
   """A loss during epoch 1's evaluation and during the final one: shrunk past, logged once."""
@@ -224,3 +258,4 @@ def test_an_evaluation_cut_short_is_retaken_and_every_epoch_logged_once(tmp_path
   assert [r["epoch"] for r in records if r["event"] == "epoch"] == [1, 2]
   assert [r["step"] for r in records if r["event"] == "shrink"] == [4, 8]
   assert summary["steps"] == 8 and summary["shrinks"] == 2 and records[-1] == summary
+  assert all(r["digests_equal"] for r in records if r["event"] == "shrink")

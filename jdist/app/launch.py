@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--shrink", action="store_true",
                       help="run with Open MPI's fault tolerance (ULFM): processes that die are "
                       "shrunk past and the others keep training (`jdist train --shrink`)")
+  parser.add_argument("--max-np", type=int, default=0, metavar="N",
+                      help="with --shrink: after a shrink, start new processes (on the lost "
+                      "ones' hosts) to grow back to N, handing them the state from memory "
+                      "(0: never grow)")
+  parser.add_argument("--min-np", type=int, default=1, metavar="M",
+                      help="with --shrink: stop once fewer than M processes are left and none "
+                      "can be started")
   parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
   return parser
 
@@ -121,7 +128,15 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.hostfile and args.host_discovery:
     sys.stderr.write("jdist launch: error: give --hostfile or --host-discovery, not both.\n")
     return EXIT_USAGE
+  if (args.max_np or args.min_np != 1) and not args.shrink:
+    sys.stderr.write("jdist launch: error: --max-np and --min-np go with --shrink (with "
+                     "--max-restarts, a restart starts the job on every healthy host).\n")
+    return EXIT_USAGE
   if args.shrink:
+    problem = shrink_mode.check_sizes(args)
+    if problem:
+      sys.stderr.write(f"jdist launch: error: {problem}.\n")
+      return EXIT_USAGE
     if args.max_restarts or args.host_discovery:
       sys.stderr.write("jdist launch: error: --shrink does not combine with --max-restarts or "
                        "--host-discovery yet.\n")

@@ -7,6 +7,10 @@ does not end the others (`jdist train --shrink` shrinks past it), with:
     one, survivors on the same node never learn that a peer died (measured:
     an allreduce still waited 118 s after its peer's death, against 10 ms
     over TCP);
+  * without the hierarchical collectives (`--mca coll ^han`): on a
+    communicator spanning nodes that took in spawned processes (a job that
+    grew back, `--max-np`), HAN's first broadcast crashed (SIGSEGV in
+    `mca_coll_han_comm_create`, Open MPI 5.0.11 on the rig);
   * JAX's distributed runtime off (`JDIST_JAX_DISTRIBUTED=0`): its
     coordination service ends every process when one dies, and all of them
     when process 0 does.
@@ -14,6 +18,11 @@ does not end the others (`jdist train --shrink` shrinks past it), with:
 mpirun's exit status is that of the failed processes even when the
 survivors completed the run; the status here is 0 once the job's surviving
 rank 0 said it finished.
+
+With `--max-np N`, the survivors start new processes in the lost ones'
+place (`MPI_Comm_spawn`) up to N; `--min-np M` stops a job left with fewer
+than M processes that cannot grow. Both reach `jdist train --shrink`
+through its environment (`MIN_NP_ENV`, `MAX_NP_ENV`).
 
 A lost node is not survived: PRRTE 3.0 (Open MPI 5.0's runtime) ends the
 job when it loses a node's daemon, ULFM or not (`lost_node_message`).
@@ -31,8 +40,9 @@ from typing import Sequence
 
 from jdist.app import supervise as supervise_lib
 
-ULFM_MPIRUN_ARGS = ("--with-ft", "ulfm", "--mca", "btl", "tcp,self")
+ULFM_MPIRUN_ARGS = ("--with-ft", "ulfm", "--mca", "btl", "tcp,self", "--mca", "coll", "^han")
 SHRINK_ENV = {"JDIST_JAX_DISTRIBUTED": "0"}
+MIN_NP_ENV, MAX_NP_ENV = "JDIST_SHRINK_MIN_NP", "JDIST_SHRINK_MAX_NP"
 
 
 def ulfm_missing(mpirun: str) -> str | None:
@@ -55,6 +65,20 @@ def ulfm_missing(mpirun: str) -> str | None:
   return None
 
 
+def check_sizes(args: argparse.Namespace) -> str | None:
+  """What is wrong with `--min-np`/`--max-np` against `-np`, or None."""
+  if args.min_np < 1:
+    return f"--min-np {args.min_np} must be at least 1"
+  if args.max_np < 0:
+    return f"--max-np {args.max_np} must be >= 0 (0: never grow)"
+  if args.max_np and args.processes and args.max_np < args.processes:
+    return (f"--max-np {args.max_np} is below -np {args.processes}: the job grows back to "
+            f"at most --max-np (give at least -np)")
+  if args.max_np and args.min_np > args.max_np:
+    return f"--min-np {args.min_np} is above --max-np {args.max_np}"
+  return None
+
+
 def launch(command: Sequence[str], args: argparse.Namespace) -> int:
   """Runs `command` under mpirun with ULFM; returns the exit status (2: no ULFM)."""
   missing = ulfm_missing(args.mpirun)
@@ -64,8 +88,9 @@ def launch(command: Sequence[str], args: argparse.Namespace) -> int:
   argv = supervise_lib.mpirun_argv(
       command, mpirun=args.mpirun, hostfile=args.hostfile, processes=args.processes,
       mpirun_args=list(ULFM_MPIRUN_ARGS) + shlex.split(args.mpirun_args))
+  sizes = {MIN_NP_ENV: str(args.min_np), MAX_NP_ENV: str(args.max_np)}
   code, state = supervise_lib.supervise(argv, abort_grace=args.abort_grace,
-                                        env=supervise_lib.environment(SHRINK_ENV))
+                                        env=supervise_lib.environment({**SHRINK_ENV, **sizes}))
   if state.shrink_finished and code != 0:
     sys.stderr.write(f"jdist launch --shrink: the surviving processes finished the run "
                      f"(mpirun's exit status {code} is the lost processes').\n")

@@ -7,7 +7,13 @@ step's gradient exchange, shrink the communicator
 completed, and go on from there with the state they hold in memory: no
 process restarts, no checkpoint is read.
 
-What stays the same across a shrink:
+With `jdist launch --shrink --max-np N`, the job also grows back: at the
+next step boundary after a shrink, the survivors start new processes (on
+the lost ones' hosts, `MPI_Comm_spawn`) up to N, and rank 0 hands them the
+state it holds; no checkpoint is read. With `--min-np M`, a job left with
+fewer than M processes that cannot grow stops with a message.
+
+What stays the same across a shrink (and a growth):
   * the global batch (`--batch-size` x the launch's process count): step s
     of an epoch takes the same examples, split over however many replicas
     are left, so no example is skipped or doubled within an epoch;
@@ -41,7 +47,9 @@ import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
 
+from jdist import errors
 from jdist.app import datasets
+from jdist.app import launch_shrink
 from jdist.app import models
 from jdist.app import supervise
 from jdist.app import train as train_lib
@@ -78,11 +86,36 @@ class Program(NamedTuple):
   evaluate: Callable  # (params, state, x, y, weight) -> loss sum, correct
 
 
+class Growth(NamedTuple):
+  """How many processes the job may run on (`jdist launch --shrink --min-np/--max-np`).
+
+  Attributes:
+    min_np: below this many processes (and no growth possible), the run stops.
+    max_np: grow back to this many processes after a shrink (0: never grow).
+    command: the argv that new processes run (this process's own).
+  """
+  min_np: int = 1
+  max_np: int = 0
+  command: tuple[str, ...] = ()
+
+  @classmethod
+  def from_environment(cls) -> "Growth":
+    """Read from the environment `jdist launch --shrink` gives the job."""
+    return cls(int(os.environ.get(launch_shrink.MIN_NP_ENV, "1")),
+               int(os.environ.get(launch_shrink.MAX_NP_ENV, "0")),
+               (sys.executable, *sys.orig_argv[1:]))
+
+
+class TooFewProcesses(errors.JdistError):
+  """Fewer processes are left than `--min-np`, and none can be started."""
+
+
 class Pending(NamedTuple):
   """A shrink whose first completed step has not come yet."""
   lost_ranks: tuple[int, ...]
   lost_hosts: tuple[str, ...]
   detected_at: float
+  digests_equal: bool  # the survivors' parameters, bit for bit, once they agreed on the step
 
 
 def check_config(config: TrainConfig) -> None:
@@ -173,10 +206,11 @@ class Output:
 class ShrinkRun:
   """One `--shrink` training run; every method is collective over the live processes."""
 
-  def __init__(self, config: TrainConfig, data: datasets.Dataset, comm, on_step=None):
-    self.config, self.data, self.comm = config, data, comm
+  def __init__(self, config: TrainConfig, data: datasets.Dataset, comm, on_step=None,
+               growth: Growth = Growth(), global_batch: int | None = None):
+    self.config, self.data, self.comm, self.growth = config, data, comm, growth
     self.on_step = on_step or (lambda step, rank: None)  # fault drills (tests)
-    self.global_batch = config.batch_size * comm.size
+    self.global_batch = global_batch or config.batch_size * comm.size  # the launch's, kept
     self.steps_per_epoch = len(data.train_x) // self.global_batch
     if not self.steps_per_epoch:
       raise ShrinkModeError(f"the training set ({len(data.train_x)} examples) is smaller "
@@ -185,6 +219,9 @@ class ShrinkRun:
     self.program = build_program(config, data.num_classes, data.train_x.shape[1:])
     self.out = Output(config)
     self.shrinks: list[dict] = []
+    self.grows: list[dict] = []
+    self.handed_over_equal = None  # after the last `share()`: every replica's digest equal
+    self.grow_failed = False
 
   @property
   def primary(self) -> bool:
@@ -196,6 +233,50 @@ class ShrinkRun:
     flat, unravel = ravel_pytree((params, state))
     params, state = unravel(jnp.asarray(self.comm.bcast(np.array(flat))))
     return Snapshot(0, params, state, self.program.opt_init(params), np.zeros(3))
+
+  def share(self, now: Snapshot | None) -> Snapshot:
+    """Rank 0's state on every member, the ones `grow()` started included (they pass None)."""
+    if now is None:  # a new process: the structure of the state, to receive into
+      params, state = self.program.init(self.config.seed)
+      now = Snapshot(0, params, state, self.program.opt_init(params), np.zeros(3))
+    leaves, treedef = jax.tree.flatten((now.params, now.model_state, now.opt_state))
+    payload = (now.step, [np.asarray(x) for x in leaves], now.tally) if self.primary else None
+    step, leaves, tally = self.comm.bcast_object(payload)
+    params, state, opt_state = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves])
+    now = Snapshot(step, params, state, opt_state, np.asarray(tally))
+    self.handed_over_equal = self.digests_equal(now)
+    return now
+
+  def digests_equal(self, now: Snapshot) -> bool:
+    """Whether every replica holds the same parameters, bit for bit (collective)."""
+    return len(set(self.comm.allgather_object(params_digest(now.params)))) == 1
+
+  def can_grow(self) -> bool:
+    return self.comm.size < self.growth.max_np and not self.grow_failed
+
+  def grow(self, now: Snapshot) -> Snapshot:
+    """Starts processes up to `--max-np` and hands them the state (collective).
+
+    Raises:
+      shrinkable.PeerLost: a member failed meanwhile.
+      shrinkable.GrowFailed: none could be started; the job goes on as it was.
+    """
+    started = time.time()
+    lost_hosts = tuple(sorted({self.comm.hosts[rank] for rank in
+                               set(self.comm.hosts) - set(self.comm.members)}))
+    grown = self.comm.grow(self.growth.max_np - self.comm.size, list(self.growth.command),
+                           lost_hosts)
+    self.comm.bcast_object(self.global_batch)  # what `joined` reads first
+    now = self.share(now)
+    event = {"event": "grow", "new_ranks": list(grown.new_ranks), "replicas": grown.size,
+             "started_at": started, "joined_at": time.time(), "step": now.step,
+             "digests_equal": self.handed_over_equal}
+    self.grows.append(event)
+    self.out.record(self.primary, event)
+    self.out.say(self.primary, f"jdist train: grow: rank(s) {list(grown.new_ranks)} joined at "
+                 f"step {now.step}; {grown.size} replicas, "
+                 f"{event['joined_at'] - started:.2f} s to start them and hand them the state")
+    return now
 
   def batch_indices(self, step: int) -> np.ndarray:
     """The global batch of global step `step`: the same whatever the replica count."""
@@ -278,32 +359,44 @@ class ShrinkRun:
     self.out.say(self.primary, f"jdist train: shrink: lost rank(s) {list(shrunk.lost_ranks)} "
                  f"on {', '.join(shrunk.lost_hosts)}; going on with {shrunk.size} replicas "
                  f"from step {step}")
-    return now, Pending(lost_ranks, lost_hosts, detected)
+    equal = self.digests_equal(now) and (pending is None or pending.digests_equal)
+    return now, Pending(lost_ranks, lost_hosts, detected, equal)
 
   def resumed(self, pending: Pending, now: Snapshot) -> None:
     """Logs a shrink once the survivors completed their first step after it."""
     event = {"event": "shrink", "lost_ranks": list(pending.lost_ranks),
              "lost_hosts": list(pending.lost_hosts), "replicas": self.comm.size,
-             "detected_at": pending.detected_at, "resumed_at": time.time(), "step": now.step}
+             "detected_at": pending.detected_at, "resumed_at": time.time(), "step": now.step,
+             "digests_equal": pending.digests_equal}
     self.shrinks.append(event)
     self.out.record(self.primary, event)
     self.out.say(self.primary, f"jdist train: shrink: resumed at step {now.step} on "
                  f"{self.comm.size} replicas, {event['resumed_at'] - event['detected_at']:.2f} s "
                  f"after the loss was detected")
 
-  def run(self) -> dict:
+  def run(self, joined: Snapshot | None = None) -> dict:
     """Trains every epoch, shrinking past lost processes; returns the summary record.
 
     A loss during an epoch's evaluation (or the final one) is shrunk past
     like one during a step: the survivors evaluate again, so every epoch is
     logged once, and a shrink is logged once they completed their next step
-    or evaluation.
+    or evaluation. After a shrink, the job grows back (`Growth.max_np`) at
+    the next step boundary, before that step.
+
+    Args:
+      joined: in a process that `grow()` started, the state it was handed.
     """
     began = epoch_began = time.time()
-    now = before = self.start()
-    pending, due, final = None, False, None
+    now = before = joined or self.start()
+    pending, due, final = None, False, None  # growth happens only where no evaluation is due
     while final is None:
       try:
+        if not due and now.step < self.total_steps and self.can_grow():
+          now = before = self.grow(now)
+          continue
+        if self.comm.size < self.growth.min_np:
+          raise TooFewProcesses(f"{self.comm.size} process(es) left, fewer than --min-np "
+                                f"{self.growth.min_np}, and none can be started")
         if not due and now.step < self.total_steps:
           after = self.train_step(now)
           before, now = now, after
@@ -318,14 +411,20 @@ class ShrinkRun:
       except shrinkable.PeerLost:
         now, pending = self.recover(now, before, pending)
         due = due and now.step % self.steps_per_epoch == 0  # else the step is taken again
+      except shrinkable.GrowFailed as err:
+        self.grow_failed = True  # at every member alike: the start failed, not a member
+        self.out.say(self.primary, f"jdist train: grow: {err}; going on with "
+                     f"{self.comm.size} replicas")
     test_loss, test_accuracy = final
     summary = {"event": "summary", "steps": now.step, "replicas": self.comm.size,
                "test_loss": test_loss, "test_accuracy": test_accuracy,
-               "shrinks": len(self.shrinks), "wall_time_s": time.time() - began,
+               "shrinks": len(self.shrinks), "grows": len(self.grows),
+               "launch_rank": self.comm.launch_rank, "wall_time_s": time.time() - began,
                "params_digest": params_digest(now.params)}
     self.out.record(self.primary, summary)
     self.out.say(self.primary, f"{supervise.SHRINK_FINISHED}: {now.step} steps, final test accuracy "
-                 f"{test_accuracy:.2%} on {self.comm.size} replicas ({len(self.shrinks)} shrinks)")
+                 f"{test_accuracy:.2%} on {self.comm.size} replicas ({len(self.shrinks)} shrinks, "
+                 f"{len(self.grows)} grows)")
     return summary
 
 
@@ -346,14 +445,22 @@ def train(config: TrainConfig, on_step=None) -> dict:
   """
   check_config(config)
   os.environ.setdefault("JDIST_JAX_DISTRIBUTED", "0")
-  comm = shrinkable.ShrinkableComm()
+  growth = Growth.from_environment()
+  joining = shrinkable.spawned()  # started by the survivors' grow(): handed the state
+  comm = shrinkable.ShrinkableComm.joined() if joining else shrinkable.ShrinkableComm()
   try:
-    run = ShrinkRun(config, train_lib.load_data(config), comm, on_step)
-    if run.primary:
+    run = ShrinkRun(config, train_lib.load_data(config), comm, on_step, growth,
+                    global_batch=comm.bcast_object(None) if joining else None)
+    if run.primary and not joining:
       sys.stdout.write(f"jdist train --shrink: {comm.size} processes, global batch "
                        f"{run.global_batch}, {run.total_steps} steps; lost processes are "
-                       f"shrunk past (ULFM)\n")
-    return run.run()
+                       f"shrunk past (ULFM)"
+                       f"{f', grown back to {growth.max_np}' if growth.max_np else ''}\n")
+    return run.run(joined=run.share(None) if joining else None)
+  except TooFewProcesses as err:
+    if comm.rank == 0:
+      sys.stderr.write(f"jdist train --shrink: stopping: {err}.\n")
+    shrinkable.leave(1)
   except BaseException:  # pylint: disable=broad-except
     # A rank that fails is a lost rank: it leaves now (MPI_Finalize would wait for
     # peers that wait for it) and the others shrink past it.
@@ -368,5 +475,5 @@ def leave(summary: dict, code: int = 0) -> None:
   (and finalizes at exit, which mpirun wants: without it, a job under plain
   mpirun ends with status 1, "exiting improperly").
   """
-  if summary.get("shrinks"):
+  if summary.get("shrinks") or summary.get("grows"):
     shrinkable.leave(code)

@@ -6,7 +6,9 @@ that dies does not end the job: an MPI call that involves it returns
 communicator) to the others. `ShrinkableComm` turns that into `PeerLost`;
 `shrink()` then revokes the communicator (every survivor leaves whatever
 call it was in), builds the survivors' communicator (`MPIX_Comm_shrink`)
-and says who was lost.
+and says who was lost. `grow()` starts new processes in their place
+(`MPI_Comm_spawn`, then one communicator with them: `MPI_Intercomm_merge`);
+a process started so joins with `ShrinkableComm.joined()`.
 
 Only host buffers cross it (numpy): jdist's native engine and mpi4jax call
 `MPI_Abort` on any MPI error, so a step that ran them would end the job
@@ -45,6 +47,21 @@ class Shrunk(NamedTuple):
   size: int
 
 
+class Grown(NamedTuple):
+  """What one `ShrinkableComm.grow()` changed.
+
+  Attributes:
+    new_ranks: the launch ranks given to the started processes (never reused).
+    size: the number of processes now.
+  """
+  new_ranks: tuple[int, ...]
+  size: int
+
+
+class GrowFailed(errors.JdistError):
+  """New processes could not be started (no free slot, no host); the members go on as they were."""
+
+
 class ShrinkableComm:
   """The job's processes on a communicator that shrinks when some of them die.
 
@@ -52,14 +69,31 @@ class ShrinkableComm:
   change after `shrink()`; `launch_rank` (the rank mpirun gave) never does.
   """
 
-  def __init__(self):
+  def __init__(self, comm=None, launch_rank: int | None = None,
+               members: tuple[int, ...] | None = None):
     from mpi4py import MPI  # pylint: disable=import-outside-toplevel
     self._mpi = MPI
-    self._comm = MPI.COMM_WORLD.Dup()
+    self._comm = comm if comm is not None else MPI.COMM_WORLD.Dup()
     self._comm.Set_errhandler(MPI.ERRORS_RETURN)
-    self.launch_rank = MPI.COMM_WORLD.Get_rank()
-    self.hosts = tuple(self._comm.allgather(MPI.Get_processor_name()))
-    self.members = tuple(range(self._comm.Get_size()))  # launch ranks, in rank order
+    self.launch_rank = MPI.COMM_WORLD.Get_rank() if launch_rank is None else launch_rank
+    self.members = members or tuple(range(self._comm.Get_size()))  # launch ranks, rank order
+    # {launch rank: host}, of every process the job ever had
+    self.hosts = dict(zip(self.members, self.allgather_object(MPI.Get_processor_name())))
+
+  @classmethod
+  def joined(cls) -> "ShrinkableComm":
+    """The job's communicator in a process that `grow()` started (collective with it).
+
+    Raises:
+      PeerLost: a member failed meanwhile (this process then leaves; the others shrink).
+    """
+    from mpi4py import MPI  # pylint: disable=import-outside-toplevel
+    merged = MPI.Comm.Get_parent().Merge(high=True)
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    members, hosts = _agreed(MPI, merged, merged.bcast, None, root=0)
+    joined = cls(merged, members[merged.Get_rank()], members)
+    joined.hosts = {**hosts, **joined.hosts}
+    return joined
 
   @property
   def rank(self) -> int:
@@ -138,6 +172,80 @@ class ShrinkableComm:
       return Shrunk(lost, tuple(sorted({self.hosts[rank] for rank in lost})), len(members))
     raise PeerLost(f"rank {self.launch_rank}: the communicator could not be shrunk in "
                    f"{_MAX_SHRINK_TRIES} tries (members kept failing)")
+
+
+  def grow(self, count: int, command: list[str], hosts: tuple[str, ...] = ()) -> Grown:
+    """Starts `count` processes running `command` and takes them in (collective).
+
+    The new processes call `ShrinkableComm.joined()`; they come last in rank
+    order, with launch ranks above every one the job had.
+
+    Args:
+      count: how many processes to start.
+      command: the program and its arguments (the new processes' argv).
+      hosts: where to start them (MPI's "host" key; empty: where mpirun places them).
+
+    Raises:
+      PeerLost: a member failed meanwhile.
+      GrowFailed: MPI could not start them; the communicator is as it was.
+    """
+    info = self._mpi.Info.Create()
+    if hosts:
+      info.Set("host", ",".join(hosts))
+    try:
+      inter = self._comm.Spawn(command[0], args=command[1:], maxprocs=count, root=0, info=info)
+    except self._mpi.Exception as err:
+      self.confirm()  # PeerLost if a member died; else the start itself failed
+      raise GrowFailed(f"rank {self.launch_rank}: could not start {count} process(es): "
+                       f"{err}") from err
+    finally:
+      info.Free()
+    merged = self._call(inter.Merge, high=False)
+    merged.Set_errhandler(self._mpi.ERRORS_RETURN)
+    first = max(self.hosts) + 1
+    new_ranks = tuple(range(first, first + count))
+    _agreed(self._mpi, merged, merged.bcast, (self.members + new_ranks, self.hosts), root=0)
+    grown = ShrinkableComm(merged, self.launch_rank, self.members + new_ranks)
+    self._comm, self.members = grown._comm, grown.members  # pylint: disable=protected-access
+    self.hosts.update(grown.hosts)
+    return Grown(new_ranks, len(self.members))
+
+  def allgather_object(self, value) -> list:
+    """Every member's picklable `value`, in rank order, once all agreed. Raises PeerLost."""
+    return _agreed(self._mpi, self._comm, self._comm.allgather, value)
+
+  def bcast_object(self, value, root: int = 0):
+    """`root`'s picklable `value` on every member, once all agreed. Raises PeerLost."""
+    return _agreed(self._mpi, self._comm, self._comm.bcast, value, root=root)
+
+
+def _agreed(mpi, comm, collective, *args, **kwargs):
+  """`collective(...)`'s result once every member agreed that none failed.
+
+  A collective that a death cuts short can hand a survivor garbage (see
+  `ShrinkableComm.confirm`); for a pickled object, one that does not load.
+  So a torn result is held until the agreement says whether a member
+  failed (PeerLost, everywhere alike) or not (the error itself).
+  """
+  try:
+    result, problem = collective(*args, **kwargs), None
+  except mpi.Exception as err:
+    raise PeerLost(f"{err}") from err
+  except Exception as err:  # pylint: disable=broad-except
+    result, problem = None, err
+  try:
+    comm.Agree(1)
+  except mpi.Exception as err:
+    raise PeerLost(f"{err}") from err
+  if problem is not None:
+    raise problem
+  return result
+
+
+def spawned() -> bool:
+  """Whether this process was started by `ShrinkableComm.grow()` (it must call `joined()`)."""
+  from mpi4py import MPI  # pylint: disable=import-outside-toplevel
+  return MPI.Comm.Get_parent() != MPI.COMM_NULL
 
 
 def leave(code: int) -> None:

@@ -6,7 +6,8 @@ as a killed process would: no MPI_Finalize, no goodbye; with DELAY, it
 SIGKILLs itself DELAY seconds into that step instead (mid-step: in the
 gradient or in the allreduce). It prints
 "jdist-job: rank R dies at <unix time>" on stderr first. Every survivor
-prints "jdist-job: rank R digest D" at the end (replicas must agree).
+prints "jdist-job: rank R digest D" at the end (replicas must agree), R its
+launch rank (processes started to grow the job back have ranks above -np's).
 """
 
 import os
@@ -34,7 +35,7 @@ def main(argv):
 
   config, _ = cli.parse_train_args(flags)
   summary = train_shrink.train(config, on_step=on_step)
-  rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+  rank = summary["launch_rank"]  # a process the job started later has a rank of its own
   print(f"jdist-job: rank {rank} digest {summary['params_digest']}", file=sys.stderr, flush=True)
   train_shrink.leave(summary)  # no MPI_Finalize after a shrink: it would wait for the dead rank
   return 0

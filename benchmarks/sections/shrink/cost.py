@@ -3,8 +3,9 @@
 Three configurations, in turn within each round (so that a change of the
 shared machine's load hits all of them alike):
 
-  * `ulfm`: `--with-ft ulfm --mca btl tcp,self` (what `jdist launch --shrink` runs);
-  * `tcp`: plain mpirun, `--mca btl tcp,self` (the same transport: the difference is ULFM);
+  * `ulfm`: what `jdist launch --shrink` runs (`launch_shrink.ULFM_MPIRUN_ARGS`:
+    `--with-ft ulfm --mca btl tcp,self --mca coll ^han`);
+  * `tcp`: plain mpirun with the same transport and collectives (the difference is ULFM);
   * `default`: plain mpirun with the usual transports (shared memory within a node).
 
 Two placements: `shm` (2 processes on this host, plain `mpirun -np 2`) and
@@ -24,10 +25,11 @@ import sys
 from typing import Callable
 
 from benchmarks.harness import cluster
+from jdist.app import launch_shrink
 
 CONFIGS = {
-    "ulfm": ["--with-ft", "ulfm", "--mca", "btl", "tcp,self"],
-    "tcp": ["--mca", "btl", "tcp,self"],
+    "ulfm": list(launch_shrink.ULFM_MPIRUN_ARGS),
+    "tcp": [a for a in launch_shrink.ULFM_MPIRUN_ARGS if a not in ("--with-ft", "ulfm")],
     "default": [],
 }
 ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

@@ -15,7 +15,10 @@ Parts (`--parts`, comma-separated; all by default):
     `--shrink`, checkpoints every 10 steps, `benchmarks.sections.elastic_restart`),
     node B killed and node B's link down: fault -> "resumed from";
   * `cost`: `steploop` alternated under ULFM on and off (`cost.py`), on
-    shared memory and across the rig's nodes.
+    shared memory and across the rig's nodes;
+  * `chaos`: `--chaos-faults` random kills under `--max-np 4`, one every
+    `--chaos-interval` seconds, the job growing back after each (`chaos.py`),
+    beside the same job undisturbed.
 
 Every row carries the machine's load average when it ran.
 """
@@ -32,10 +35,11 @@ import tempfile
 from benchmarks.harness import cluster
 from benchmarks.harness import outputs
 from benchmarks.sections import elastic_restart
+from benchmarks.sections.shrink import chaos
 from benchmarks.sections.shrink import cost
 from benchmarks.sections.shrink import faults
 
-PARTS = ("faults", "restart", "cost")
+PARTS = ("faults", "restart", "cost", "chaos")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--epochs", type=int, default=3)
   parser.add_argument("--rounds", type=int, default=4, help="cost: alternated rounds")
   parser.add_argument("--steps", type=int, default=60, help="cost: timed steps per run")
+  parser.add_argument("--chaos-faults", type=int, default=100, help="chaos: processes killed")
+  parser.add_argument("--chaos-interval", type=float, default=8.0,
+                      help="chaos: seconds between kills")
+  parser.add_argument("--chaos-epochs", type=int, default=120,
+                      help="chaos: epochs (enough to outlast the kills)")
 
 
 def _env() -> dict[str, str]:
@@ -80,6 +89,17 @@ def run_restarts(args: argparse.Namespace) -> list[dict]:
   return rows
 
 
+def run_chaos(args: argparse.Namespace) -> list[dict]:
+  rows = []
+  for count in (0, args.chaos_faults):  # undisturbed first: goodput's reference
+    load = os.getloadavg()[0]
+    run = chaos.run_chaos(count, _env(), epochs=args.chaos_epochs,
+                          interval=args.chaos_interval, timeout=7200)
+    rows.append(dict(dataclasses.asdict(run), load=load))
+    print(f"chaos {count}: {rows[-1]}", flush=True)
+  return rows
+
+
 def run_cost(args: argparse.Namespace) -> dict[str, list[dict]]:
   rounds, steps, warmup = (1, 10, 3) if args.quick else (args.rounds, args.steps, 10)
   env = _env()
@@ -98,7 +118,7 @@ def main(args: argparse.Namespace) -> int:
   if unknown:
     sys.stderr.write(f"shrink: unknown parts {sorted(unknown)}; choose from {PARTS}\n")
     return 2
-  if {"faults", "restart"} & set(parts) or not args.quick:
+  if {"faults", "restart", "chaos"} & set(parts) or not args.quick:
     missing = cluster.missing_requirements()
     if missing:
       sys.stderr.write("shrink: the rig cannot be built: " + "; ".join(missing) + "\n")
@@ -110,6 +130,8 @@ def main(args: argparse.Namespace) -> int:
     results["restart"] = run_restarts(args)
   if "cost" in parts:
     results["cost"] = run_cost(args)
+  if "chaos" in parts:
+    results["chaos"] = run_chaos(args)
   names = outputs.write_report(args.out, results, markdown, json_name="shrink.json",
                                md_name="shrink.md")
   print(f"wrote {', '.join(os.path.join(args.out, n) for n in names)}")
@@ -159,6 +181,26 @@ def _cost_rows(found: dict[str, list[dict]]) -> list[str]:
   return lines
 
 
+def _chaos_rows(rows: list[dict]) -> list[str]:
+  lines = ["| kills | exit | hung | shrinks | grows | replicas bit-identical after each | "
+           "median detected -> next step | median growth | steps, replicas at the end | final "
+           "test accuracy | wall | goodput | cost per kill | load |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  calm = rows[0]["wall_s"] if rows and rows[0]["kills"] == 0 else None
+  for row in rows:
+    accuracy = "-" if row["test_accuracy"] is None else f"{row['test_accuracy']:.2%}"
+    goodput = cost_per = "-"
+    if calm and row["wall_s"] and row["kills"]:
+      goodput = f"{calm / row['wall_s']:.1%}"
+      cost_per = _seconds((row["wall_s"] - calm) / row["kills"])
+    median = lambda values: _seconds(statistics.median(values)) if values else "-"  # pylint: disable=unnecessary-lambda-assignment
+    lines.append(f"| {row['kills']} | {row['code']} | {row['hung']} | {row['shrinks']} | "
+                 f"{row['grows']} | {row['digests_equal']} | {median(row['resumed_s'])} | "
+                 f"{median(row['grow_s'])} | {row['steps']}, {row['replicas']} | {accuracy} | "
+                 f"{_seconds(row['wall_s'])} | {goodput} | {cost_per} | {row['load']:.1f} |")
+  return lines
+
+
 def markdown(results: dict) -> str:
   """shrink.md: the runs' tables (see the module's docstring for what each part does)."""
   text = [f"# `jdist launch --shrink` on the rig\n\n`{results['command']}`"
@@ -180,4 +222,7 @@ def markdown(results: dict) -> str:
   if "cost" in results:
     text += ["## ULFM's steady-state cost (`steploop`, alternated)\n",
              *_cost_rows(results["cost"]), ""]
+  if "chaos" in results:
+    text += ["## Chaos: random kills, `--max-np 4` (the job grows back after each)\n",
+             *_chaos_rows(results["chaos"]), ""]
   return "\n".join(text) + "\n"

@@ -1,0 +1,127 @@
+"""A chaos run of `jdist launch --shrink --max-np`: many processes killed, the job grows back each time.
+
+`run_chaos` starts the digits job on 2 nodes x 2 processes with `--max-np 4`
+and, from the first epoch's line on, SIGKILLs one training process chosen at
+random (any node; the job's rank 0 among them) every `interval` seconds, up
+to `faults` kills. Each kill is shrunk past and the job starts a process in
+its place. The JSON log says, per shrink and per growth, whether every
+replica's parameters were bit-identical (`digests_equal`). Goodput is the
+undisturbed run's wall time over the chaos run's, for the same steps (so it
+depends on how often processes die: here every `interval` seconds); the
+cost per fault, (chaos - undisturbed) / kills, says what it would be at
+another rate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import random
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+
+from benchmarks.harness import cluster
+from benchmarks.harness import jobs
+from benchmarks.sections.shrink import faults
+
+
+@dataclasses.dataclass
+class ChaosRun:
+  """What one chaos job did (`faults` = 0: the undisturbed run)."""
+  faults: int
+  code: int | None
+  hung: bool
+  kills: int = 0
+  shrinks: int = 0
+  grows: int = 0
+  digests_equal: bool | None = None  # after every shrink and growth
+  resumed_s: list | None = None  # each shrink: detected -> next completed step
+  grow_s: list | None = None  # each growth: start -> state handed over
+  steps: int | None = None
+  replicas: int | None = None
+  test_accuracy: float | None = None
+  wall_s: float | None = None  # jdist launch's start -> exit, measured here
+  tail: str = ""  # the job's last output lines, when it did not finish
+
+
+def training_pids(rig: cluster.Cluster) -> list[int]:
+  """The job's training processes on the rig (not mpirun's daemons)."""
+  found = []
+  for pid in rig.namespace_pids():
+    with contextlib.suppress(OSError):
+      with open(f"/proc/{pid}/cmdline", "rb") as handle:
+        argv = handle.read().split(b"\0")
+      # python .../jdist train --shrink ...; not mpirun nor `jdist launch`, whose
+      # command lines hold the same words
+      if (os.path.basename(argv[0]).startswith(b"python") and b"launch" not in argv
+          and b"train" in argv and b"--shrink" in argv):
+        found.append(pid)
+  return found
+
+
+def _killer(rig, count: int, interval: float, stop: threading.Event, kills: list) -> None:
+  chooser = random.Random(0)
+  while len(kills) < count and not stop.wait(interval):
+    pids = training_pids(rig)
+    if len(pids) < 2:  # a growth under way: leave a survivor
+      continue
+    victim = chooser.choice(pids)
+    with contextlib.suppress(ProcessLookupError):
+      os.kill(victim, signal.SIGKILL)
+      kills.append(time.time())
+
+
+def run_chaos(count: int, env: dict[str, str], *, epochs: int, interval: float,
+              timeout: float) -> ChaosRun:
+  """One `--shrink --max-np 4` job on a fresh rig with `count` random kills."""
+  with tempfile.TemporaryDirectory() as tmp, \
+       cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
+    log = os.path.join(tmp, "log.jsonl")
+    processes = 2 * faults.PER_NODE
+    argv = rig.launch_argv(faults.train_command(log, epochs, None), faults.PER_NODE,
+                           ["--shrink", "-np", str(processes), "--max-np", str(processes),
+                            "--mpirun-args", "--map-by slot --oversubscribe"])
+    job = subprocess.Popen(argv, env=rig.launch_env(env), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, cwd=faults._REPO,  # pylint: disable=protected-access
+                           start_new_session=True)
+    stop, kills, began = threading.Event(), [], time.time()
+
+    lines = []
+
+    def read():
+      started = False
+      for line in job.stdout:
+        lines.append(line)
+        if count and not started and line.startswith("epoch 1/"):
+          started = True
+          threading.Thread(target=_killer, args=(rig, count, interval, stop, kills),
+                           daemon=True).start()
+
+    try:
+      wall, hung = jobs.follow(job, read, timeout) - began, False
+    except subprocess.TimeoutExpired:
+      wall, hung = None, True
+    stop.set()
+    said = [line for line in lines if line.strip() and not line.startswith("NBC_Progress")]
+    tail = "" if job.returncode == 0 else "".join(said[-60:])
+    return _outcome(ChaosRun(count, job.returncode, hung, kills=len(kills), wall_s=wall,
+                             tail=tail), faults._read_log(log))  # pylint: disable=protected-access
+
+
+def _outcome(run: ChaosRun, records: list[dict]) -> ChaosRun:
+  shrinks = [r for r in records if r.get("event") == "shrink"]
+  grows = [r for r in records if r.get("event") == "grow"]
+  run.shrinks, run.grows = len(shrinks), len(grows)
+  run.digests_equal = all(r["digests_equal"] for r in shrinks + grows)
+  run.resumed_s = [round(r["resumed_at"] - r["detected_at"], 3) for r in shrinks]
+  run.grow_s = [round(r["joined_at"] - r["started_at"], 3) for r in grows]
+  summaries = [r for r in records if r.get("event") == "summary"]
+  if summaries:
+    last = summaries[-1]
+    run.steps, run.replicas = last["steps"], last["replicas"]
+    run.test_accuracy = last["test_accuracy"]
+  return run
