@@ -24,6 +24,8 @@ from jdist.collectives import shrinkable
 from tests import launch
 
 JOB = os.path.join(launch.REPO, "tests", "jobs", "shrink_faults.py")
+# Rank 2 dies before step 12: the survivors go back to the last step they agreed on.
+AGREED = 12 // train_shrink.CONFIRM_EVERY * train_shrink.CONFIRM_EVERY
 MAIN_JOB = ["--model", "cnn", "--dataset", "digits", "--batch-size", "16", "--lr", "0.05",
             "--momentum", "0.9"]
 
@@ -94,7 +96,7 @@ def test_fault_rank_killed_survivors_shrink_and_finish(tmp_path):
   assert ranks == ["0", "1"], output
   assert records[-1]["replicas"] == 2 and records[-1]["grows"] == 0
   assert [r for r in records if r["event"] == "shrink"][0]["replicas"] == 2
-  assert "shrink: resumed at step 13 on 2 replicas" in output, output
+  assert f"shrink: resumed at step {AGREED + 1} on 2 replicas" in output, output
 
 
 def test_fault_rank_killed_job_grows_back_with_the_state_from_memory(tmp_path):
@@ -102,10 +104,10 @@ def test_fault_rank_killed_job_grows_back_with_the_state_from_memory(tmp_path):
   assert ranks == ["0", "1", "3"], output  # rank 3: started in rank 2's place
   grows = [r for r in records if r["event"] == "grow"]
   assert len(grows) == 1 and grows[0]["new_ranks"] == [3] and grows[0]["replicas"] == 3, output
-  assert grows[0]["step"] == 12, grows  # before the step rank 2 did not complete
+  assert grows[0]["step"] == AGREED, grows  # the survivors' last agreed step
   assert grows[0]["digests_equal"], grows  # the new process holds the survivors' state
   assert records[-1]["replicas"] == 3 and records[-1]["grows"] == 1
-  assert "shrink: resumed at step 13 on 3 replicas" in output, output
+  assert f"shrink: resumed at step {AGREED + 1} on 3 replicas" in output, output
   # Every epoch is logged once, by whichever process is rank 0.
   assert [r["epoch"] for r in records if r["event"] == "epoch"] == [1, 2]
 
@@ -252,8 +254,9 @@ def test_an_evaluation_cut_short_is_retaken_and_every_epoch_logged_once(tmp_path
                           10, "synthetic")
   log = tmp_path / "run.jsonl"
   config = TrainConfig(model="cnn", batch_size=16, epochs=2, lr=0.05, log_file=str(log))
-  # confirm calls: steps 1-4, epoch 1's evaluation (5), steps 5-8, epoch 2's (10), final (11).
-  summary = train_shrink.ShrinkRun(config, data, _OneComm(fail_at=(5, 11))).run()
+  # 4 steps an epoch, an agreement at each epoch's end: confirm calls are step 4 (1),
+  # epoch 1's evaluation (2), step 8 (3), epoch 2's (4), the final evaluation (5).
+  summary = train_shrink.ShrinkRun(config, data, _OneComm(fail_at=(2, 5))).run()
   records = [json.loads(line) for line in log.read_text().splitlines()]
   assert [r["epoch"] for r in records if r["event"] == "epoch"] == [1, 2]
   assert [r["step"] for r in records if r["event"] == "shrink"] == [4, 8]

@@ -47,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--faults", default=",".join(faults.FAULTS))
   parser.add_argument("--epochs", type=int, default=3)
   parser.add_argument("--rounds", type=int, default=4, help="cost: alternated rounds")
-  parser.add_argument("--steps", type=int, default=60, help="cost: timed steps per run")
+  parser.add_argument("--steps", type=int, default=64,
+                      help="cost: timed steps per run (whole agreement windows)")
   parser.add_argument("--chaos-faults", type=int, default=100, help="chaos: processes killed")
   parser.add_argument("--chaos-interval", type=float, default=8.0,
                       help="chaos: seconds between kills")
@@ -101,7 +102,7 @@ def run_chaos(args: argparse.Namespace) -> list[dict]:
 
 
 def run_cost(args: argparse.Namespace) -> dict[str, list[dict]]:
-  rounds, steps, warmup = (1, 10, 3) if args.quick else (args.rounds, args.steps, 10)
+  rounds, steps, warmup = (1, 10, 3) if args.quick else (args.rounds, args.steps, 8)
   env = _env()
   print("cost, shared memory (2 processes on this host):", flush=True)
   found = {"shm": cost.alternate(cost.shm_starter(env), rounds, steps, warmup)}
@@ -163,7 +164,7 @@ def _fault_rows(rows: list[dict]) -> list[str]:
 
 
 def _cost_rows(found: dict[str, list[dict]]) -> list[str]:
-  lines = ["| placement | config | runs | median step (ms) | median exchange (ms) | "
+  lines = ["| placement | config | runs | mean step (ms), median of runs | mean exchange (ms), median of runs | "
            "loads |", "| --- | --- | --- | --- | --- | --- |"]
   for placement, records in found.items():
     for config in cost.CONFIGS:
