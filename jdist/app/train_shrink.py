@@ -279,12 +279,16 @@ class ShrinkRun:
     event = {"event": "grow", "new_ranks": list(grown.new_ranks), "replicas": grown.size,
              "started_at": started, "joined_at": time.time(), "step": now.step,
              "digests_equal": self.handed_over_equal}
-    self.grows.append(event)
-    self.out.record(self.primary, event)
-    self.out.say(self.primary, f"jdist train: grow: rank(s) {list(grown.new_ranks)} joined at "
-                 f"step {now.step}; {grown.size} replicas, "
-                 f"{event['joined_at'] - started:.2f} s to start them and hand them the state")
+    self._log(self.grows, event, f"jdist train: grow: rank(s) {list(grown.new_ranks)} joined "
+              f"at step {now.step}; {grown.size} replicas, {event['joined_at'] - started:.2f} s "
+              f"to start them and hand them the state")
     return now
+
+  def _log(self, events: list[dict], event: dict, line: str) -> None:
+    """Keeps `event`, writes it to the JSON log and says `line` (rank 0)."""
+    events.append(event)
+    self.out.record(self.primary, event)
+    self.out.say(self.primary, line)
 
   def batch_indices(self, step: int) -> np.ndarray:
     """The global batch of global step `step`: the same whatever the replica count."""
@@ -394,11 +398,9 @@ class ShrinkRun:
              "lost_hosts": list(pending.lost_hosts), "replicas": self.comm.size,
              "detected_at": pending.detected_at, "resumed_at": time.time(), "step": now.step,
              "digests_equal": pending.digests_equal}
-    self.shrinks.append(event)
-    self.out.record(self.primary, event)
-    self.out.say(self.primary, f"jdist train: shrink: resumed at step {now.step} on "
-                 f"{self.comm.size} replicas, {event['resumed_at'] - event['detected_at']:.2f} s "
-                 f"after the loss was detected")
+    self._log(self.shrinks, event, f"jdist train: shrink: resumed at step {now.step} on "
+              f"{self.comm.size} replicas, {event['resumed_at'] - event['detected_at']:.2f} s "
+              f"after the loss was detected")
 
   def run(self, joined: Snapshot | None = None) -> dict:
     """Trains every epoch, shrinking past lost processes; returns the summary record.
