@@ -191,7 +191,8 @@ def _chaos_rows(rows: list[dict]) -> list[str]:
   for row in rows:
     accuracy = "-" if row["test_accuracy"] is None else f"{row['test_accuracy']:.2%}"
     goodput = cost_per = "-"
-    if calm and row["wall_s"] and row["kills"]:
+    finished = row["code"] == 0 and row["steps"] == rows[0]["steps"]
+    if calm and row["wall_s"] and row["kills"] and finished:
       goodput = f"{calm / row['wall_s']:.1%}"
       cost_per = _seconds((row["wall_s"] - calm) / row["kills"])
     median = lambda values: _seconds(statistics.median(values)) if values else "-"  # pylint: disable=unnecessary-lambda-assignment
