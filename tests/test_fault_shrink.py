@@ -86,23 +86,25 @@ def _run_shrink_job(tmp_path, *launch_flags):
   assert event["lost_ranks"] == [2] and event["lost_hosts"] and event["digests_equal"]
   assert 0 <= event["resumed_at"] - event["detected_at"] <= 10.0, event
   assert records[-1]["event"] == "summary" and records[-1]["test_accuracy"] > 0.85, output
+  assert records[-1]["digests_equal"], output  # every replica's final parameters, compared
+  # The same, as printed by each process (a line can be lost when mpirun ends first).
   digests = re.findall(r"jdist-job: rank (\d) digest (\w+)", output)
-  assert len({digest for _, digest in digests}) == 1, output  # replicas bit-identical
-  return records, output, sorted(rank for rank, _ in digests)
+  assert "0" in [rank for rank, _ in digests], output
+  assert len({digest for _, digest in digests}) == 1, output
+  return records, output
 
 
 def test_fault_rank_killed_survivors_shrink_and_finish(tmp_path):
-  records, output, ranks = _run_shrink_job(tmp_path)
-  assert ranks == ["0", "1"], output
+  records, output = _run_shrink_job(tmp_path)
   assert records[-1]["replicas"] == 2 and records[-1]["grows"] == 0
   assert [r for r in records if r["event"] == "shrink"][0]["replicas"] == 2
   assert f"shrink: resumed at step {AGREED + 1} on 2 replicas" in output, output
 
 
 def test_fault_rank_killed_job_grows_back_with_the_state_from_memory(tmp_path):
-  records, output, ranks = _run_shrink_job(tmp_path, "--max-np", "3")
-  assert ranks == ["0", "1", "3"], output  # rank 3: started in rank 2's place
+  records, output = _run_shrink_job(tmp_path, "--max-np", "3")
   grows = [r for r in records if r["event"] == "grow"]
+  # rank 3: started in rank 2's place
   assert len(grows) == 1 and grows[0]["new_ranks"] == [3] and grows[0]["replicas"] == 3, output
   assert grows[0]["step"] == AGREED, grows  # the survivors' last agreed step
   assert grows[0]["digests_equal"], grows  # the new process holds the survivors' state

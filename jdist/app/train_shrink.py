@@ -447,7 +447,9 @@ class ShrinkRun:
         self.out.say(self.primary, f"jdist train: grow: {err}; going on with "
                      f"{self.comm.size} replicas")
     test_loss, test_accuracy = final
+    equal = self.digests_equal(now)  # every replica's final parameters, bit for bit
     summary = {"event": "summary", "steps": now.step, "replicas": self.comm.size,
+               "digests_equal": equal,
                "test_loss": test_loss, "test_accuracy": test_accuracy,
                "shrinks": len(self.shrinks), "grows": len(self.grows),
                "launch_rank": self.comm.launch_rank, "wall_time_s": time.time() - began,
