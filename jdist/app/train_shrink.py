@@ -228,7 +228,6 @@ class ShrinkRun:
     self.out = Output(config)
     self.shrinks: list[dict] = []
     self.grows: list[dict] = []
-    self.handed_over_equal = None  # after the last `share()`: every replica's digest equal
     self.grow_failed = False
 
   @property
@@ -242,8 +241,12 @@ class ShrinkRun:
     params, state = unravel(jnp.asarray(self.comm.bcast(np.array(flat))))
     return Snapshot(0, params, state, self.program.opt_init(params), np.zeros(3))
 
-  def share(self, now: Snapshot | None) -> Snapshot:
-    """Rank 0's state on every member, the ones `grow()` started included (they pass None)."""
+  def share(self, now: Snapshot | None) -> tuple[Snapshot, bool]:
+    """Rank 0's state on every member, the ones `grow()` started included (they pass None).
+
+    Returns:
+      The state, and whether every member's parameters are then bit-identical.
+    """
     if now is None:  # a new process: the structure of the state, to receive into
       params, state = self.program.init(self.config.seed)
       now = Snapshot(0, params, state, self.program.opt_init(params), np.zeros(3))
@@ -252,8 +255,7 @@ class ShrinkRun:
     step, leaves, tally = self.comm.bcast_object(payload)
     params, state, opt_state = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves])
     now = Snapshot(step, params, state, opt_state, np.asarray(tally))
-    self.handed_over_equal = self.digests_equal(now)
-    return now
+    return now, self.digests_equal(now)
 
   def digests_equal(self, now: Snapshot) -> bool:
     """Whether every replica holds the same parameters, bit for bit (collective)."""
@@ -275,10 +277,10 @@ class ShrinkRun:
     grown = self.comm.grow(self.growth.max_np - self.comm.size, list(self.growth.command),
                            lost_hosts)
     self.comm.bcast_object(self.global_batch)  # what `joined` reads first
-    now = self.share(now)
+    now, equal = self.share(now)
     event = {"event": "grow", "new_ranks": list(grown.new_ranks), "replicas": grown.size,
              "started_at": started, "joined_at": time.time(), "step": now.step,
-             "digests_equal": self.handed_over_equal}
+             "digests_equal": equal}
     self._log(self.grows, event, f"jdist train: grow: rank(s) {list(grown.new_ranks)} joined "
               f"at step {now.step}; {grown.size} replicas, {event['joined_at'] - started:.2f} s "
               f"to start them and hand them the state")
@@ -489,7 +491,7 @@ def train(config: TrainConfig, on_step=None) -> dict:
                        f"{run.global_batch}, {run.total_steps} steps; lost processes are "
                        f"shrunk past (ULFM)"
                        f"{f', grown back to {growth.max_np}' if growth.max_np else ''}\n")
-    return run.run(joined=run.share(None) if joining else None)
+    return run.run(joined=run.share(None)[0] if joining else None)
   except TooFewProcesses as err:
     if comm.rank == 0:
       sys.stderr.write(f"jdist train --shrink: stopping: {err}.\n")
