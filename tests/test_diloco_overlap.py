@@ -22,6 +22,7 @@ def test_every_variant_is_timed_and_each_block_reads_what_it_started(topo):
     assert row["in_flight_at_block_end"] == 0  # blocks start past an apply step
   assert rows["compute"]["exposed_share"] == 0.0
   assert rows["compute"]["sync_share"] is None and rows["no_sync"]["sync_share"] == 0.0
+  assert {row["payload"] for row in rows.values()} == {None}  # float32 unless --payload
   # The reference never syncs; the others did, in every round and the warm-up.
   assert rows["no_sync"]["outer_syncs"] == 0 and rows["no_sync"]["most_in_flight"] == 0
   for variant in ("in_step", "background"):

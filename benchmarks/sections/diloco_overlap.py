@@ -1,7 +1,7 @@
 """Streaming DiLoCo's outer sync: in the step that starts it, or in the background.
 
     python -m benchmarks diloco_overlap [--links 1gbit,100mbit] [--rounds 8]
-        [--sync-every 32] [--fragments 4] [--delay 4]
+        [--sync-every 32] [--fragments 4] [--delay 4] [--payload int4|sparse|...]
 
 Each link gets a 2x1 job in a shaped namespace (root), on SINGA's CNN
 (431,080 parameters) with 64 images per replica, inner optimizer SGD. Three
@@ -18,6 +18,11 @@ alternating block by block for `--rounds` rounds:
   * `background`: `delay=τ`: on the native route the fragment's sum is
     started in the sync step and read τ steps later (`jdist.collectives.
     deferred`), while the inner steps in between compute.
+
+`--payload` is what the pseudo-gradient crosses as in the three DiLoCo
+variants (`jdist.diloco(payload=...)`: float32 by default, `int8`, `int4`,
+`sparse[:fraction]`). The issue's compute utilization of a syncing run is
+`no_sync`'s block time over the variant's (`1 / (1 + sync_share)`).
 
 A block is timed from its first dispatch to its last result, so a block's
 time per step is the inner step time with the outer syncs of that block
@@ -62,8 +67,8 @@ def _transformation(variant: str, options: dict) -> optax.GradientTransformation
     return inner
   delay = 0 if variant in ("in_step", "no_sync") else int(options["delay"])
   sync_every = accuracy.NEVER if variant == "no_sync" else int(options["sync_every"])
-  return jdist.diloco(inner, sync_every=sync_every,
-                      fragments=int(options["fragments"]), delay=delay)
+  return jdist.diloco(inner, sync_every=sync_every, fragments=int(options["fragments"]),
+                      delay=delay, payload=options.get("payload") or None)
 
 
 def _in_flight(state) -> int:
@@ -122,6 +127,7 @@ def run(ctx):
            "rounds": rounds,
            "sync_every": sync_every, "fragments": fragments,
            "delay": int(options["delay"]) if variant == "background" else 0,
+           "payload": None if variant == "compute" else options.get("payload") or None,
            "route": jdist.collectives.route(), "in_flight_at_block_end": left[variant],
            "most_in_flight": seen[variant],
            "outer_syncs": None if variant == "compute" else int(
@@ -134,6 +140,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--sync-every", type=int, default=32)
   parser.add_argument("--fragments", type=int, default=4)
   parser.add_argument("--delay", type=int, default=4)
+  parser.add_argument("--payload", default="",
+                      help="the pseudo-gradient's payload (jdist.diloco's payload=): "
+                           "int8, int4, sparse[:fraction]; float32 when empty")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -142,7 +151,7 @@ def main(args: argparse.Namespace) -> int:
   from benchmarks.sections.network import shaped as network  # pylint: disable=g-import-not-at-top
   netns.terminate_on_sigterm()
   options = (("rounds", args.rounds), ("sync_every", args.sync_every),
-             ("fragments", args.fragments), ("delay", args.delay))
+             ("fragments", args.fragments), ("delay", args.delay), ("payload", args.payload))
   failed = False
   for link in [netns.link_named(name) for name in args.links.split(",")]:
     job = jobs_lib.Job(f"diloco_overlap@{link.name}", 2, 1, (sys.modules[__name__],),
@@ -157,7 +166,8 @@ def main(args: argparse.Namespace) -> int:
       print(f"{row['variant']:>10}: {row['step_s'] * 1e3:7.1f} ms/step, exposed "
             f"{100 * row['exposed_share']:6.1f}% of compute"
             + ("" if row["sync_share"] is None else
-               f", outer sync {100 * row['sync_share']:5.1f}% of no_sync") +
+               f", outer sync {100 * row['sync_share']:5.1f}% of no_sync (utilization "
+               f"{100 / (1 + row['sync_share']):5.1f}%)") +
             f", in flight at block end "
             f"{row['in_flight_at_block_end']}, most in flight {row['most_in_flight']}, "
             f"route {row['route']}")
