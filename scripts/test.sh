@@ -35,10 +35,16 @@ mpi_selection=(tests --ignore=tests/test_data.py --ignore=tests/test_datasets.py
 workers=${JDIST_TEST_WORKERS:-auto}
 echo "== tests: 1 process x 4 devices ($workers workers)"
 "$python" -m pytest tests -n "$workers" --dist loadfile --durations=15 "$@"
+# In the MPI sessions both ranks compile the same programs at once on the two
+# cores, so XLA's parallel codegen (each program's LLVM module split into parts
+# compiled on a thread pool) only adds work there: one part took 2x2
+# tests/test_diloco.py from 66 / 63 s to 55 / 54 s (alternated runs). The plain
+# session keeps the split: its workers often leave a core idle.
+mpi_xla_flags="--xla_cpu_parallel_codegen_split_count=1 ${XLA_FLAGS:-}"
 for devices in 1 2; do
   echo "== tests: 2 processes x $devices device(s)"
-  bash scripts/mpirun.sh -np 2 -x JDIST_TEST_DEVICES=$devices \
-    "$python" -m pytest "${mpi_selection[@]}" --durations=10 "$@"
+  XLA_FLAGS=$mpi_xla_flags bash scripts/mpirun.sh -np 2 -x XLA_FLAGS \
+    -x JDIST_TEST_DEVICES=$devices "$python" -m pytest "${mpi_selection[@]}" --durations=10 "$@"
 done
 if [ -f mkdocs.yml ]; then
   echo "== docs: mkdocs build --strict"

@@ -19,12 +19,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # LLVM's lighter optimization level 1 (below the default) halves it without slowing
 # the training runs (level 0 does: a digits run went from 11 s to 87 s). Every
 # session and every job a test launches gets it, so both sides of a comparison
-# are compiled alike. XLA also splits each program's LLVM module into parts that
-# it compiles on a thread pool; with every core already busy (two ranks, or two
-# pytest workers, on two cores) the split only adds work: one part took a 2x2
-# session of tests/test_diloco.py from 115-119 to 94-95 CPU-seconds (66 -> 55 s).
-TEST_XLA_FLAGS = ("--xla_backend_optimization_level=1",
-                  "--xla_cpu_parallel_codegen_split_count=1")
+# are compiled alike.
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=1",)
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
