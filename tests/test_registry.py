@@ -198,6 +198,9 @@ def test_options_are_checked_per_place():
   with pytest.raises(SystemExit):
     entry.parse_args(["suite", "--only", "allreduce,nope"])
   assert entry.parse_args(["--quick"]).section == "suite"  # the bare form is the suite
+  assert entry.parse_args(["jax_peers", "--on", "rig"]).out.endswith("jax_peers_rig")
+  with pytest.raises(SystemExit):  # the rig splits each job's processes over its 2 nodes
+    entry.parse_args(["jax_peers", "--on", "rig", "--topologies", "3x1"])
 
 
 def test_the_docs_list_every_section():

@@ -2,6 +2,7 @@
 
     sudo .venv/bin/python -m benchmarks jax_peers [--rounds 5] [--topologies 2x1,2x2]
     sudo .venv/bin/python -m benchmarks jax_peers --on shaped --link 1gbit
+    sudo .venv/bin/python -m benchmarks jax_peers --on rig [--rig-rate 1000]
 
 SINGA's CNN, one global batch of 64 rows, SGD, in 2x1 and 2x2. Each round runs
 two jobs back to back: the `jdist` job (`jdist_jit`: the quickstart's jit step
@@ -13,17 +14,24 @@ all-reduce over Gloo). Reported: per-step medians and paired ratios over the
 rounds, 16 MiB all-reduces, loopback bytes per step (`/proc/net/dev` inside a
 private namespace when root) and the losses after 20 steps, which must agree
 (relative 1e-5). The runs: docs/jax_processes.md (against plain JAX).
+
+On the rig (`--on rig`: two nodes of network namespaces with their own host
+names behind a bridge shaped to `--rig-rate` Mbit/s per node) a topology's
+processes are split over the two nodes, so 2x1 and 2x2 put one process on
+each node and every cross-process byte crosses the bridge; the loopback
+bytes are then each node's own (none cross it).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
 import sys
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -176,6 +184,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--steps", type=int, default=40, help="timed steps per variant and job")
   parser.add_argument("--global-batch", type=int, default=64)
   parser.add_argument("--link", default="1gbit", help="--on shaped: the link (harness/netns.py)")
+  parser.add_argument("--rig-rate", type=float, default=1000.0,
+                      help="--on rig: each node's link in Mbit/s")
 
 
 def _topologies(text: str) -> list[tuple[int, int]]:
@@ -194,20 +204,55 @@ def check(args: argparse.Namespace) -> None:
     raise UsageError("--rounds must be >= 1 and --steps >= 3")
   if args.on == "shaped":
     netns.link_named(args.link)
+  if args.on == "rig" and any(processes % 2 for processes, _ in _topologies(args.topologies)):
+    raise UsageError(f"--on rig --topologies {args.topologies}: the processes are split over "
+                     "the rig's 2 nodes, so each count must be even (e.g. 2x1,2x2)")
+
+
+RunJob = Callable[[jobs.Job], dict]
+
+
+def _on_one_host(prefix: tuple[str, ...], mpirun_args: tuple[str, ...], quick: bool) -> RunJob:
+  return lambda job: jobs.run(dataclasses.replace(job, prefix=prefix, mpirun_args=mpirun_args),
+                              quick=quick, timeout=JOB_TIMEOUT)
+
+
+def _on_rig(rig, quick: bool) -> RunJob:
+  """Runs a job under `mpirun --hostfile` with its processes split over the rig's nodes."""
+  from benchmarks.sections.network import rig as network_rig  # pylint: disable=import-outside-toplevel
+
+  def run_job(job: jobs.Job) -> dict:
+    per_node = job.processes // len(rig.nodes)
+    # The job's own settings (JAX's distributed runtime on) win over the rig's defaults.
+    env = {**jobs.environment(job), **network_rig.RANK_ENV, **dict(job.env), **rig.mpi_env()}
+    names = [*network_rig.RANK_ENV, *dict(job.env), *network_rig.FORWARDED]
+    extra = [arg for name in dict.fromkeys(names) for arg in ("-x", name)]
+    print(f"[{job.name}] on the rig, {per_node} per node ...", flush=True)
+    return jobs.collect(job, lambda prefix: jobs.launch(rig.mpirun_argv(
+        jobs.program_argv(job, prefix, quick), per_node, jobs.mpirun_binary(), extra),
+        env, JOB_TIMEOUT))
+  return run_job
 
 
 @contextlib.contextmanager
-def _place(args) -> Iterator[tuple[tuple[str, ...], tuple[str, ...], str]]:
-  """(argv prefix, mpirun options, what counts the bytes) of the place the jobs run."""
+def _place(args) -> Iterator[tuple[RunJob, str]]:
+  """(how a job runs, what counts the bytes) at the place the jobs run."""
+  if args.on == "rig":
+    from benchmarks.harness import cluster  # pylint: disable=import-outside-toplevel
+    with cluster.Cluster(nodes=2, rate_mbit=args.rig_rate) as rig:
+      yield _on_rig(rig, args.quick), (f"rig, {args.rig_rate:g} Mbit/s per node: each node's "
+                                        "loopback (cross-node bytes cross the bridge)")
+    return
   if args.on == "shaped":
     with netns.shaped_namespace(netns.link_named(args.link)) as name:
-      yield tuple(netns.exec_prefix(name)), netns.MPI_TCP_ARGS, f"netns, {args.link}"
+      yield (_on_one_host(tuple(netns.exec_prefix(name)), netns.MPI_TCP_ARGS, args.quick),
+             f"netns, {args.link}")
     return
   if os.geteuid() == 0 and not netns.missing_requirements():
     with netns.private_namespace() as name:
-      yield tuple(netns.exec_prefix(name)), (), "netns, shared memory"
+      yield _on_one_host(tuple(netns.exec_prefix(name)), (), args.quick), "netns, shared memory"
     return
-  yield (), (), "host loopback (other jobs' bytes included)"
+  yield _on_one_host((), (), args.quick), "host loopback (other jobs' bytes included)"
 
 
 def _rows(result: dict) -> list[dict]:
@@ -254,10 +299,11 @@ def main(args: argparse.Namespace) -> int:
   topologies = _topologies(args.topologies)[:1] if args.quick else _topologies(args.topologies)
   env = {"jdist": (("JDIST_JAX_DISTRIBUTED", "1"),),
          "gloo": (("JDIST_JAX_DISTRIBUTED", "1"), ("JAX_CPU_COLLECTIVES_IMPLEMENTATION", "gloo"))}
+  link = {"shaped": args.link, "rig": f"rig, {args.rig_rate:g} Mbit/s per node"}
   results: dict[str, Any] = {"command": args.command, "place": args.on,
-                             "link": args.link if args.on == "shaped" else "shm",
+                             "link": link.get(args.on, "shm"),
                              "versions": _versions(), "topologies": {}}
-  with _place(args) as (prefix, mpirun_args, counted):
+  with _place(args) as (run_job, counted):
     results["bytes_counted_on"] = counted
     for processes, devices in topologies:
       per_round = []
@@ -265,11 +311,10 @@ def main(args: argparse.Namespace) -> int:
         rows = []
         for kind in ("jdist", "gloo"):
           job = jobs.Job(f"{NAME}-{kind}-{processes}x{devices}", processes, devices,
-                         (sys.modules[__name__],), env=env[kind], prefix=prefix,
-                         mpirun_args=mpirun_args,
+                         (sys.modules[__name__],), env=env[kind],
                          options=(("kind", kind), ("steps", steps),
                                   ("global_batch", args.global_batch)))
-          rows += _rows(jobs.run(job, quick=args.quick, timeout=JOB_TIMEOUT))
+          rows += _rows(run_job(job))
         per_round.append(rows)
         print(f"[{processes}x{devices}] round {index + 1}/{rounds}: " + ", ".join(
             f"{r['variant']} {1e3 * r['time_s']:.1f} ms" for r in rows if r["part"] == "step"),
@@ -281,7 +326,7 @@ def main(args: argparse.Namespace) -> int:
       if summary["loss_spread"] > LOSS_TOLERANCE:
         raise AssertionError(f"{processes}x{devices}: losses after {LOSS_STEPS} steps differ by "
                              f"{summary['loss_spread']:.2e} relative: {summary['losses']}")
-  render = render_shaped if args.on == "shaped" else report
+  render = {"shaped": render_shaped, "rig": render_rig}.get(args.on, report)
   print(render(results))
   written = outputs.write_report(args.out, results, render, json_name="jax_peers.json",
                                  md_name="jax_peers.md")
@@ -326,9 +371,16 @@ def render_shaped(results: dict[str, Any]) -> str:
   return report(results)
 
 
+def render_rig(results: dict[str, Any]) -> str:
+  """The rig's report (its own file, the same layout)."""
+  return report(results)
+
+
 _MODULE = sys.modules[__name__]
 SECTION = section(NAME, "jdist (both styles) against plain JAX over Gloo and hand-written "
                   "mpi4jax: steps, 16 MiB all-reduces, loopback bytes, losses",
                   host=Run.of(_MODULE, report=report, out="docs/benchmarks/jax_peers", quick=True),
                   shaped=Run.of(_MODULE, report=render_shaped,
-                                out="docs/benchmarks/jax_peers_shaped", quick=True))
+                                out="docs/benchmarks/jax_peers_shaped", quick=True),
+                  rig=Run.of(_MODULE, report=render_rig, out="docs/benchmarks/jax_peers_rig",
+                             quick=True))
