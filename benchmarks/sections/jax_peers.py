@@ -218,20 +218,9 @@ def _on_one_host(prefix: tuple[str, ...], mpirun_args: tuple[str, ...], quick: b
 
 
 def _on_rig(rig, quick: bool) -> RunJob:
-  """Runs a job under `mpirun --hostfile` with its processes split over the rig's nodes."""
+  """Runs a job with its processes split over the rig's nodes (JAX's runtime as the job says)."""
   from benchmarks.sections.network import rig as network_rig  # pylint: disable=import-outside-toplevel
-
-  def run_job(job: jobs.Job) -> dict:
-    per_node = job.processes // len(rig.nodes)
-    # The job's own settings (JAX's distributed runtime on) win over the rig's defaults.
-    env = {**jobs.environment(job), **network_rig.RANK_ENV, **dict(job.env), **rig.mpi_env()}
-    names = [*network_rig.RANK_ENV, *dict(job.env), *network_rig.FORWARDED]
-    extra = [arg for name in dict.fromkeys(names) for arg in ("-x", name)]
-    print(f"[{job.name}] on the rig, {per_node} per node ...", flush=True)
-    return jobs.collect(job, lambda prefix: jobs.launch(rig.mpirun_argv(
-        jobs.program_argv(job, prefix, quick), per_node, jobs.mpirun_binary(), extra),
-        env, JOB_TIMEOUT))
-  return run_job
+  return lambda job: network_rig.run_job(rig, job, quick=quick, timeout=JOB_TIMEOUT)
 
 
 @contextlib.contextmanager

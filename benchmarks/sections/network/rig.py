@@ -75,16 +75,25 @@ def rank_environment() -> dict[str, str]:
   return dict(jobs_lib.environment(job), **RANK_ENV)
 
 
+def run_job(rig: cluster.Cluster, job: jobs_lib.Job, *, quick: bool, timeout: float) -> dict:
+  """`job` under `mpirun --hostfile` on the rig, its processes split evenly over the nodes.
+
+  The ranks get `RANK_ENV`; the job's own `env` wins over it.
+  """
+  env = {**jobs_lib.environment(job), **RANK_ENV, **dict(job.env), **rig.mpi_env()}
+  names = dict.fromkeys([*RANK_ENV, *dict(job.env), *FORWARDED])
+  extra = [arg for key in names for arg in ("-x", key)]
+  return jobs_lib.collect(job, lambda prefix: jobs_lib.launch(rig.mpirun_argv(
+      jobs_lib.program_argv(job, prefix, quick), job.processes // len(rig.nodes),
+      jobs_lib.mpirun_binary(), extra), env, timeout))
+
+
 def run_jdist(rig: cluster.Cluster, name: str, sections: list, options: dict, *,
               quick: bool, timeout: float) -> dict:
-  """`benchmarks.harness.worker` with `sections` under `mpirun --hostfile` on the rig."""
+  """`benchmarks.harness.worker` with `sections` on every rig node's processes."""
   job = jobs_lib.Job(name, NODES * PROCESSES_PER_NODE, 1, tuple(sections),
                      options=tuple(options.items()))
-  extra = [arg for key in list(RANK_ENV) + list(FORWARDED) for arg in ("-x", key)]
-  env = dict(rank_environment(), **rig.mpi_env())
-  return jobs_lib.collect(job, lambda prefix: jobs_lib.launch(rig.mpirun_argv(
-      jobs_lib.program_argv(job, prefix, quick), PROCESSES_PER_NODE, jobs_lib.mpirun_binary(),
-      extra), env, timeout))
+  return run_job(rig, job, quick=quick, timeout=timeout)
 
 
 def torchrun_binary() -> str:
