@@ -5,6 +5,9 @@ recorder's own bookkeeping (`flight_recorder`). The hang tests of
 tests/test_watchdog.py check the recorder's section in real abort reports.
 """
 
+import threading
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -197,3 +200,54 @@ def test_switched_off_it_records_nothing_but_still_serves_listeners():
   assert seen == [("dispatched", 1, 1), ("done", 1)]
   flight_recorder.device_done(flight_recorder.device_posted(0, 0, "sum", 64, devices=1))
   assert [e.state for e in flight_recorder.snapshot()] == ["done"]
+
+
+def test_exchanges_done_since_a_time_include_one_that_finished_while_they_were_read(
+    monkeypatch):
+  # jdist.timeline takes the exchanges done after the newest it took. Reading
+  # live entries, it could see exchange 1 done but not exchange 0, which
+  # finished while it read, and then skip exchange 0 for good (CI, stop 45).
+  created = []
+
+  class Entry(flight_recorder.Entry):
+    """An entry whose first read lets the exchanges in flight finish (on another thread)."""
+    on_read = None
+
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **kwargs)
+      created.append(self)
+
+    @property
+    def state(self):
+      value, hook, self.on_read = self._state, self.on_read, None
+      if hook is not None:  # the recorder's lock may be held: do not wait for it forever
+        finisher = threading.Thread(target=hook)
+        finisher.start()
+        finisher.join(timeout=0.5)
+      return value
+
+    @state.setter
+    def state(self, value):
+      self._state = value
+
+  monkeypatch.setattr(flight_recorder, "Entry", Entry)
+  # Device 0 leaves exchange 0 and enters exchange 1 before device 1 leaves 0.
+  first = flight_recorder.device_posted(0, 0, "sum", 64, devices=2)
+  flight_recorder.device_posted(1, 0, "sum", 64, devices=2)
+  flight_recorder.device_done(first)
+  second = flight_recorder.device_posted(0, 0, "sum", 64, devices=2)
+
+  def device_1_finishes_both():
+    flight_recorder.device_done(first)
+    flight_recorder.device_done(flight_recorder.device_posted(1, 0, "sum", 64, devices=2))
+    flight_recorder.device_done(second)
+
+  created[0].on_read = device_1_finishes_both
+  seen_ns, taken = 0, []
+  deadline = time.monotonic() + 10
+  while len(taken) < 2 and time.monotonic() < deadline:  # until the finisher has run
+    for entry in flight_recorder.done_since(seen_ns):
+      taken.append(entry.call)
+      seen_ns = max(seen_ns, entry.done_ns)
+    time.sleep(0.001)
+  assert taken == [0, 1]

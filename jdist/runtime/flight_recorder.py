@@ -221,7 +221,8 @@ def host_posted(number: int, label: str) -> Entry:
 
 
 def host_done(entry: Entry) -> None:
-  entry.state, entry.done_ns = "done", time.monotonic_ns()
+  with _state.lock:  # `done_since` reads state and time together
+    entry.state, entry.done_ns = "done", time.monotonic_ns()
 
 
 def step_dispatched(number: int, name: str | None, at_ns: int, call: int | None = None) -> None:
@@ -291,10 +292,18 @@ def run_abort_hooks() -> None:
       sys.stderr.write(f"jdist: while aborting: {type(err).__name__}: {err}\n")
 
 
-def python_entries() -> list[Entry]:
-  """The entries recorded in Python (callback, mpi4jax, host), unlabelled: cheap."""
+def done_since(after_ns: int) -> list[Entry]:
+  """Copies of the Python-recorded entries (callback, mpi4jax, host) done after `after_ns`.
+
+  Taken under the lock, so the set is consistent: an entry done before one
+  returned is returned too (or was done at or before `after_ns`). Reading the
+  live entries instead can see a later exchange done and miss an earlier one
+  that finished while the ring was read, and a cut-off at the later one's
+  time then drops the earlier one for good.
+  """
   with _state.lock:
-    return list(_state.ring)
+    return [dataclasses.replace(entry) for entry in _state.ring
+            if entry.state == "done" and entry.done_ns > after_ns]
 
 
 def snapshot(limit: int = SLOTS) -> list[Entry]:

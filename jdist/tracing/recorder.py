@@ -315,9 +315,8 @@ class Timeline:
       entry = flight_recorder.Entry(ordinal, call, kind_name, nbytes, "done", first)
       out.append(("x", ordinal, call, kind_name, flight_recorder.label_of(entry), nbytes,
                   first, last, wire, done, "native"))
-    seen = self._seen_ns
-    for entry in flight_recorder.python_entries():
-      if entry.route != "host" and entry.state == "done" and entry.done_ns > seen:
+    for entry in flight_recorder.done_since(self._seen_ns):
+      if entry.route != "host":
         out.append(("x", entry.ordinal, entry.call, entry.kind, flight_recorder.label_of(entry),
                     entry.nbytes, entry.posted_ns, entry.posted_ns,
                     entry.wire_ns or entry.posted_ns, entry.done_ns, entry.route))
