@@ -1,4 +1,4 @@
-"""signsgd: 1-bit signs and a scale per chunk on the wire, against the replicas emulated on one device."""
+"""signsgd: 1-bit signs and a scale per chunk on the wire, against the processes emulated on one device."""
 
 import jax
 import jax.numpy as jnp
@@ -19,24 +19,28 @@ def _every_replica_grads(topo, step):
   return reference.every_replica_grads(topo, SHAPES, seed=200 + step)
 
 
-def _emulated(every_steps, replicas, error_feedback):
-  """The algorithm in numpy, one replica after another: (averages, residuals) per step."""
+def _emulated(every_steps, processes, devices, error_feedback):
+  """The algorithm in numpy, one process after another: (averages, residuals) per step.
+
+  Each process encodes the mean of its `devices` replicas' gradients.
+  """
   size = sum(int(np.prod(shape)) for shape in SHAPES.values())
   padded = -(-size // CHUNK) * CHUNK
-  residuals = np.zeros((replicas, padded), np.float32)
+  residuals = np.zeros((processes, padded), np.float32)
   averages = []
   for every in every_steps:
     total = np.zeros(padded, np.float32)
-    for r in range(replicas):
-      flat = np.concatenate([every[name][r].reshape(-1) for name in ("b", "w")])
-      x = np.pad(flat, (0, padded - size)) + (residuals[r] if error_feedback else 0)
+    for p in range(processes):
+      flat = np.mean([np.concatenate([every[name][p * devices + d].reshape(-1)
+                                      for name in ("b", "w")]) for d in range(devices)], axis=0)
+      x = np.pad(flat, (0, padded - size)) + (residuals[p] if error_feedback else 0)
       rows = x.reshape(-1, CHUNK)
       decoded = (np.where(rows >= 0, 1.0, -1.0) * np.abs(rows).mean(1, keepdims=True))
       decoded = decoded.astype(np.float32).reshape(-1)
       if error_feedback:
-        residuals[r] = x - decoded
+        residuals[p] = x - decoded
       total += decoded
-    averages.append(total[:size] / replicas)
+    averages.append(total[:size] / processes)
   return averages, residuals
 
 
@@ -46,19 +50,44 @@ def _flat(out, topo):
 
 
 @pytest.mark.parametrize("error_feedback", [True, False])
-def test_signsgd_matches_the_replicas_emulated_on_one_device(topo, error_feedback):
+def test_signsgd_matches_the_processes_emulated_on_one_device(topo, error_feedback):
   tx = optax.chain(signsgd_lib.signsgd(CHUNK, error_feedback=error_feedback), jdist.allreduce())
   every_steps = [_every_replica_grads(topo, step) for step in range(STEPS)]
   step = jdist.data_parallel(tx.update)
   state = jdist.data_parallel(tx.init)(reference.local_rows(every_steps[0], topo))
-  averages, residuals = _emulated(every_steps, topo.replica_count, error_feedback)
+  averages, residuals = _emulated(every_steps, topo.process_count, topo.local_device_count,
+                                  error_feedback)
   for every, expected in zip(every_steps, averages):
     out, state = step(reference.local_rows(every, topo), state)
     for replica in _flat(out, topo):  # every local replica holds the same average
       np.testing.assert_allclose(replica, expected, rtol=1e-5, atol=1e-5)
-  if error_feedback:
-    np.testing.assert_allclose(np.asarray(state[0].residual),
-                               residuals[list(topo.replica_indices)], rtol=1e-5, atol=1e-5)
+  if error_feedback:  # the process's, on each of its devices
+    for replica in np.asarray(state[0].residual):
+      np.testing.assert_allclose(replica, residuals[topo.process_index], rtol=1e-5, atol=1e-5)
+
+
+def test_a_jit_step_over_global_arrays_encodes_each_processs_value_once(topo):
+  # There XLA has averaged the process's devices already: its value is the process mean.
+  mesh = jdist.mesh()
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  tx = optax.chain(signsgd_lib.signsgd(CHUNK), jdist.allreduce())
+  every_steps = [_every_replica_grads(topo, step) for step in range(STEPS)]
+  devices, process = topo.local_device_count, topo.process_index
+
+  def process_mean(every):
+    return {name: jax.device_put(rows[process * devices:(process + 1) * devices].mean(0),
+                                 replicated) for name, rows in every.items()}
+
+  averages, residuals = _emulated(every_steps, topo.process_count, devices, True)
+  with jax.set_mesh(mesh):
+    state = tx.init(jax.tree.map(jnp.zeros_like, process_mean(every_steps[0])))  # alike everywhere
+    step = jax.jit(tx.update)
+    for every, expected in zip(every_steps, averages):
+      out, state = step(process_mean(every), state)
+      flat = np.concatenate([np.asarray(out["b"]).reshape(-1), np.asarray(out["w"]).reshape(-1)])
+      np.testing.assert_allclose(flat, expected, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(state[0].residual), residuals[process], rtol=1e-5,
+                             atol=1e-5)
 
 
 def test_error_feedback_keeps_what_the_signs_missed():
@@ -90,8 +119,10 @@ def test_the_wire_carries_one_bit_per_entry_and_a_scale_per_chunk(topo):
   signs = sent(optax.chain(signsgd_lib.signsgd(CHUNK), jdist.allreduce()))
   dense = sent(jdist.allreduce())
   processes, devices = topo.process_count, topo.local_device_count
-  # An all-gather of (signs: 1 bit per padded entry | scales: 4 bytes per chunk).
-  assert signs == (processes - 1) * devices * (chunks * CHUNK // 8 + 4 * chunks)
+  # An all-gather of each process's (signs: 1 bit per padded entry | scales:
+  # 4 bytes per chunk), 1/D of it from each of its devices.
+  wire = chunks * CHUNK // 8 + 4 * chunks
+  assert signs == (processes - 1) * devices * -(-wire // devices)
   assert dense == pytest.approx(2 * (processes - 1) / processes * size * 4)
 
 

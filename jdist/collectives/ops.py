@@ -28,11 +28,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jdist.collectives.routes import base
 from jdist.collectives import context
 from jdist import fusion
 from jdist.collectives import routes
+from jdist.collectives.routes.base import DATA_AXIS
 from jdist.collectives.routes.base import HALF_DTYPES
 from jdist.runtime import flight_recorder
 from jdist.runtime import job as job_lib
@@ -240,6 +242,23 @@ class ReplicaExchange:
   def gather(self, buffer: jax.Array) -> jax.Array:
     return self.span.route.gather_all(buffer, self.span.axis)
 
+  @property
+  def processes(self) -> int:
+    return self.span.route.processes
+
+  def gather_per_process(self, buffer: jax.Array) -> jax.Array:
+    """See `protocol.Exchange`: each local device sends 1/D of the buffer, D per process."""
+    span, size = self.span, buffer.shape[0]
+    devices = span.route.devices
+    device = lax.axis_index(span.axis)
+    if span.global_step:  # only the mesh's first device holds the value (`per_process`)
+      buffer = lax.psum(jnp.where(device == 0, buffer, jnp.zeros_like(buffer)), span.axis)
+    width = -(-size // devices)
+    part = lax.dynamic_slice(jnp.pad(buffer, (0, width * devices - size)), (device * width,),
+                             (width,))
+    rows = span.route.gather_all(part, span.axis)  # [P * D, width], process-major
+    return rows.reshape(span.route.processes, devices * width)[:, :size]
+
 
 def exchange(reduce_fn, tree: Any, *, bucket_bytes: int = fusion.DEFAULT_BUCKET_BYTES,
              what: str = "jdist.allreduce") -> Any:
@@ -284,6 +303,22 @@ def _averaged(span: context.Span, summing, tree: Any, replicas: int) -> Any:
       lambda x: x * jnp.asarray(factor, x.dtype) if scaled_first(x) else x, tree))
   return jax.tree.map(
       lambda x: x if scaled_first(x) else (x * factor).astype(x.dtype), summed)
+
+
+def process_mean(tree: Any) -> Any:
+  """The mean of `tree` over this process's replicas, the same on each of them.
+
+  In a `jdist.data_parallel` step, XLA's mean over the local devices (no
+  bytes cross processes); in a global (jit) step, and outside a step, where
+  one process holds one value already, `tree` itself. A compressor that
+  encodes once per process calls it before encoding, then sends its payload
+  with `Exchange.gather_per_process`.
+  """
+  try:
+    lax.axis_index(DATA_AXIS)
+  except NameError:
+    return tree
+  return jax.tree.map(lambda x: lax.pmean(x, DATA_AXIS), tree)
 
 
 def reduce_payload(updates: Any, *, mean: bool = True,

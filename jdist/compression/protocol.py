@@ -54,6 +54,18 @@ class Exchange(Protocol):
   def gather(self, buffer: jax.Array) -> jax.Array:
     """Every replica's 1-D buffer, stacked in global replica order: [R, n]."""
 
+  @property
+  def processes(self) -> int:
+    """How many processes the reduction spans (rows of `gather_per_process`)."""
+
+  def gather_per_process(self, buffer: jax.Array) -> jax.Array:
+    """Every process's 1-D buffer, stacked in process order: [P, n].
+
+    The buffer must be the same on every replica of a process (a value of
+    `jdist.collectives.process_mean`'s): each crosses processes once, not
+    once per local device.
+    """
+
 
 class WirePayload:
   """Base of the payloads a compressor hands to `jdist.allreduce`.

@@ -11,13 +11,20 @@ s_c = mean |x| over the chunk (float32) and one bit per entry:
 
 so each chunk keeps its l1 norm and what the signs miss is sent later.
 
+Each process encodes once: its replicas' gradients are averaged first, at
+full precision, over the local devices (`jdist.collectives.process_mean`,
+XLA's, no bytes across processes), and the error feedback and momentum are
+the process's. The signs compress what crosses processes, not what stays
+inside one; with one device per process, process and replica are the same.
+
 Bits cannot be summed on the wire, so the payload is an all-gather of every
-replica's bytes, [signs (8 per byte) | scales (float32)], decoded and summed
-in float32 after it: 1/8 + 4/chunk_size bytes per entry and replica (0.133 at
-512) against 4 for the dense float32 all-reduce, 1/30 of its bytes across 2
-processes. Like QSGD's, the gathered bytes per process grow with the replica
-count: (P - 1) * D * n * (1/8 + 4/chunk_size) across P processes of D devices,
-against 2(P - 1)/P * 4n dense.
+process's bytes, [signs (8 per byte) | scales (float32)], decoded and summed
+in float32 after it (`Exchange.gather_per_process`: each local device sends
+1/D of them): 1/8 + 4/chunk_size bytes per entry and process (0.133 at 512)
+against 4 for the dense float32 all-reduce, 1/30 of its bytes across 2
+processes whatever their device count. Like QSGD's, the gathered bytes grow
+with the process count: (P - 1) * n * (1/8 + 4/chunk_size) per process
+across P processes, against 2(P - 1)/P * 4n dense.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jdist import collectives
 from jdist import fusion
 from jdist.compression import protocol
 
@@ -62,14 +70,19 @@ class SignPayload(protocol.WirePayload):
     return cls(children[0], children[1], ctx)
 
   def reduce_over_replicas(self, exchange: protocol.Exchange, factor: float) -> Any:
-    """All-gathers every replica's [signs | scales] bytes; decodes and sums in float32."""
+    """All-gathers every process's [signs | scales] bytes; decodes and sums in float32.
+
+    Each process's payload encodes the mean of its replicas, so the sum over
+    processes counts each replica's share replicas / processes times.
+    """
     chunks, width = self.scales.shape[0], self.bits.shape[0]
     wire = jnp.concatenate([self.bits,
                             lax.bitcast_convert_type(self.scales, jnp.uint8).reshape(-1)])
-    everyone = exchange.gather(wire)  # [R, width + 4 * chunks]
+    everyone = exchange.gather_per_process(wire)  # [P, width + 4 * chunks]
     scales = lax.bitcast_convert_type(everyone[:, width:].reshape(-1, chunks, 4), jnp.float32)
     decoded = decode(everyone[:, :width], scales, self.ctx.chunk_size)
-    return fusion.unravel(decoded.sum(0)[:self.ctx.spec.size] * factor, self.ctx.spec)
+    per_process = factor * exchange.replicas / exchange.processes
+    return fusion.unravel(decoded.sum(0)[:self.ctx.spec.size] * per_process, self.ctx.spec)
 
   def __repr__(self):
     return (f"SignPayload(n={self.ctx.spec.size}, chunks={self.scales.shape[0]}, "
@@ -104,7 +117,9 @@ class SignSGDState(NamedTuple):
 
 def signsgd(chunk_size: int = 512, *, error_feedback: bool = True,
             momentum: float = 0.0) -> optax.GradientTransformation:
-  """Gradients cross replicas as one sign bit per entry and a scale per chunk (EF-signSGD).
+  """Gradients cross processes as one sign bit per entry and a scale per chunk (EF-signSGD).
+
+  Each process encodes the mean of its replicas' gradients once (module doc).
 
   Put it before `jdist.allreduce`:
   `optax.chain(signsgd(), jdist.allreduce(), optax.sgd(lr, momentum=0.9))`,
@@ -115,8 +130,8 @@ def signsgd(chunk_size: int = 512, *, error_feedback: bool = True,
       wire carries 1/8 + 4/chunk_size bytes per entry.
     error_feedback: add what the signs missed to the next step's gradient
       (without it, scaled signs are biased and training stalls sooner).
-    momentum: if above 0, each replica keeps a heavy-ball momentum of its
-      gradients and the signs encode it (as 1-bit Adam compresses its
+    momentum: if above 0, each process keeps a heavy-ball momentum of its
+      replicas' mean gradient and the signs encode it (as 1-bit Adam compresses its
       momentum); the inner optimizer then has none. Measured on the main
       job: signs of the gradient under an SGD momentum of 0.9 after the
       exchange end at 81.94%, signs of the momentum at 96.39% (plain 97.22%).
@@ -152,7 +167,7 @@ def signsgd(chunk_size: int = 512, *, error_feedback: bool = True,
       raise ValueError("jdist's signsgd encodes the dense gradient: put no jdist.cast, "
                        "jdist.topk or jdist.threshold before it.")
     spec = fusion.flat_spec(updates)
-    x = fusion.ravel(updates, jnp.float32)
+    x = collectives.process_mean(fusion.ravel(updates, jnp.float32))  # one encoding per process
     x = jnp.pad(x, (0, padded_size(updates) - spec.size))
     velocity = momentum * state.momentum + x if momentum else state.momentum
     x = velocity if momentum else x
@@ -173,5 +188,6 @@ SCHEME = protocol.Scheme(
     does="sends gradients as 1-bit signs (EF-signSGD)",
     flag={"action": "store_true", "help": "EF-signSGD: gradients cross replicas as one sign "
           "bit per entry and a float32 scale (mean magnitude) per 512 entries, with error "
-          "feedback; an SGD momentum moves before the signs (1/30 of the dense bytes in 2x1)"},
+          "feedback, once per process; an SGD momentum moves before the signs (1/30 of the dense "
+          "bytes across 2 processes)"},
     mode=lambda setting: "signsgd 1-bit with error feedback")
