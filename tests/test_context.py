@@ -89,6 +89,22 @@ def test_global_step_full_topk_is_plain_averaging(topo):
   reference.assert_trees_close(trained, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_a_global_steps_gathered_payload_crosses_processes_once_per_process(topo):
+  # A global step holds one value per process: a top-K payload leaves each
+  # process once (1/D from each local device), not once per device.
+  mesh = jdist.mesh()
+  tx = jdist.dist_opt(optax.sgd(0.1), sparsify="topk:0.25")
+  params = {"w": jnp.zeros((64,))}
+  grads = {"w": jnp.arange(64, dtype=jnp.float32)}
+  with jax.set_mesh(mesh):
+    params, grads = jax.device_put((params, grads), NamedSharding(mesh, P()))
+    _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    sent = float(jdist.wire_bytes(state))
+  payload = 16 * (4 + 4)  # 16 float32 values and their int32 indices
+  devices = topo.local_device_count
+  assert sent == (topo.process_count - 1) * devices * -(-payload // devices)
+
+
 def test_reductions_of_a_global_step_run_in_trace_order_on_the_callback_route(topo):
   # Each reduction of a global step is a shard_map of its own. The gradients'
   # top-K gather and the loss's mean are independent, and where each

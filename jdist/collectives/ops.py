@@ -240,6 +240,8 @@ class ReplicaExchange:
                   first_bucket_bytes=fusion.FIRST_BUCKET_BYTES // 2)
 
   def gather(self, buffer: jax.Array) -> jax.Array:
+    if self.span.global_step:  # one value per process (`per_process`): each crosses once
+      return self.gather_per_process(buffer)
     return self.span.route.gather_all(buffer, self.span.axis)
 
   @property
