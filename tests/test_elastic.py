@@ -120,7 +120,8 @@ args = sys.argv[1:]
 hosts = open(args[args.index('--hostfile') + 1]).read().split()
 np_ = int(args[args.index('-np') + 1])
 state = json.load(open(STATE)) if os.path.exists(STATE) else []
-state.append(dict(hosts=hosts, np=np_, restart=os.environ.get('JDIST_RESTART')))
+state.append(dict(hosts=hosts, np=np_, restart=os.environ.get('JDIST_RESTART'),
+                  ulfm='--with-ft' in args, jax=os.environ.get('JDIST_JAX_DISTRIBUTED')))
 json.dump(state, open(STATE, 'w'))
 print(HOSTS_MARKER + ' ' + ' '.join(f'{r}:node{"AB"[r // 2]}' for r in range(np_)), flush=True)
 if MODE in ('lose', 'grow') and len(state) == 1:
@@ -128,6 +129,9 @@ if MODE in ('lose', 'grow') and len(state) == 1:
   sys.exit(0)
 if MODE == 'bug':
   sys.exit(3)
+if MODE == 'shrunk':  # a rank died, the survivors finished; mpirun reports the dead one
+  print(SHRINK_FINISHED + ': 32 steps', flush=True)
+  sys.exit(1)
 if MODE in ('grow', 'discover') and np_ == 2:  # on fewer hosts: checkpoints until stopped
   for step in (5, 10, 15):
     print(f'checkpoint saved at step {step}', flush=True)
@@ -144,7 +148,8 @@ def _elastic_run(tmp_path, monkeypatch, mode, **overrides):
   lost = ("PRTE has lost communication with a remote daemon.\n\n"
           "  Remote daemon: [prterun-vm-1@0,2] on node nodeB\n")
   script.write_text(f"STATE = {state!r}\nMODE = {mode!r}\nLOST = {lost!r}\n"
-                    f"HOSTS_MARKER = {abort.HOSTS_MARKER!r}\n" + FAKE_MPIRUN)
+                    f"HOSTS_MARKER = {abort.HOSTS_MARKER!r}\n"
+                    f"SHRINK_FINISHED = {supervise.SHRINK_FINISHED!r}\n" + FAKE_MPIRUN)
   hostfile = _hostfile(tmp_path, "10.0.0.1 slots=2\n10.0.0.2 slots=2\n")
   out, err = io.StringIO(), io.StringIO()
   overrides.setdefault("hostfile", hostfile)
@@ -232,6 +237,25 @@ def test_a_lost_host_is_left_out_and_the_job_goes_on(tmp_path, monkeypatch):
   assert [(r["hosts"], r["np"], r["restart"]) for r in runs] == [
       (["10.0.0.1", "slots=2", "10.0.0.2", "slots=2"], 4, "0"),
       (["10.0.0.1", "slots=2"], 2, "1")]
+
+
+def test_with_shrink_every_run_is_a_ulfm_run_and_a_lost_node_restarts(tmp_path, monkeypatch):
+  status, err, runs = _elastic_run(tmp_path, monkeypatch, "lose", shrink=True, min_np=1,
+                                   max_np=0)
+  assert status == 0, err
+  assert "restart 1: lost host nodeB (ranks 2, 3); continuing on 2 of 4" in err
+  assert [(r["np"], r["ulfm"], r["jax"]) for r in runs] == [(4, True, "0"), (2, True, "0")]
+
+
+def test_with_shrink_a_run_its_survivors_finished_succeeds_without_restart(tmp_path,
+                                                                          monkeypatch):
+  status, err, runs = _elastic_run(tmp_path, monkeypatch, "shrunk", shrink=True, min_np=1,
+                                   max_np=0)
+  assert status == 0 and len(runs) == 1, err
+  assert "the surviving processes finished the run (mpirun's exit status 1" in err
+  (tmp_path / "plain").mkdir()
+  status, err, runs = _elastic_run(tmp_path / "plain", monkeypatch, "shrunk", max_restarts=0)
+  assert status == 1 and not runs[0]["ulfm"]  # without --shrink: mpirun's status
 
 
 def test_a_fixed_np_keeps_its_processes_per_node(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ global batch, and the flags the mode refuses.
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 
 from jdist.app import datasets
 from jdist.app import launch_shrink
+from jdist.app import shrink_checkpoints
 from jdist.app import train_shrink
 from jdist.app.config import TrainConfig
 from jdist.collectives import shrinkable
@@ -42,8 +44,8 @@ def test_replica_slices_cover_the_global_batch_once(replicas):
 
 
 def test_shrink_mode_refuses_what_it_would_ignore():
-  with pytest.raises(train_shrink.ShrinkModeError, match="--checkpoint-dir"):
-    train_shrink.check_config(TrainConfig(checkpoint_dir="/tmp/x"))
+  with pytest.raises(train_shrink.ShrinkModeError, match="--half"):
+    train_shrink.check_config(TrainConfig(half="bf16"))
   with pytest.raises(train_shrink.ShrinkModeError, match="--cpu-devices"):
     train_shrink.check_config(TrainConfig(cpu_devices=2))
   train_shrink.check_config(TrainConfig(lr=0.05, momentum=0.9, batch_size=16))
@@ -60,15 +62,13 @@ def _kill_job(marker: str) -> None:
       pass
 
 
-def _run_shrink_job(tmp_path, *launch_flags):
-  """`jdist launch --shrink -np 3` of the digits job where rank 2 dies before step 12."""
+def _launch_shrink_job(log, processes, job, train_flags, launch_flags=()):
+  """`jdist launch --shrink -np PROCESSES` of `shrink_faults.py JOB -- MAIN_JOB TRAIN_FLAGS`."""
   if launch.under_mpirun():
     pytest.skip("launches its own mpirun")
-  log = tmp_path / "run.jsonl"
-  argv = [sys.executable, "-m", "jdist.app.cli", "launch", "--shrink", "-np", "3", *launch_flags,
-          "--mpirun", launch.mpirun_binary(), "--mpirun-args=--oversubscribe", "--",
-          sys.executable, JOB, "2", "12", "--", *MAIN_JOB, "--epochs", "2",
-          "--log-file", str(log)]
+  argv = [sys.executable, "-m", "jdist.app.cli", "launch", "--shrink", "-np", str(processes),
+          *launch_flags, "--mpirun", launch.mpirun_binary(), "--mpirun-args=--oversubscribe",
+          "--", sys.executable, JOB, *job, "--", *MAIN_JOB, *train_flags, "--log-file", str(log)]
   try:
     # --shrink moves data over TCP: on one host, over the loopback only, not a
     # rig's bridge that a test beside this one builds and removes meanwhile.
@@ -76,10 +76,16 @@ def _run_shrink_job(tmp_path, *launch_flags):
     result = launch.run_own_session(argv, env, timeout=400)
   except subprocess.TimeoutExpired as err:
     _kill_job(str(log))  # mpirun runs in a session of the launcher's own
-    pytest.fail(f"the shrunk job hung: {err}")
+    pytest.fail(f"the shrink job hung: {err}")
   output = result.stdout + result.stderr
   assert result.returncode == 0, output
-  records = [json.loads(line) for line in log.read_text().splitlines()]
+  return [json.loads(line) for line in log.read_text().splitlines()], output
+
+
+def _run_shrink_job(tmp_path, *launch_flags):
+  """`jdist launch --shrink -np 3` of the digits job where rank 2 dies before step 12."""
+  records, output = _launch_shrink_job(tmp_path / "run.jsonl", 3, ["2", "12"], ["--epochs", "2"],
+                                       launch_flags)
   shrinks = [r for r in records if r["event"] == "shrink"]
   assert len(shrinks) == 1, output
   event = shrinks[0]
@@ -147,13 +153,43 @@ def test_launch_shrink_adds_ulfm_and_tcp():
   assert launch_shrink.SHRINK_ENV["JDIST_JAX_DISTRIBUTED"] == "0"
 
 
-def test_shrink_flags_parse_and_refuse_restarts(capsys):
+def test_shrink_flags_parse():
   from jdist.app import cli  # pylint: disable=import-outside-toplevel
-  from jdist.app import launch as launch_cli  # pylint: disable=import-outside-toplevel
   config, _ = cli.parse_train_args(["--shrink", "--lr", "0.05"])
   assert config == TrainConfig(lr=0.05)
-  assert launch_cli.main(["--shrink", "--max-restarts", "1", "--", "true"]) == 2
-  assert "--shrink does not combine with --max-restarts" in capsys.readouterr().err
+
+
+def test_fault_free_shrink_run_resumed_mid_epoch_ends_bit_identical(tmp_path):
+  # What `jdist launch --shrink --max-restarts` starts after a lost node: the
+  # same command with --resume, from the live rank 0's last checkpoint.
+  flags = ["--epochs", "2", "--train-limit", "512", "--test-limit", "128",
+           "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "8"]
+  whole, output = _launch_shrink_job(tmp_path / "whole.jsonl", 2, ["9", "0"], flags)
+  # 512 examples, global batch 32: 16 steps an epoch; saved at 8, 16, 24 and
+  # 32, of which the newest 3 are kept.
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["16", "24", "32"], output
+  digest = re.findall(r"jdist-job: rank 0 digest (\w+)", output)
+  shutil.rmtree(tmp_path / "ckpt" / "32")  # as if the job ended during step 25-32
+  resumed, output = _launch_shrink_job(tmp_path / "resumed.jsonl", 2, ["9", "0"],
+                                       flags + ["--resume"])
+  assert "jdist train --shrink: resumed from step 24 of" in output, output
+  assert re.findall(r"jdist-job: rank 0 digest (\w+)", output) == digest, output
+  epochs = [r for r in resumed if r["event"] == "epoch"]
+  assert [r["epoch"] for r in epochs] == [2]  # epoch 2's first 8 steps' tallies came back
+  assert epochs[0]["train_loss"] == [r for r in whole if r["event"] == "epoch"][1]["train_loss"]
+  assert resumed[-1]["params_digest"] == whole[-1]["params_digest"]
+  with pytest.raises(train_shrink.ShrinkModeError, match="already holds checkpoints"):
+    train_shrink.resume_point(TrainConfig(checkpoint_dir=str(tmp_path / "ckpt")),
+                              shrink_checkpoints.ShrinkCheckpoints(str(tmp_path / "ckpt")),
+                              _OneProcess())
+
+
+class _OneProcess:
+  rank = 0
+
+  @staticmethod
+  def bcast_object(value):
+    return value
 
 
 def test_fault_rig_shrink_survives_rank_0_lost_on_another_node(rig_ready, tmp_path):

@@ -40,6 +40,8 @@ resumes from step S, with the same global batch (`elastic.restart_batch_size`).
 With `--shrink`, mpirun runs with Open MPI's fault tolerance (ULFM) and a
 process that dies does not end the job: the others shrink past it and keep
 training from memory (`jdist train --shrink`, `jdist.app.launch_shrink`).
+With `--shrink --max-restarts N`, a lost node (which ends the job: PRRTE
+3.0) is restarted past as above, each run under ULFM again.
 """
 
 
@@ -137,11 +139,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem:
       sys.stderr.write(f"jdist launch: error: {problem}.\n")
       return EXIT_USAGE
-    if args.max_restarts or args.host_discovery:
-      sys.stderr.write("jdist launch: error: --shrink does not combine with --max-restarts or "
-                       "--host-discovery yet.\n")
+    if not (args.max_restarts or args.host_discovery):
+      return shrink_mode.launch(command, args)
+    missing = shrink_mode.ulfm_missing(args.mpirun)
+    if missing:
+      sys.stderr.write(f"jdist launch --shrink: {missing}.\n")
       return EXIT_USAGE
-    return shrink_mode.launch(command, args)
   if args.max_restarts or args.host_discovery:
     try:
       return launch_elastic.Elastic(command, args).run()

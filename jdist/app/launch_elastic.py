@@ -16,6 +16,9 @@ run is one `supervise.supervise` of mpirun over a hostfile written for it:
     larger set (these restarts do not count against --max-restarts).
 
 Every run sees `JDIST_RESTART=<k>`, k counting both kinds of restart.
+With `--shrink`, every run is a ULFM run (`jdist.app.launch_shrink`): lost
+processes are shrunk past within a run, and only what ends a run (a lost
+node) costs a restart.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import time
 from typing import IO, Sequence
 
 from jdist.app import elastic
+from jdist.app import launch_shrink
 from jdist.app import supervise
 
 
@@ -66,6 +70,7 @@ class Elastic:
     self.interval = getattr(args, "discovery_interval", elastic.DEFAULT_DISCOVERY_INTERVAL_S)
     self.probe_timeout = getattr(args, "probe_timeout", elastic.DEFAULT_PROBE_TIMEOUT_S)
     self.agent = probe_agent(shlex.split(args.mpirun_args))
+    self.shrink = getattr(args, "shrink", False)  # each run under ULFM (jdist.app.launch_shrink)
     if self.discovery:
       self.hosts = elastic.discover(self.discovery)
       if not self.hosts:
@@ -158,15 +163,19 @@ class Elastic:
     while True:
       hostfile = (elastic.write_hostfile(hosts, os.path.join(workdir, f"hosts.{restart}"))
                   if hosts else None)
-      extra = shlex.split(self.args.mpirun_args) + ["-x", elastic.RESTART_ENV]
+      extra = (launch_shrink.mpirun_args(self.args) if self.shrink
+               else shlex.split(self.args.mpirun_args)) + ["-x", elastic.RESTART_ENV]
       argv = supervise.mpirun_argv(self.command, mpirun=self.args.mpirun, hostfile=hostfile,
                                 processes=processes, mpirun_args=extra)
       self.grow = None
+      env = {elastic.RESTART_ENV: str(restart),
+             **(launch_shrink.environment(self.args) if self.shrink else {})}
       code, state = supervise.supervise(
-          argv, abort_grace=self.args.abort_grace,
-          env=supervise.environment({elastic.RESTART_ENV: str(restart)}),  # pylint: disable=protected-access
+          argv, abort_grace=self.args.abort_grace, env=supervise.environment(env),
           stdout=self.stdout, stderr=self.stderr,
           watch=self._watcher(hosts, processes) if hosts else None)
+      if self.shrink:
+        code = launch_shrink.outcome(code, state, self.stderr)
       self._learn_names(state, hosts, processes)
       restart += 1
       if self.grow is not None:

@@ -24,8 +24,11 @@ place (`MPI_Comm_spawn`) up to N; `--min-np M` stops a job left with fewer
 than M processes that cannot grow. Both reach `jdist train --shrink`
 through its environment (`MIN_NP_ENV`, `MAX_NP_ENV`).
 
-A lost node is not survived: PRRTE 3.0 (Open MPI 5.0's runtime) ends the
-job when it loses a node's daemon, ULFM or not (`lost_node_message`).
+A lost node is not shrunk past: PRRTE 3.0 (Open MPI 5.0's runtime) ends
+the job when it loses a node's daemon, ULFM or not (`lost_node_message`).
+With `--max-restarts N`, `jdist.app.launch_elastic` then starts the job
+again without that node (each run under ULFM, through `mpirun_args`,
+`environment` and `outcome` here), and it resumes from its checkpoints.
 """
 
 from __future__ import annotations
@@ -79,6 +82,25 @@ def check_sizes(args: argparse.Namespace) -> str | None:
   return None
 
 
+def mpirun_args(args: argparse.Namespace) -> list[str]:
+  """mpirun's options for a `--shrink` run: ULFM's, then the user's `--mpirun-args`."""
+  return list(ULFM_MPIRUN_ARGS) + shlex.split(args.mpirun_args)
+
+
+def environment(args: argparse.Namespace) -> dict[str, str]:
+  """What a `--shrink` run's processes see besides the launcher's environment."""
+  return {**SHRINK_ENV, MIN_NP_ENV: str(args.min_np), MAX_NP_ENV: str(args.max_np)}
+
+
+def outcome(code: int, state: supervise_lib.JobState, stderr=None) -> int:
+  """The run's exit status: 0 once the survivors finished, whatever mpirun's."""
+  if state.shrink_finished and code != 0:
+    (stderr or sys.stderr).write(f"jdist launch --shrink: the surviving processes finished the "
+                                 f"run (mpirun's exit status {code} is the lost processes').\n")
+    return 0
+  return code
+
+
 def launch(command: Sequence[str], args: argparse.Namespace) -> int:
   """Runs `command` under mpirun with ULFM; returns the exit status (2: no ULFM)."""
   missing = ulfm_missing(args.mpirun)
@@ -87,15 +109,11 @@ def launch(command: Sequence[str], args: argparse.Namespace) -> int:
     return 2
   argv = supervise_lib.mpirun_argv(
       command, mpirun=args.mpirun, hostfile=args.hostfile, processes=args.processes,
-      mpirun_args=list(ULFM_MPIRUN_ARGS) + shlex.split(args.mpirun_args))
-  sizes = {MIN_NP_ENV: str(args.min_np), MAX_NP_ENV: str(args.max_np)}
+      mpirun_args=mpirun_args(args))
   code, state = supervise_lib.supervise(argv, abort_grace=args.abort_grace,
-                                        env=supervise_lib.environment({**SHRINK_ENV, **sizes}))
-  if state.shrink_finished and code != 0:
-    sys.stderr.write(f"jdist launch --shrink: the surviving processes finished the run "
-                     f"(mpirun's exit status {code} is the lost processes').\n")
-    return 0
-  if state.lost():
+                                        env=supervise_lib.environment(environment(args)))
+  code = outcome(code, state)
+  if code and state.lost():
     sys.stderr.write(lost_node_message(state.lost()))
   return code
 
@@ -110,5 +128,6 @@ def lost_node_message(hosts: Sequence[str]) -> str:
   """
   return (f"jdist launch --shrink: mpirun lost the daemon of {', '.join(hosts)} and ended the "
           f"job: Open MPI's runtime (PRRTE 3.0) does not run on past a lost node, ULFM or not, "
-          f"so --shrink survives lost processes only. For lost nodes, run with "
-          f"--max-restarts and checkpoints instead.\n")
+          f"so --shrink survives lost processes only. For lost nodes, add --max-restarts N "
+          f"(and give jdist train --checkpoint-dir D --resume): the job then starts again "
+          f"on the healthy hosts.\n")

@@ -27,8 +27,13 @@ What this mode gives up, for now (docs/multinode.md, "Shrinking"): JAX's
 distributed runtime is not started (a dead process would end the others,
 and process 0 is its coordinator), so `jax.process_index()` is 0 everywhere;
 one device per process; the gradient crosses processes on the host (numpy
-over MPI), not in the step; no checkpoints, DiLoCo, compression or guards;
-a process that hangs without dying is not detected (only deaths are).
+over MPI), not in the step; no DiLoCo, compression or guards; a process that
+hangs without dying is not detected (only deaths are).
+
+With `--checkpoint-dir`, the live rank 0 also saves agreed states
+(`jdist.app.shrink_checkpoints`), for the losses a shrink cannot survive: a
+lost node ends the whole job (PRRTE 3.0), and `jdist launch --shrink
+--max-restarts N` starts it again on the healthy hosts with `--resume`.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from jdist import errors
 from jdist.app import datasets
 from jdist.app import launch_shrink
 from jdist.app import models
+from jdist.app import shrink_checkpoints
 from jdist.app import supervise
 from jdist.app import train as train_lib
 from jdist.app import train_guard
@@ -62,7 +68,8 @@ from jdist.collectives import shrinkable
 # default is refused (it would be silently ignored).
 HONORED = ("model", "dataset", "data_dir", "download", "epochs", "batch_size",
            "eval_batch_size", "seed", "train_limit", "test_limit", "log_file", "progress",
-           "optimizer", "lr", "momentum", "weight_decay", "timeout", "backend")
+           "optimizer", "lr", "momentum", "weight_decay", "timeout", "backend",
+           "checkpoint_dir", "checkpoint_every", "resume")
 
 
 # Steps between agreements that no member failed (`ShrinkableComm.confirm`). ULFM's
@@ -137,7 +144,7 @@ def check_config(config: TrainConfig) -> None:
   if ignored:
     flags = ", ".join("--" + name.replace("_", "-") for name in sorted(set(ignored)))
     raise ShrinkModeError(f"--shrink does not support {flags} (it trains one device per "
-                          f"process, with plain SGD/Adam/AdamW and no checkpoints).")
+                          f"process, with plain SGD/Adam/AdamW).")
   if config.optimizer not in ("sgd", "adam", "adamw"):
     raise ShrinkModeError(f"--shrink: --optimizer {config.optimizer} is not supported.")
 
@@ -215,8 +222,10 @@ class ShrinkRun:
   """One `--shrink` training run; every method is collective over the live processes."""
 
   def __init__(self, config: TrainConfig, data: datasets.Dataset, comm, on_step=None,
-               growth: Growth = Growth(), global_batch: int | None = None):
+               growth: Growth = Growth(), global_batch: int | None = None,
+               checkpoints: shrink_checkpoints.ShrinkCheckpoints | None = None):
     self.config, self.data, self.comm, self.growth = config, data, comm, growth
+    self.checkpoints = checkpoints
     self.on_step = on_step or (lambda step, rank: None)  # fault drills (tests)
     self.global_batch = global_batch or config.batch_size * comm.size  # the launch's, kept
     self.steps_per_epoch = len(data.train_x) // self.global_batch
@@ -234,8 +243,17 @@ class ShrinkRun:
   def primary(self) -> bool:
     return self.comm.rank == 0
 
-  def start(self) -> Snapshot:
-    """Rank 0's initial parameters on every replica (as `jdist train` does)."""
+  def start(self, resume_step: int | None = None) -> Snapshot:
+    """Rank 0's initial parameters on every replica (as `jdist train` does), or a checkpoint's."""
+    if resume_step is not None:
+      params, state = self.program.init(self.config.seed)
+      template = self._saved(Snapshot(0, params, state, self.program.opt_init(params),
+                                      np.zeros(3)))
+      saved = self.checkpoints.restore(resume_step, template)
+      self.out.say(self.primary, f"jdist train --shrink: resumed from step {resume_step} of "
+                   f"{self.checkpoints.directory}")
+      return Snapshot(resume_step, saved["params"], saved["model_state"], saved["opt_state"],
+                      np.asarray(saved["tally"]))
     params, state = self.program.init(self.config.seed)
     flat, unravel = ravel_pytree((params, state))
     params, state = unravel(jnp.asarray(self.comm.bcast(np.array(flat))))
@@ -291,6 +309,16 @@ class ShrinkRun:
     events.append(event)
     self.out.record(self.primary, event)
     self.out.say(self.primary, line)
+
+  @staticmethod
+  def _saved(now: Snapshot) -> dict[str, Any]:
+    return {"params": now.params, "model_state": now.model_state, "opt_state": now.opt_state,
+            "tally": np.asarray(now.tally)}
+
+  def checkpoint(self, now: Snapshot, epoch_end: bool) -> None:
+    """Saves an agreed state when one is due (the live rank 0 writes; nobody waits)."""
+    if self.checkpoints is not None and self.checkpoints.due(now.step, epoch_end):
+      self.checkpoints.save(now.step, self._saved(now), self.global_batch, self.primary)
 
   def batch_indices(self, step: int) -> np.ndarray:
     """The global batch of global step `step`: the same whatever the replica count."""
@@ -404,7 +432,7 @@ class ShrinkRun:
               f"{self.comm.size} replicas, {event['resumed_at'] - event['detected_at']:.2f} s "
               f"after the loss was detected")
 
-  def run(self, joined: Snapshot | None = None) -> dict:
+  def run(self, joined: Snapshot | None = None, resume_step: int | None = None) -> dict:
     """Trains every epoch, shrinking past lost processes; returns the summary record.
 
     A loss rolls the survivors back to their last agreed state (`confirms`).
@@ -416,9 +444,10 @@ class ShrinkRun:
 
     Args:
       joined: in a process that `grow()` started, the state it was handed.
+      resume_step: the checkpoint to start from (`jdist launch --max-restarts`).
     """
     began = epoch_began = time.time()
-    now = confirmed = joined or self.start()
+    now = confirmed = joined or self.start(resume_step)
     pending, due, final = None, False, None  # growth happens only where no evaluation is due
     while final is None:
       try:
@@ -432,9 +461,12 @@ class ShrinkRun:
           now = self.train_step(now)
           confirmed = now if self.confirms(now.step) else confirmed
           due = now.step % self.steps_per_epoch == 0
+          if confirmed is now and not due:
+            self.checkpoint(now, epoch_end=False)
         elif due:
           now, due, epoch_began = self.end_epoch(now, epoch_began), False, time.time()
           confirmed = now
+          self.checkpoint(now, epoch_end=True)
         else:
           final = self.evaluate(now)
         if pending:
@@ -468,6 +500,29 @@ def params_digest(params) -> str:
   return train_guard.digest(np.asarray(ravel_pytree(params)[0]))
 
 
+def resume_point(config: TrainConfig, checkpoints, comm) -> tuple[int | None, int | None]:
+  """(step, global batch) to resume from, as rank 0 reads them; (None, None): from scratch.
+
+  Raises:
+    ShrinkModeError: the directory holds checkpoints and `--resume` was not given.
+  """
+  if checkpoints is None:
+    return None, None
+  found = None
+  if comm.rank == 0:
+    latest = checkpoints.latest_step()
+    found = (latest, None if latest is None else checkpoints.global_batch(latest))
+  step, global_batch = comm.bcast_object(found)
+  if step is not None and not config.resume:
+    raise ShrinkModeError(f"{config.checkpoint_dir} already holds checkpoints (latest step "
+                          f"{step}); pass --resume to continue that run, or choose an empty "
+                          f"--checkpoint-dir.")
+  if step is None and config.resume and comm.rank == 0:
+    sys.stdout.write(f"jdist train --shrink: no checkpoint in {config.checkpoint_dir} yet: "
+                     f"starting from scratch\n")
+  return step, global_batch
+
+
 def train(config: TrainConfig, on_step=None) -> dict:
   """Runs `config` in `--shrink` mode under `jdist launch --shrink`; returns the summary.
 
@@ -483,15 +538,20 @@ def train(config: TrainConfig, on_step=None) -> dict:
   growth = Growth.from_environment()
   joining = shrinkable.spawned()  # started by the survivors' grow(): handed the state
   comm = shrinkable.ShrinkableComm.joined() if joining else shrinkable.ShrinkableComm()
+  checkpoints = (shrink_checkpoints.ShrinkCheckpoints(config.checkpoint_dir,
+                                                      config.checkpoint_every)
+                 if config.checkpoint_dir else None)
+  resume_step, global_batch = (None, comm.bcast_object(None)) if joining else (
+      resume_point(config, checkpoints, comm))
   try:
     run = ShrinkRun(config, train_lib.load_data(config), comm, on_step, growth,
-                    global_batch=comm.bcast_object(None) if joining else None)
+                    global_batch=global_batch, checkpoints=checkpoints)
     if run.primary and not joining:
       sys.stdout.write(f"jdist train --shrink: {comm.size} processes, global batch "
                        f"{run.global_batch}, {run.total_steps} steps; lost processes are "
                        f"shrunk past (ULFM)"
                        f"{f', grown back to {growth.max_np}' if growth.max_np else ''}\n")
-    return run.run(joined=run.share(None)[0] if joining else None)
+    return run.run(joined=run.share(None)[0] if joining else None, resume_step=resume_step)
   except TooFewProcesses as err:
     if comm.rank == 0:
       sys.stderr.write(f"jdist train --shrink: stopping: {err}.\n")

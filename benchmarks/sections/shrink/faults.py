@@ -48,6 +48,11 @@ class ShrinkRun:
   digest: str | None = None  # the final parameters' digest (runs agree bit for bit or not)
   epochs: list | None = None  # per epoch: [train loss, test accuracy, replicas]
   resumed_s: list | None = None  # a chain's faults: each fault -> its next completed step
+  # With --max-restarts (`restart=True`): the last fault -> the restarted run's
+  # "resumed from step S" line, and -> its first epoch line after it.
+  restarts: int | None = None
+  fault_to_restarted_s: float | None = None
+  fault_to_next_epoch_s: float | None = None
 
 
 def train_command(log: str, epochs: int, train_limit: int | None) -> list[str]:
@@ -96,6 +101,17 @@ def _read_log(path: str) -> list[dict]:
     return [json.loads(line) for line in handle if line.strip()]
 
 
+def _restart_times(run: ShrinkRun, stamped: list[tuple[float, str]], times: list[float]) -> None:
+  """The restart's times, from the job's lines stamped with when they came."""
+  run.restarts = sum(1 for _, line in stamped if line.startswith("jdist launch: restart "))
+  after = [(at, line) for at, line in stamped if times and at >= times[-1]]
+  resumed = [at for at, line in after if "resumed from step" in line]
+  if resumed:
+    run.fault_to_restarted_s = resumed[0] - times[-1]
+    epochs = [at for at, line in after if at > resumed[0] and line.startswith("epoch ")]
+    run.fault_to_next_epoch_s = epochs[0] - times[-1] if epochs else None
+
+
 def _outcome(run: ShrinkRun, records: list[dict], times: list[float],
              ended_at: float, output: str) -> ShrinkRun:
   """Fills `run` from the log's records, the faults' times and the job's output."""
@@ -120,28 +136,43 @@ def _outcome(run: ShrinkRun, records: list[dict], times: list[float],
 
 
 def run_shrink(fault: str, env: dict[str, str], *, epochs: int = 3,
-               train_limit: int | None = None, timeout: float = 600) -> ShrinkRun:
-  """One `jdist launch --shrink` job on a fresh 2-node rig, `fault` after its first epoch."""
+               train_limit: int | None = None, timeout: float = 600,
+               restart: bool = False) -> ShrinkRun:
+  """One `jdist launch --shrink` job on a fresh 2-node rig, `fault` after its first epoch.
+
+  With `restart`, under `--max-restarts 1` with checkpoints every 8 steps
+  (`--resume`): what a lost node ends starts again on the healthy node.
+  """
   with tempfile.TemporaryDirectory() as tmp, \
        cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
     log = os.path.join(tmp, "log.jsonl")
-    argv = rig.launch_argv(train_command(log, epochs, train_limit), PER_NODE,
-                           ["--shrink", "-np", str(2 * PER_NODE), "--mpirun-args",
-                            "--map-by slot"])
+    command = train_command(log, epochs, train_limit)
+    flags = ["--shrink", "-np", str(2 * PER_NODE), "--mpirun-args", "--map-by slot"]
+    if restart:
+      command += ["--checkpoint-dir", os.path.join(tmp, "ckpt"), "--checkpoint-every", "8",
+                  "--resume"]
+      flags += ["--max-restarts", "1", "--cooldown", "600"]
+    argv = rig.launch_argv(command, PER_NODE, flags)
     job = subprocess.Popen(argv, env=rig.launch_env(env), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, cwd=_REPO,
                            start_new_session=True)
     chain = [] if fault == "none" else fault.split("+")  # the i-th after epoch i's line
     lines, times = [], []
 
+    stamped = []
+
     def read():
       for line in job.stdout:
         lines.append(line)
+        stamped.append((time.time(), line))
         epoch = line.startswith("epoch ") and line.split()[1].split("/")[0]
         if epoch and epoch.isdigit() and 1 <= int(epoch) <= len(chain):
           hit = chain[int(epoch) - 1]
           threading.Timer(1.0, lambda hit=hit: times.append(inject(rig, hit))).start()
 
     ended = jobs.follow(job, read, timeout)
-    return _outcome(ShrinkRun(fault, job.returncode), _read_log(log), times, ended,
-                    "".join(lines))
+    run = _outcome(ShrinkRun(fault, job.returncode), _read_log(log), times, ended,
+                   "".join(lines))
+    if restart:
+      _restart_times(run, stamped, times)
+    return run

@@ -14,6 +14,12 @@ Parts (`--parts`, comma-separated; all by default):
   * `restart`: the same job under `jdist launch --max-restarts 1` (no
     `--shrink`, checkpoints every 10 steps, `benchmarks.sections.elastic_restart`),
     node B killed and node B's link down: fault -> "resumed from";
+  * `shrink_restart`: the job under `jdist launch --shrink --max-restarts 1`
+    with checkpoints every 8 steps (`--resume`), undisturbed, then one run
+    per fault of `--shrink-restart-faults` (node B killed, node B's link
+    down, rank 3 killed then node B): a lost rank is shrunk past, a lost
+    node ends the run and the job starts again on node A from the newest
+    checkpoint: last fault -> "resumed from step", -> its next epoch line;
   * `cost`: `steploop` alternated under ULFM on and off (`cost.py`), on
     shared memory and across the rig's nodes;
   * `chaos`: `--chaos-faults` random kills under `--max-np 4`, one every
@@ -39,12 +45,17 @@ from benchmarks.sections.shrink import chaos
 from benchmarks.sections.shrink import cost
 from benchmarks.sections.shrink import faults
 
-PARTS = ("faults", "restart", "cost", "chaos")
+PARTS = ("faults", "restart", "shrink_restart", "cost", "chaos")
+# Under --shrink --max-restarts: the node faults a shrink cannot survive, and a
+# rank lost (shrunk past) before its node is (restarted past).
+SHRINK_RESTART_FAULTS = ("kill_node:1", "link_down:1", "kill_rank:3+kill_node:1")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("--parts", default=",".join(PARTS), help="faults, restart, cost")
+  parser.add_argument("--parts", default=",".join(PARTS), help=", ".join(PARTS))
   parser.add_argument("--faults", default=",".join(faults.FAULTS))
+  parser.add_argument("--shrink-restart-faults", default=",".join(SHRINK_RESTART_FAULTS),
+                      help="shrink_restart: faults under --shrink --max-restarts 1")
   parser.add_argument("--epochs", type=int, default=3)
   parser.add_argument("--rounds", type=int, default=4, help="cost: alternated rounds")
   parser.add_argument("--steps", type=int, default=64,
@@ -90,6 +101,17 @@ def run_restarts(args: argparse.Namespace) -> list[dict]:
   return rows
 
 
+def run_shrink_restarts(args: argparse.Namespace) -> list[dict]:
+  rows = []
+  for fault in ["none"] + [f for f in args.shrink_restart_faults.split(",") if f]:
+    load = os.getloadavg()[0]
+    run = faults.run_shrink(fault, _env(), epochs=args.epochs, restart=True,
+                            train_limit=480 if args.quick else None)
+    rows.append(dict(dataclasses.asdict(run), load=load))
+    print(f"shrink_restart {fault}: {rows[-1]}", flush=True)
+  return rows
+
+
 def run_chaos(args: argparse.Namespace) -> list[dict]:
   rows = []
   for count in (0, args.chaos_faults):  # undisturbed first: goodput's reference
@@ -119,7 +141,7 @@ def main(args: argparse.Namespace) -> int:
   if unknown:
     sys.stderr.write(f"shrink: unknown parts {sorted(unknown)}; choose from {PARTS}\n")
     return 2
-  if {"faults", "restart", "chaos"} & set(parts) or not args.quick:
+  if {"faults", "restart", "shrink_restart", "chaos"} & set(parts) or not args.quick:
     missing = cluster.missing_requirements()
     if missing:
       sys.stderr.write("shrink: the rig cannot be built: " + "; ".join(missing) + "\n")
@@ -129,6 +151,8 @@ def main(args: argparse.Namespace) -> int:
     results["faults"] = run_faults(args)
   if "restart" in parts:
     results["restart"] = run_restarts(args)
+  if "shrink_restart" in parts:
+    results["shrink_restart"] = run_shrink_restarts(args)
   if "cost" in parts:
     results["cost"] = run_cost(args)
   if "chaos" in parts:
@@ -160,6 +184,22 @@ def _fault_rows(rows: list[dict]) -> list[str]:
                  f"**{resumed}** | {ended} | "
                  f"{row['lost_ranks'] or '-'} | {kept} | "
                  f"{accuracy} | {losses} | {row['load']:.1f} |")
+  return lines
+
+
+def _shrink_restart_rows(rows: list[dict]) -> list[str]:
+  lines = ["| faults | exit | shrunk past (lost ranks) | restarts | last fault -> \"resumed "
+           "from step\" | last fault -> next epoch done | steps, replicas at the end | final "
+           "test accuracy | train loss per epoch | load |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for row in rows:
+    accuracy = "-" if row["test_accuracy"] is None else f"{row['test_accuracy']:.2%}"
+    losses = ", ".join(f"{e[0]:.6f}" for e in row.get("epochs") or []) or "-"
+    kept = "-" if row["steps"] is None else f"{row['steps']}, {row['replicas']}"
+    lines.append(f"| {row['fault']} | {row['code']} | {row['lost_ranks'] or '-'} | "
+                 f"{row['restarts']} | **{_seconds(row['fault_to_restarted_s'])}** | "
+                 f"{_seconds(row['fault_to_next_epoch_s'])} | {kept} | {accuracy} | {losses} | "
+                 f"{row['load']:.1f} |")
   return lines
 
 
@@ -221,6 +261,9 @@ def markdown(results: dict) -> str:
              *(f"| {r['fault']} | {r['code']} | {_seconds(r['resumed_s'])} | "
                f"{_seconds(r['next_epoch_s'])} | {r['load']:.1f} |" for r in results["restart"]),
              ""]
+  if "shrink_restart" in results:
+    text += ["## `--shrink --max-restarts 1`, checkpoints every 8 steps: a lost node restarts, "
+             "a lost rank is shrunk past\n", *_shrink_restart_rows(results["shrink_restart"]), ""]
   if "cost" in results:
     text += ["## ULFM's steady-state cost (`steploop`, alternated)\n",
              *_cost_rows(results["cost"]), ""]
