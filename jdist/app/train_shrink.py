@@ -63,6 +63,7 @@ from jdist.app import train as train_lib
 from jdist.app import train_guard
 from jdist.app.config import TrainConfig
 from jdist.collectives import shrinkable
+from jdist.runtime import abort
 
 # The TrainConfig fields this mode reads; any other one set away from its
 # default is refused (it would be silently ignored).
@@ -543,6 +544,8 @@ def train(config: TrainConfig, on_step=None) -> dict:
                  if config.checkpoint_dir else None)
   resume_step, global_batch = (None, comm.bcast_object(None)) if joining else (
       resume_point(config, checkpoints, comm))
+  if comm.rank == 0 and not joining:  # for `jdist launch --max-restarts`: which host was lost
+    abort.announce_hosts([comm.hosts[rank] for rank in sorted(comm.hosts)])
   try:
     run = ShrinkRun(config, train_lib.load_data(config), comm, on_step, growth,
                     global_batch=global_batch, checkpoints=checkpoints)
