@@ -6,6 +6,7 @@ Also checks the pieces that need no MPI: the batch split that keeps the
 global batch, and the flags the mode refuses.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -13,6 +14,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -192,30 +195,51 @@ class _OneProcess:
     return value
 
 
-def test_fault_rig_shrink_survives_rank_0_lost_on_another_node(rig_ready, tmp_path):
-  """On the rig's 2 nodes x 2 processes, launch rank 0 (node A) dies mid-step: 3 go on.
+def _kill_node_after_epoch(rig, log, node: int, epoch: int, stop: threading.Event) -> None:
+  """Kills rig node `node` a second after `log` records epoch `epoch` (or never, once `stop`)."""
+  while not stop.wait(0.2):
+    with contextlib.suppress(OSError, ValueError):
+      records = [json.loads(line) for line in log.read_text().splitlines()]
+      if any(r["event"] == "epoch" and r["epoch"] == epoch for r in records):
+        time.sleep(1.0)
+        rig.kill_node(node)
+        return
 
-  The rig's nodes have their own hostnames, so the survivors' exchange
-  crosses a 1 Gbit/s link and the lost host is named. Rank 0 SIGKILLs
-  itself 0.05 s into step 6 (in its gradient or in the allreduce): an
-  allreduce cut short there returned different sums to the survivors
-  before `ShrinkableComm.confirm` (their digests then differed). A whole node lost is
-  another matter: PRRTE 3.0 ends the job when it loses a node's daemon
-  (docs/multinode.md), which `faults.md` and the shrink section measure.
+
+def test_fault_rig_shrink_past_rank_0_then_restart_past_a_lost_node(rig_ready, tmp_path):
+  """The rig's 2 nodes x 2 processes under `jdist launch --shrink --max-restarts 1`.
+
+  Launch rank 0 (node A) SIGKILLs itself 0.05 s into step 6 (in its gradient
+  or in the allreduce): the 3 others shrink past it. The rig's nodes have
+  their own hostnames, so the survivors' exchange crosses a 1 Gbit/s link
+  and the lost host is named. An allreduce cut short there returned
+  different sums to the survivors before `ShrinkableComm.confirm` (their
+  digests then differed). A second after epoch 1's record, node B is killed:
+  PRRTE 3.0 ends the job when it loses a node's daemon (docs/multinode.md),
+  and the launcher starts it again on node A from the checkpoint that the
+  live rank 0 (launch rank 1) wrote at that epoch's end.
   """
   del rig_ready
   if launch.under_mpirun():
     pytest.skip("launches its own mpirun")
   from benchmarks.harness import cluster  # pylint: disable=import-outside-toplevel
   log = tmp_path / "run.jsonl"
-  job = [sys.executable, JOB, "0", "6", "0.05", "--", *MAIN_JOB, "--epochs", "1", "--train-limit",
-         "640", "--log-file", str(log)]
+  job = [sys.executable, JOB, "0", "6", "0.05", "--", *MAIN_JOB, "--epochs", "2", "--train-limit",
+         "640", "--log-file", str(log), "--checkpoint-dir", str(tmp_path / "ckpt"),
+         "--checkpoint-every", "4", "--resume"]
+  stop = threading.Event()
   with cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
-    argv = rig.launch_argv(job, 2, ["--shrink", "-np", "4", "--mpirun-args", "--map-by slot"])
+    argv = rig.launch_argv(job, 2, ["--shrink", "-np", "4", "--mpirun-args", "--map-by slot",
+                                    "--max-restarts", "1"])
+    killer = threading.Thread(target=_kill_node_after_epoch, args=(rig, log, 1, 1, stop))
+    killer.start()
     try:
       result = launch.run_own_session(argv, rig.launch_env(launch.clean_env()), timeout=300)
     except subprocess.TimeoutExpired as err:
-      pytest.fail(f"the shrunk job hung on the rig: {err}")
+      pytest.fail(f"the job hung on the rig: {err}")
+    finally:
+      stop.set()
+      killer.join()
   output = result.stdout + result.stderr
   assert result.returncode == 0, output[-4000:]
   records = [json.loads(line) for line in log.read_text().splitlines()]
@@ -223,10 +247,14 @@ def test_fault_rig_shrink_survives_rank_0_lost_on_another_node(rig_ready, tmp_pa
   assert len(shrinks) == 1 and shrinks[0]["lost_ranks"] == [0], output[-4000:]
   assert shrinks[0]["lost_hosts"] == ["nodeA"] and shrinks[0]["replicas"] == 3
   assert 0 <= shrinks[0]["resumed_at"] - shrinks[0]["detected_at"] <= 10.0, shrinks[0]
+  assert "jdist launch: restart 1: lost host nodeB (ranks 2, 3)" in output, output[-4000:]
+  assert re.search(r"jdist train --shrink: resumed from step (10|16) of", output), output[-4000:]
+  assert [r["epoch"] for r in records if r["event"] == "epoch"] == [1, 2]  # each once
   summary = records[-1]
-  assert summary["event"] == "summary" and summary["steps"] == 10, summary  # 640 / 64
+  assert summary["event"] == "summary" and summary["steps"] == 20, summary  # 2 x 640 / 64
+  assert summary["replicas"] == 2  # node A's two slots
   digests = re.findall(r"jdist-job: rank (\d) digest (\w+)", output)
-  assert sorted(rank for rank, _ in digests) == ["1", "2", "3"], output[-4000:]
+  assert sorted(rank for rank, _ in digests) == ["0", "1"], output[-4000:]
   assert len({digest for _, digest in digests}) == 1, output[-4000:]  # replicas bit-identical
 
 
