@@ -214,7 +214,7 @@ def test_fault_rig_shrink_past_rank_0_then_restart_past_a_lost_node(rig_ready, t
   their own hostnames, so the survivors' exchange crosses a 1 Gbit/s link
   and the lost host is named. An allreduce cut short there returned
   different sums to the survivors before `ShrinkableComm.confirm` (their
-  digests then differed). A second after epoch 1's record, node B is killed:
+  digests then differed). A second into epoch 2, node B is killed:
   PRRTE 3.0 ends the job when it loses a node's daemon (docs/multinode.md),
   and the launcher starts it again on node A from the checkpoint that the
   live rank 0 (launch rank 1) wrote at that epoch's end.
@@ -224,8 +224,8 @@ def test_fault_rig_shrink_past_rank_0_then_restart_past_a_lost_node(rig_ready, t
     pytest.skip("launches its own mpirun")
   from benchmarks.harness import cluster  # pylint: disable=import-outside-toplevel
   log = tmp_path / "run.jsonl"
-  job = [sys.executable, JOB, "0", "6", "0.05", "--", *MAIN_JOB, "--epochs", "2", "--train-limit",
-         "640", "--log-file", str(log), "--checkpoint-dir", str(tmp_path / "ckpt"),
+  job = [sys.executable, JOB, "0", "6", "0.05", "--", *MAIN_JOB, "--epochs", "3", "--train-limit",
+         "1280", "--log-file", str(log), "--checkpoint-dir", str(tmp_path / "ckpt"),
          "--checkpoint-every", "4", "--resume"]
   stop = threading.Event()
   with cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
@@ -244,14 +244,18 @@ def test_fault_rig_shrink_past_rank_0_then_restart_past_a_lost_node(rig_ready, t
   assert result.returncode == 0, output[-4000:]
   records = [json.loads(line) for line in log.read_text().splitlines()]
   shrinks = [r for r in records if r["event"] == "shrink"]
-  assert len(shrinks) == 1 and shrinks[0]["lost_ranks"] == [0], output[-4000:]
+  assert shrinks and shrinks[0]["lost_ranks"] == [0], output[-4000:]
   assert shrinks[0]["lost_hosts"] == ["nodeA"] and shrinks[0]["replicas"] == 3
   assert 0 <= shrinks[0]["resumed_at"] - shrinks[0]["detected_at"] <= 10.0, shrinks[0]
+  # Node B's ranks may be shrunk past too, in the moment before PRRTE ends the run.
+  assert all(set(r["lost_ranks"]) <= {2, 3} for r in shrinks[1:]), shrinks
   assert "jdist launch: restart 1: lost host nodeB (ranks 2, 3)" in output, output[-4000:]
-  assert re.search(r"jdist train --shrink: resumed from step (10|16) of", output), output[-4000:]
-  assert [r["epoch"] for r in records if r["event"] == "epoch"] == [1, 2]  # each once
+  # 20 steps an epoch; saved at each epoch's end and every agreement >= 4 steps on.
+  resumed = re.findall(r"jdist train --shrink: resumed from step (\d+) of", output)
+  assert len(resumed) == 1 and 20 <= int(resumed[0]) < 60, output[-4000:]
+  assert [r["epoch"] for r in records if r["event"] == "epoch"] == [1, 2, 3]  # each once
   summary = records[-1]
-  assert summary["event"] == "summary" and summary["steps"] == 20, summary  # 2 x 640 / 64
+  assert summary["event"] == "summary" and summary["steps"] == 60, summary  # 3 x 1280 / 64
   assert summary["replicas"] == 2  # node A's two slots
   digests = re.findall(r"jdist-job: rank (\d) digest (\w+)", output)
   assert sorted(rank for rank, _ in digests) == ["0", "1"], output[-4000:]
