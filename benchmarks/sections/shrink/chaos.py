@@ -46,6 +46,7 @@ class ChaosRun:
   test_accuracy: float | None = None
   wall_s: float | None = None  # jdist launch's start -> exit, measured here
   tail: str = ""  # the job's last output lines, when it did not finish
+  restarts: int = 0  # runs PRRTE ended (a node's daemon lost), started again from a checkpoint
 
 
 def training_pids(rig: cluster.Cluster) -> list[int]:
@@ -76,15 +77,25 @@ def _killer(rig, count: int, interval: float, stop: threading.Event, kills: list
 
 
 def run_chaos(count: int, env: dict[str, str], *, epochs: int, interval: float,
-              timeout: float) -> ChaosRun:
-  """One `--shrink --max-np 4` job on a fresh rig with `count` random kills."""
+              timeout: float, restarts: int = 0) -> ChaosRun:
+  """One `--shrink --max-np 4` job on a fresh rig with `count` random kills.
+
+  With `restarts`, also `--max-restarts` with checkpoints every 8 steps and
+  no cooldown: a run that PRRTE ends (it lost a node's daemon among the
+  deaths and spawns) starts again on both nodes from the newest checkpoint.
+  """
   with tempfile.TemporaryDirectory() as tmp, \
        cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
     log = os.path.join(tmp, "log.jsonl")
     processes = 2 * faults.PER_NODE
-    argv = rig.launch_argv(faults.train_command(log, epochs, None), faults.PER_NODE,
-                           ["--shrink", "-np", str(processes), "--max-np", str(processes),
-                            "--mpirun-args", "--map-by slot --oversubscribe"])
+    command = faults.train_command(log, epochs, None)
+    flags = ["--shrink", "-np", str(processes), "--max-np", str(processes),
+             "--mpirun-args", "--map-by slot --oversubscribe"]
+    if restarts:
+      command += ["--checkpoint-dir", os.path.join(tmp, "ckpt"), "--checkpoint-every", "8",
+                  "--resume"]
+      flags += ["--max-restarts", str(restarts), "--cooldown", "0"]
+    argv = rig.launch_argv(command, faults.PER_NODE, flags)
     job = subprocess.Popen(argv, env=rig.launch_env(env), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, cwd=faults._REPO,  # pylint: disable=protected-access
                            start_new_session=True)
@@ -108,8 +119,10 @@ def run_chaos(count: int, env: dict[str, str], *, epochs: int, interval: float,
     stop.set()
     said = [line for line in lines if line.strip() and not line.startswith("NBC_Progress")]
     tail = "" if job.returncode == 0 else "".join(said[-60:])
+    restarted = sum(1 for line in lines if line.startswith("jdist launch: restart "))
     return _outcome(ChaosRun(count, job.returncode, hung, kills=len(kills), wall_s=wall,
-                             tail=tail), faults._read_log(log))  # pylint: disable=protected-access
+                             tail=tail, restarts=restarted),
+                    faults._read_log(log))  # pylint: disable=protected-access
 
 
 def _outcome(run: ChaosRun, records: list[dict]) -> ChaosRun:

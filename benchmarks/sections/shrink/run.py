@@ -65,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="chaos: seconds between kills")
   parser.add_argument("--chaos-epochs", type=int, default=120,
                       help="chaos: epochs (enough to outlast the kills)")
+  parser.add_argument("--chaos-restarts", type=int, default=0,
+                      help="chaos: also --max-restarts N with checkpoints (0: none)")
 
 
 def _env() -> dict[str, str]:
@@ -117,7 +119,8 @@ def run_chaos(args: argparse.Namespace) -> list[dict]:
   for count in (0, args.chaos_faults):  # undisturbed first: goodput's reference
     load = os.getloadavg()[0]
     run = chaos.run_chaos(count, _env(), epochs=args.chaos_epochs,
-                          interval=args.chaos_interval, timeout=7200)
+                          interval=args.chaos_interval, timeout=7200,
+                          restarts=args.chaos_restarts)
     rows.append(dict(dataclasses.asdict(run), load=load))
     print(f"chaos {count}: {rows[-1]}", flush=True)
   return rows
@@ -167,40 +170,48 @@ def _seconds(value) -> str:
   return "-" if value is None else f"{value:.2f} s"
 
 
+def _result_cells(row: dict) -> tuple[str, str, str]:
+  """A run's final test accuracy, train loss per epoch, and steps and replicas at the end."""
+  accuracy = "-" if row["test_accuracy"] is None else f"{row['test_accuracy']:.2%}"
+  losses = ", ".join(f"{e[0]:.6f}" for e in row.get("epochs") or []) or "-"
+  kept = "-" if row["steps"] is None else f"{row['steps']}, {row['replicas']}"
+  return accuracy, losses, kept
+
+
+def _table(columns: list[str], cells: list[list[str]]) -> list[str]:
+  """A markdown table's lines."""
+  return ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns),
+          *("| " + " | ".join(row) + " |" for row in cells)]
+
+
 def _fault_rows(rows: list[dict]) -> list[str]:
-  lines = ["| fault | exit | fault -> detected | fault -> next completed step | fault -> job "
-           "ended (not survived) | lost ranks | steps, replicas at the end | final test "
-           "accuracy | train loss per epoch | load |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  cells = []
   for row in rows:
-    accuracy = "-" if row["test_accuracy"] is None else f"{row['test_accuracy']:.2%}"
+    accuracy, losses, kept = _result_cells(row)
     why = row["why"].replace("|", ";")  # a cell of its own table
     ended = _seconds(row["ended_s"]) + (f" ({why})" if why else "")
     resumed = (", ".join(_seconds(v) for v in row["resumed_s"]) if len(row.get("resumed_s") or [])
                > 1 else _seconds(row["fault_to_resumed_s"]))
-    losses = ", ".join(f"{e[0]:.6f}" for e in row.get("epochs") or []) or "-"
-    kept = "-" if row["steps"] is None else f"{row['steps']}, {row['replicas']}"
-    lines.append(f"| {row['fault']} | {row['code']} | {_seconds(row['fault_to_detected_s'])} | "
-                 f"**{resumed}** | {ended} | "
-                 f"{row['lost_ranks'] or '-'} | {kept} | "
-                 f"{accuracy} | {losses} | {row['load']:.1f} |")
-  return lines
+    cells.append([row["fault"], str(row["code"]), _seconds(row["fault_to_detected_s"]),
+                  f"**{resumed}**", ended, str(row["lost_ranks"] or "-"), kept, accuracy, losses,
+                  f"{row['load']:.1f}"])
+  return _table(["fault", "exit", "fault -> detected", "fault -> next completed step",
+                 "fault -> job ended (not survived)", "lost ranks", "steps, replicas at the end",
+                 "final test accuracy", "train loss per epoch", "load"], cells)
 
 
 def _shrink_restart_rows(rows: list[dict]) -> list[str]:
-  lines = ["| faults | exit | shrunk past (lost ranks) | restarts | last fault -> \"resumed "
-           "from step\" | last fault -> next epoch done | steps, replicas at the end | final "
-           "test accuracy | train loss per epoch | load |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  cells = []
   for row in rows:
-    accuracy = "-" if row["test_accuracy"] is None else f"{row['test_accuracy']:.2%}"
-    losses = ", ".join(f"{e[0]:.6f}" for e in row.get("epochs") or []) or "-"
-    kept = "-" if row["steps"] is None else f"{row['steps']}, {row['replicas']}"
-    lines.append(f"| {row['fault']} | {row['code']} | {row['lost_ranks'] or '-'} | "
-                 f"{row['restarts']} | **{_seconds(row['fault_to_restarted_s'])}** | "
-                 f"{_seconds(row['fault_to_next_epoch_s'])} | {kept} | {accuracy} | {losses} | "
-                 f"{row['load']:.1f} |")
-  return lines
+    accuracy, losses, kept = _result_cells(row)
+    cells.append([row["fault"], str(row["code"]), str(row["lost_ranks"] or "-"),
+                  str(row["restarts"]), f"**{_seconds(row['fault_to_restarted_s'])}**",
+                  _seconds(row["fault_to_next_epoch_s"]), kept, accuracy, losses,
+                  f"{row['load']:.1f}"])
+  return _table(["faults", "exit", "shrunk past (lost ranks)", "restarts",
+                 'last fault -> "resumed from step"', "last fault -> next epoch done",
+                 "steps, replicas at the end", "final test accuracy", "train loss per epoch",
+                 "load"], cells)
 
 
 def _cost_rows(found: dict[str, list[dict]]) -> list[str]:
@@ -223,10 +234,10 @@ def _cost_rows(found: dict[str, list[dict]]) -> list[str]:
 
 
 def _chaos_rows(rows: list[dict]) -> list[str]:
-  lines = ["| kills | exit | hung | shrinks | grows | replicas bit-identical after each | "
+  lines = ["| kills | exit | hung | shrinks | grows | restarts | replicas bit-identical after each | "
            "median detected -> next step | median growth | steps, replicas at the end | final "
            "test accuracy | wall | goodput | cost per kill | load |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   calm = rows[0]["wall_s"] if rows and rows[0]["kills"] == 0 else None
   for row in rows:
     accuracy = "-" if row["test_accuracy"] is None else f"{row['test_accuracy']:.2%}"
@@ -237,7 +248,8 @@ def _chaos_rows(rows: list[dict]) -> list[str]:
       cost_per = _seconds((row["wall_s"] - calm) / row["kills"])
     median = lambda values: _seconds(statistics.median(values)) if values else "-"  # pylint: disable=unnecessary-lambda-assignment
     lines.append(f"| {row['kills']} | {row['code']} | {row['hung']} | {row['shrinks']} | "
-                 f"{row['grows']} | {row['digests_equal']} | {median(row['resumed_s'])} | "
+                 f"{row['grows']} | {row.get('restarts', 0)} | {row['digests_equal']} | "
+                 f"{median(row['resumed_s'])} | "
                  f"{median(row['grow_s'])} | {row['steps']}, {row['replicas']} | {accuracy} | "
                  f"{_seconds(row['wall_s'])} | {goodput} | {cost_per} | {row['load']:.1f} |")
   return lines
