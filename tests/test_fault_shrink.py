@@ -65,7 +65,7 @@ def _kill_job(marker: str) -> None:
       pass
 
 
-def _launch_shrink_job(log, processes, job, train_flags, launch_flags=()):
+def _launch_shrink_job(log, processes, job, train_flags, launch_flags=(), **env):
   """`jdist launch --shrink -np PROCESSES` of `shrink_faults.py JOB -- MAIN_JOB TRAIN_FLAGS`."""
   if launch.under_mpirun():
     pytest.skip("launches its own mpirun")
@@ -75,7 +75,7 @@ def _launch_shrink_job(log, processes, job, train_flags, launch_flags=()):
   try:
     # --shrink moves data over TCP: on one host, over the loopback only, not a
     # rig's bridge that a test beside this one builds and removes meanwhile.
-    env = launch.clean_env(OMPI_MCA_btl_tcp_if_include="lo")
+    env = launch.clean_env(OMPI_MCA_btl_tcp_if_include="lo", **env)
     result = launch.run_own_session(argv, env, timeout=400)
   except subprocess.TimeoutExpired as err:
     _kill_job(str(log))  # mpirun runs in a session of the launcher's own
@@ -154,6 +154,47 @@ def test_launch_shrink_adds_ulfm_and_tcp():
   assert "tcp,self" in launch_shrink.ULFM_MPIRUN_ARGS
   assert "^han" in launch_shrink.ULFM_MPIRUN_ARGS  # HAN crashed on a grown job across nodes
   assert launch_shrink.SHRINK_ENV["JDIST_JAX_DISTRIBUTED"] == "0"
+
+
+def test_fault_a_process_that_dies_while_joining_ends_the_wait_and_a_restart_resumes(tmp_path):
+  # Rank 2 dies at step 12; the survivors start a process in its place, which
+  # dies before it joins: MPI never reports it, and they would wait in the
+  # merge forever. Past --timeout they leave; the job ends and the launcher
+  # starts it again from the checkpoint of step 10 (epoch 1's end).
+  hostfile = tmp_path / "hosts"
+  hostfile.write_text("localhost slots=3\n")
+  flags = ["--epochs", "2", "--train-limit", "480", "--test-limit", "120", "--timeout", "25",
+           "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "8", "--resume"]
+  records, output = _launch_shrink_job(
+      tmp_path / "run.jsonl", 3, ["2", "12"], flags,
+      ["--max-np", "3", "--max-restarts", "1", "--hostfile", str(hostfile), "--cooldown", "0"],
+      JDIST_TEST_JOINER_DIES="1")
+  assert "a started process dies before joining" in output, output[-4000:]
+  assert re.search(r"rank [01]: waited over 25 s in Merge for the other processes", output), (
+      output[-4000:])
+  assert "jdist launch: restart 1: the job failed without losing a host" in output, output[-4000:]
+  assert "jdist train --shrink: resumed from step 10 of" in output, output[-4000:]
+  summary = records[-1]  # 480 examples, global batch 48: 10 steps an epoch
+  assert summary["event"] == "summary" and summary["steps"] == 20 and summary["replicas"] == 3
+  digests = re.findall(r"jdist-job: rank (\d) digest (\w+)", output)
+  assert len({digest for _, digest in digests}) == 1 and len(digests) >= 1, output[-4000:]
+
+
+def test_the_stall_guard_speaks_up_only_for_a_wait_past_its_deadline():
+  stalls = []
+  guard = shrinkable.StallGuard(0.4, on_stall=stalls.append)
+  for _ in range(3):
+    with guard.waiting("Allreduce"):  # quick calls, one after another
+      time.sleep(0.1)
+  time.sleep(0.5)
+  assert not stalls
+  with guard.waiting("Merge"):
+    time.sleep(1.2)
+  assert len(stalls) == 1 and "waited over 0.4 s in Merge" in stalls[0]
+  idle = shrinkable.StallGuard(None, on_stall=stalls.append)  # no deadline: no watch
+  with idle.waiting("Merge"):
+    time.sleep(0.1)
+  assert idle._thread is None  # pylint: disable=protected-access
 
 
 def test_shrink_flags_parse():

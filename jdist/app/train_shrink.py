@@ -27,8 +27,10 @@ What this mode gives up, for now (docs/multinode.md, "Shrinking"): JAX's
 distributed runtime is not started (a dead process would end the others,
 and process 0 is its coordinator), so `jax.process_index()` is 0 everywhere;
 one device per process; the gradient crosses processes on the host (numpy
-over MPI), not in the step; no DiLoCo, compression or guards; a process that
-hangs without dying is not detected (only deaths are).
+over MPI), not in the step; no DiLoCo, compression or guards. A process
+that waits in MPI past `--timeout` leaves (`shrinkable.StallGuard`): a death
+MPI does not see (a process killed while it was being started) becomes one
+it does.
 
 With `--checkpoint-dir`, the live rank 0 also saves agreed states
 (`jdist.app.shrink_checkpoints`), for the losses a shrink cannot survive: a
@@ -64,6 +66,7 @@ from jdist.app import train_guard
 from jdist.app.config import TrainConfig
 from jdist.collectives import shrinkable
 from jdist.runtime import abort
+from jdist.runtime import topology
 
 # The TrainConfig fields this mode reads; any other one set away from its
 # default is refused (it would be silently ignored).
@@ -537,6 +540,8 @@ def train(config: TrainConfig, on_step=None) -> dict:
   check_config(config)
   os.environ.setdefault("JDIST_JAX_DISTRIBUTED", "0")
   growth = Growth.from_environment()
+  # A wait past --timeout makes this process leave, as a lost one (StallGuard).
+  shrinkable.STALLS.deadline_s = topology.resolve_timeout(config.timeout)
   joining = shrinkable.spawned()  # started by the survivors' grow(): handed the state
   comm = shrinkable.ShrinkableComm.joined() if joining else shrinkable.ShrinkableComm()
   checkpoints = (shrink_checkpoints.ShrinkCheckpoints(config.checkpoint_dir,

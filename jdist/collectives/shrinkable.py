@@ -19,8 +19,11 @@ about MPI.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -28,6 +31,75 @@ import numpy as np
 from jdist import errors
 
 _MAX_SHRINK_TRIES = 8  # a shrink interrupted by yet another failure is tried again
+STALL_EXIT = 1  # the exit status of a process that gave up waiting (`StallGuard`)
+
+
+class StallGuard:
+  """Ends this process when one of its MPI calls waits longer than a deadline.
+
+  ULFM reports a member's death only where MPI learns of it. A process that
+  `grow()` started and that dies before it joins (killed while starting,
+  measured) is never reported: the members then wait in
+  `MPI_Intercomm_merge` forever, and revoking the communicator does not
+  wake them (tried: the merge kept waiting). Past the deadline (`jdist
+  train --timeout`), this process leaves, as a lost one: the others see a
+  death MPI does report and shrink past it, or, if every member waited, the
+  job ends, with this message instead of a hang (and `jdist launch
+  --max-restarts` starts it again from its checkpoints). One thread
+  watches every call; a call pays a clock read.
+
+  Args:
+    deadline_s: the longest wait; None: never give up.
+    on_stall: called with the message instead of leaving (tests).
+  """
+
+  def __init__(self, deadline_s: float | None = None, on_stall=None):
+    self.deadline_s = deadline_s
+    self.on_stall = on_stall or _leave_stalled
+    self._waiting: tuple[str, float] | None = None
+    self._thread: threading.Thread | None = None
+
+  @contextlib.contextmanager
+  def waiting(self, what: str):
+    """Marks an MPI call (`what`) for the watch while the block runs."""
+    if self.deadline_s is None:
+      yield
+      return
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._watch, name="jdist-shrink-stall",
+                                      daemon=True)
+      self._thread.start()
+    self._waiting = (what, time.monotonic())
+    try:
+      yield
+    finally:
+      self._waiting = None
+
+  def _watch(self) -> None:
+    period = min(1.0, self.deadline_s / 4)
+    while True:
+      time.sleep(period)
+      waiting = self._waiting
+      if waiting is not None and time.monotonic() - waiting[1] > self.deadline_s:
+        self.on_stall(f"waited over {self.deadline_s:g} s in {waiting[0]} for the other "
+                      f"processes (--timeout): a process that died where MPI cannot see it "
+                      f"(one killed while it was being started) leaves the others waiting "
+                      f"forever, so this one leaves; the others shrink past it, or the job "
+                      f"ends (with jdist launch --max-restarts, it starts again from its "
+                      f"checkpoints)")
+        return
+
+
+def _leave_stalled(message: str) -> None:
+  sys.stderr.write(f"jdist train --shrink: rank {_launch_rank()}: {message}.\n")
+  leave(STALL_EXIT)
+
+
+def _launch_rank() -> str:
+  return os.environ.get("OMPI_COMM_WORLD_RANK", "?")
+
+
+STALLS = StallGuard()  # the process's watch (`jdist train --shrink` sets its deadline)
 
 
 class PeerLost(errors.JdistError):
@@ -88,7 +160,8 @@ class ShrinkableComm:
       PeerLost: a member failed meanwhile (this process then leaves; the others shrink).
     """
     from mpi4py import MPI  # pylint: disable=import-outside-toplevel
-    merged = MPI.Comm.Get_parent().Merge(high=True)
+    with STALLS.waiting("Merge (joining)"):
+      merged = MPI.Comm.Get_parent().Merge(high=True)
     merged.Set_errhandler(MPI.ERRORS_RETURN)
     members, hosts = _agreed(MPI, merged, merged.bcast, None, root=0)
     joined = cls(merged, members[merged.Get_rank()], members)
@@ -105,7 +178,8 @@ class ShrinkableComm:
 
   def _call(self, fn, *args, **kwargs):
     try:
-      return fn(*args, **kwargs)
+      with STALLS.waiting(getattr(fn, "__name__", "an MPI call")):
+        return fn(*args, **kwargs)
     except self._mpi.Exception as err:
       raise PeerLost(f"rank {self.launch_rank}: {err}") from err
 
@@ -160,11 +234,13 @@ class ShrinkableComm:
         self._comm.Revoke()
       except self._mpi.Exception:
         pass  # already revoked by a peer
-      survivors = self._comm.Shrink()
+      with STALLS.waiting("Shrink"):
+        survivors = self._comm.Shrink()
       survivors.Set_errhandler(self._mpi.ERRORS_RETURN)
       self._comm = survivors
       try:
-        members = tuple(survivors.allgather(self.launch_rank))
+        with STALLS.waiting("allgather (after a shrink)"):
+          members = tuple(survivors.allgather(self.launch_rank))
       except self._mpi.Exception:
         continue  # another member failed during the shrink: shrink again
       lost = tuple(sorted(set(self.members) - set(members)))
@@ -193,14 +269,21 @@ class ShrinkableComm:
     if hosts:
       info.Set("host", ",".join(hosts))
     try:
-      inter = self._comm.Spawn(command[0], args=command[1:], maxprocs=count, root=0, info=info)
+      with STALLS.waiting("Spawn"):
+        inter = self._comm.Spawn(command[0], args=command[1:], maxprocs=count, root=0,
+                                 info=info)
     except self._mpi.Exception as err:
       self.confirm()  # PeerLost if a member died; else the start itself failed
       raise GrowFailed(f"rank {self.launch_rank}: could not start {count} process(es): "
                        f"{err}") from err
     finally:
       info.Free()
-    merged = self._call(inter.Merge, high=False)
+    try:
+      merged = self._call(inter.Merge, high=False)
+    except PeerLost as err:  # MPI reported a failure in the merge
+      self.confirm()  # PeerLost if a member died; else the new processes did
+      raise GrowFailed(f"rank {self.launch_rank}: the started process(es) did not join: "
+                       f"{err}") from err
     merged.Set_errhandler(self._mpi.ERRORS_RETURN)
     first = max(self.hosts) + 1
     new_ranks = tuple(range(first, first + count))
@@ -228,13 +311,15 @@ def _agreed(mpi, comm, collective, *args, **kwargs):
   failed (PeerLost, everywhere alike) or not (the error itself).
   """
   try:
-    result, problem = collective(*args, **kwargs), None
+    with STALLS.waiting(getattr(collective, "__name__", "a collective")):
+      result, problem = collective(*args, **kwargs), None
   except mpi.Exception as err:
     raise PeerLost(f"{err}") from err
   except Exception as err:  # pylint: disable=broad-except
     result, problem = None, err
   try:
-    comm.Agree(1)
+    with STALLS.waiting("Agree"):
+      comm.Agree(1)
   except mpi.Exception as err:
     raise PeerLost(f"{err}") from err
   if problem is not None:

@@ -8,6 +8,8 @@ gradient or in the allreduce). It prints
 "jdist-job: rank R dies at <unix time>" on stderr first. Every survivor
 prints "jdist-job: rank R digest D" at the end (replicas must agree), R its
 launch rank (processes started to grow the job back have ranks above -np's).
+Faults happen in the launch's first run only (not after a `--max-restarts`
+restart).
 """
 
 import os
@@ -15,6 +17,10 @@ import signal
 import sys
 import threading
 import time
+
+# Set: a process that the survivors start to grow back dies before it joins
+# them, as one killed while starting would.
+JOINER_DIES_ENV = "JDIST_TEST_JOINER_DIES"
 
 
 def main(argv):
@@ -26,13 +32,19 @@ def main(argv):
   from jdist.app import cli  # pylint: disable=import-outside-toplevel
   from jdist.app import train_shrink  # pylint: disable=import-outside-toplevel
 
+  first_run = os.environ.get("JDIST_RESTART", "0") == "0"  # jdist launch --max-restarts
+
   def on_step(step, rank):
-    if rank == victim and step == at_step:
+    if rank == victim and step == at_step and first_run:
       print(f"jdist-job: rank {rank} dies at {time.time():.3f}", file=sys.stderr, flush=True)
       if delay is None:
         os._exit(1)  # pylint: disable=protected-access
       threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
 
+  if os.environ.get(JOINER_DIES_ENV) and train_shrink.shrinkable.spawned():
+    print(f"jdist-job: a started process dies before joining at {time.time():.3f}",
+          file=sys.stderr, flush=True)
+    os._exit(1)  # pylint: disable=protected-access
   config, _ = cli.parse_train_args(flags)
   summary = train_shrink.train(config, on_step=on_step)
   rank = summary["launch_rank"]  # a process the job started later has a rank of its own
