@@ -145,7 +145,8 @@ class ShrinkableComm:
                members: tuple[int, ...] | None = None):
     from mpi4py import MPI  # pylint: disable=import-outside-toplevel
     self._mpi = MPI
-    self._comm = comm if comm is not None else MPI.COMM_WORLD.Dup()
+    with STALLS.waiting("Comm_dup"):
+      self._comm = comm if comm is not None else MPI.COMM_WORLD.Dup()
     self._comm.Set_errhandler(MPI.ERRORS_RETURN)
     self.launch_rank = MPI.COMM_WORLD.Get_rank() if launch_rank is None else launch_rank
     self.members = members or tuple(range(self._comm.Get_size()))  # launch ranks, rank order
@@ -328,8 +329,14 @@ def _agreed(mpi, comm, collective, *args, **kwargs):
 
 
 def spawned() -> bool:
-  """Whether this process was started by `ShrinkableComm.grow()` (it must call `joined()`)."""
-  from mpi4py import MPI  # pylint: disable=import-outside-toplevel
+  """Whether this process was started by `ShrinkableComm.grow()` (it must call `joined()`).
+
+  The first call starts MPI (`MPI_Init`, which waits for every process of
+  the launch: one killed while starting leaves the others there), so it
+  is watched by `STALLS` too.
+  """
+  with STALLS.waiting("MPI_Init"):
+    from mpi4py import MPI  # pylint: disable=import-outside-toplevel
   return MPI.Comm.Get_parent() != MPI.COMM_NULL
 
 
