@@ -357,12 +357,38 @@ class _OneComm:
     return [value]
 
 
-def test_an_evaluation_cut_short_is_retaken_and_every_epoch_logged_once(tmp_path):
-  """A loss during epoch 1's evaluation and during the final one: shrunk past, logged once."""
+class _NoGrowthComm(_OneComm):
+  """A one-process job under `--max-np 2` where no process can be started."""
+  members, hosts = (0,), {0: "h"}
+
+  def __init__(self):
+    super().__init__(fail_at=())
+    self.grow_tries = []
+
+  def grow(self, count, command, hosts=()):
+    self.grow_tries.append(count)
+    raise shrinkable.GrowFailed("no free slot")
+
+
+def _tiny_data():
   rng = np.random.default_rng(0)
-  data = datasets.Dataset(rng.random((64, 8, 8, 1), np.float32), rng.integers(0, 10, 64),
+  return datasets.Dataset(rng.random((64, 8, 8, 1), np.float32), rng.integers(0, 10, 64),
                           rng.random((20, 8, 8, 1), np.float32), rng.integers(0, 10, 20),
                           10, "synthetic")
+
+
+def test_a_failed_growth_is_tried_again_at_the_next_epoch_not_every_step(capsys):
+  config = TrainConfig(model="cnn", batch_size=16, epochs=3, lr=0.05)
+  comm = _NoGrowthComm()
+  run = train_shrink.ShrinkRun(config, _tiny_data(), comm, growth=train_shrink.Growth(1, 2, ()))
+  summary = run.run()  # 4 steps an epoch: tries before steps 0, 4 and 8
+  assert comm.grow_tries == [1, 1, 1] and summary["steps"] == 12 and summary["replicas"] == 1
+  assert "no free slot; going on with 1 replicas (trying again at step 4)" in capsys.readouterr().out
+
+
+def test_an_evaluation_cut_short_is_retaken_and_every_epoch_logged_once(tmp_path):
+  """A loss during epoch 1's evaluation and during the final one: shrunk past, logged once."""
+  data = _tiny_data()
   log = tmp_path / "run.jsonl"
   config = TrainConfig(model="cnn", batch_size=16, epochs=2, lr=0.05, log_file=str(log))
   # 4 steps an epoch, an agreement at each epoch's end: confirm calls are step 4 (1),

@@ -241,7 +241,7 @@ class ShrinkRun:
     self.out = Output(config)
     self.shrinks: list[dict] = []
     self.grows: list[dict] = []
-    self.grow_failed = False
+    self.grow_after: int | None = None  # after a failed growth: the step to try again at
 
   @property
   def primary(self) -> bool:
@@ -283,8 +283,10 @@ class ShrinkRun:
     """Whether every replica holds the same parameters, bit for bit (collective)."""
     return len(set(self.comm.allgather_object(params_digest(now.params)))) == 1
 
-  def can_grow(self) -> bool:
-    return self.comm.size < self.growth.max_np and not self.grow_failed
+  def can_grow(self, step: int) -> bool:
+    """Whether to start processes before step `step` (after a shrink, or a failed try)."""
+    return (self.comm.size < self.growth.max_np
+            and (self.grow_after is None or step >= self.grow_after))
 
   def grow(self, now: Snapshot) -> Snapshot:
     """Starts processes up to `--max-np` and hands them the state (collective).
@@ -455,7 +457,7 @@ class ShrinkRun:
     pending, due, final = None, False, None  # growth happens only where no evaluation is due
     while final is None:
       try:
-        if not due and now.step < self.total_steps and self.can_grow():
+        if not due and now.step < self.total_steps and self.can_grow(now.step):
           now = confirmed = self.grow(now)
           continue
         if self.comm.size < self.growth.min_np:
@@ -481,9 +483,11 @@ class ShrinkRun:
         confirmed = now
         due = due and now.step % self.steps_per_epoch == 0  # else its steps are taken again
       except shrinkable.GrowFailed as err:
-        self.grow_failed = True  # at every member alike: the start failed, not a member
+        # At every member alike (the start failed, not a member): try again
+        # at the next epoch, not before every step.
+        self.grow_after = (now.step // self.steps_per_epoch + 1) * self.steps_per_epoch
         self.out.say(self.primary, f"jdist train: grow: {err}; going on with "
-                     f"{self.comm.size} replicas")
+                     f"{self.comm.size} replicas (trying again at step {self.grow_after})")
     test_loss, test_accuracy = final
     equal = self.digests_equal(now)  # every replica's final parameters, bit for bit
     summary = {"event": "summary", "steps": now.step, "replicas": self.comm.size,
