@@ -197,6 +197,23 @@ def test_the_stall_guard_speaks_up_only_for_a_wait_past_its_deadline():
   assert idle._thread is None  # pylint: disable=protected-access
 
 
+def test_an_mpi_start_that_never_ends_ends_the_process_past_the_deadline(tmp_path):
+  # MPI_Init runs inside mpi4py's import, holding the GIL: a stand-in
+  # module that computes forever in C does the same.
+  (tmp_path / "mpi4py").mkdir()
+  (tmp_path / "mpi4py" / "__init__.py").write_text("")
+  (tmp_path / "mpi4py" / "MPI.py").write_text("sum(range(10 ** 15))\n")
+  code = ("from jdist.collectives import shrinkable\n"
+          "shrinkable.STALLS.deadline_s = 1.0\n"
+          "shrinkable.spawned()\n")
+  started = time.monotonic()
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                        env=dict(launch.clean_env(), PYTHONPATH=os.pathsep.join(
+                            [str(tmp_path), launch.REPO])))
+  assert done.returncode == 1 and time.monotonic() - started < 60, done.stderr[-2000:]
+  assert "Timeout" in done.stderr and "in spawned" in done.stderr, done.stderr[-2000:]
+
+
 def test_shrink_flags_parse():
   from jdist.app import cli  # pylint: disable=import-outside-toplevel
   config, _ = cli.parse_train_args(["--shrink", "--lr", "0.05"])

@@ -20,6 +20,7 @@ about MPI.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import sys
 import threading
@@ -332,11 +333,19 @@ def spawned() -> bool:
   """Whether this process was started by `ShrinkableComm.grow()` (it must call `joined()`).
 
   The first call starts MPI (`MPI_Init`, which waits for every process of
-  the launch: one killed while starting leaves the others there), so it
-  is watched by `STALLS` too.
+  the launch: one killed while starting left the others there for good, in
+  a chaos run). `MPI_Init` runs inside mpi4py's import, which holds the
+  GIL, so `STALLS`'s thread cannot act there: faulthandler's watchdog,
+  which needs no GIL, ends the process past the deadline instead, with
+  every thread's traceback.
   """
-  with STALLS.waiting("MPI_Init"):
+  if STALLS.deadline_s is not None:
+    faulthandler.dump_traceback_later(STALLS.deadline_s, exit=True)
+  try:
     from mpi4py import MPI  # pylint: disable=import-outside-toplevel
+  finally:
+    if STALLS.deadline_s is not None:
+      faulthandler.cancel_dump_traceback_later()
   return MPI.Comm.Get_parent() != MPI.COMM_NULL
 
 
