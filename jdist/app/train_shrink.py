@@ -250,10 +250,7 @@ class ShrinkRun:
   def start(self, resume_step: int | None = None) -> Snapshot:
     """Rank 0's initial parameters on every replica (as `jdist train` does), or a checkpoint's."""
     if resume_step is not None:
-      params, state = self.program.init(self.config.seed)
-      template = self._saved(Snapshot(0, params, state, self.program.opt_init(params),
-                                      np.zeros(3)))
-      saved = self.checkpoints.restore(resume_step, template)
+      saved = self.checkpoints.restore(resume_step, self._saved(self._fresh()))
       self.out.say(self.primary, f"jdist train --shrink: resumed from step {resume_step} of "
                    f"{self.checkpoints.directory}")
       return Snapshot(resume_step, saved["params"], saved["model_state"], saved["opt_state"],
@@ -270,8 +267,7 @@ class ShrinkRun:
       The state, and whether every member's parameters are then bit-identical.
     """
     if now is None:  # a new process: the structure of the state, to receive into
-      params, state = self.program.init(self.config.seed)
-      now = Snapshot(0, params, state, self.program.opt_init(params), np.zeros(3))
+      now = self._fresh()
     leaves, treedef = jax.tree.flatten((now.params, now.model_state, now.opt_state))
     payload = (now.step, [np.asarray(x) for x in leaves], now.tally) if self.primary else None
     step, leaves, tally = self.comm.bcast_object(payload)
@@ -315,6 +311,11 @@ class ShrinkRun:
     events.append(event)
     self.out.record(self.primary, event)
     self.out.say(self.primary, line)
+
+  def _fresh(self) -> Snapshot:
+    """This process's own initial state: the structure a received or restored one fills."""
+    params, state = self.program.init(self.config.seed)
+    return Snapshot(0, params, state, self.program.opt_init(params), np.zeros(3))
 
   @staticmethod
   def _saved(now: Snapshot) -> dict[str, Any]:
