@@ -121,7 +121,9 @@ hosts = open(args[args.index('--hostfile') + 1]).read().split()
 np_ = int(args[args.index('-np') + 1])
 state = json.load(open(STATE)) if os.path.exists(STATE) else []
 state.append(dict(hosts=hosts, np=np_, restart=os.environ.get('JDIST_RESTART'),
-                  ulfm='--with-ft' in args, jax=os.environ.get('JDIST_JAX_DISTRIBUTED')))
+                  ulfm='--with-ft' in args, jax=os.environ.get('JDIST_JAX_DISTRIBUTED'),
+                  cache=os.environ.get('JAX_COMPILATION_CACHE_DIR'),
+                  forwarded=[args[i + 1] for i, a in enumerate(args) if a == '-x']))
 json.dump(state, open(STATE, 'w'))
 print(HOSTS_MARKER + ' ' + ' '.join(f'{r}:node{"AB"[r // 2]}' for r in range(np_)), flush=True)
 if MODE in ('lose', 'grow') and len(state) == 1:
@@ -237,6 +239,19 @@ def test_a_lost_host_is_left_out_and_the_job_goes_on(tmp_path, monkeypatch):
   assert [(r["hosts"], r["np"], r["restart"]) for r in runs] == [
       (["10.0.0.1", "slots=2", "10.0.0.2", "slots=2"], 4, "0"),
       (["10.0.0.1", "slots=2"], 2, "1")]
+
+
+def test_every_run_of_a_restarted_job_shares_one_compilation_cache(tmp_path, monkeypatch):
+  monkeypatch.delenv(elastic.COMPILE_CACHE_ENV, raising=False)
+  status, err, runs = _elastic_run(tmp_path, monkeypatch, "lose")
+  assert status == 0, err
+  caches = {r["cache"] for r in runs}
+  assert len(runs) == 2 and len(caches) == 1 and None not in caches
+  assert all(elastic.COMPILE_CACHE_ENV in r["forwarded"] and elastic.RESTART_ENV in r["forwarded"]
+             for r in runs)
+  monkeypatch.setenv(elastic.COMPILE_CACHE_ENV, str(tmp_path / "mine"))  # the user's: kept
+  assert elastic.compile_cache_env(dict(os.environ)) == {
+      elastic.COMPILE_CACHE_ENV: str(tmp_path / "mine")}
 
 
 def test_with_shrink_every_run_is_a_ulfm_run_and_a_lost_node_restarts(tmp_path, monkeypatch):

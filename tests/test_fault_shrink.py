@@ -174,6 +174,8 @@ def test_fault_a_process_that_dies_while_joining_ends_the_wait_and_a_restart_res
       output[-4000:])
   assert "jdist launch: restart 1: the job failed without losing a host" in output, output[-4000:]
   assert "jdist train --shrink: resumed from step 10 of" in output, output[-4000:]
+  restarts = [r for r in records if r.get("event") == "restart"]
+  assert [(r["resumed_from"], r["step"], r["replicas"]) for r in restarts] == [(10, 11, 3)], records
   summary = records[-1]  # 480 examples, global batch 48: 10 steps an epoch
   assert summary["event"] == "summary" and summary["steps"] == 20 and summary["replicas"] == 3
   digests = re.findall(r"jdist-job: rank (\d) digest (\w+)", output)

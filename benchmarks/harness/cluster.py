@@ -50,8 +50,8 @@ NETNS_ETC = "/etc/netns"  # per-namespace files `ip netns exec` mounts over /etc
 # shared memory within a node. The keepalive settings make PRRTE notice a
 # node whose link is gone in seconds instead of its default 8 minutes.
 KEEPALIVE_ENV = {
-    "PRTE_MCA_oob_tcp_keepalive_time": "5",
-    "PRTE_MCA_oob_tcp_keepalive_intvl": "2",
+    "PRTE_MCA_oob_tcp_keepalive_time": "1",
+    "PRTE_MCA_oob_tcp_keepalive_intvl": "1",
     "PRTE_MCA_oob_tcp_keepalive_probes": "3",
 }
 

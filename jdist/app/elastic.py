@@ -28,6 +28,7 @@ import dataclasses
 import os
 import re
 import subprocess
+import tempfile
 import time
 from typing import Callable, Sequence
 
@@ -35,6 +36,27 @@ RESTART_ENV = "JDIST_RESTART"  # the restart's number (0: the first run), in eve
 DEFAULT_COOLDOWN_S = 600.0
 DEFAULT_DISCOVERY_INTERVAL_S = 30.0  # seconds between runs of --host-discovery
 DEFAULT_PROBE_TIMEOUT_S = 5.0  # seconds a returning host has to answer the launch agent
+
+
+# JAX's persistent compilation cache, for every run of a restarted job: a
+# restart then loads the steps it compiled before instead of compiling them
+# again (on the rig, the first step after a restart took 3.4 s without it).
+COMPILE_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+
+
+def compile_cache_env(environ: dict[str, str]) -> dict[str, str]:
+  """The compilation cache's settings for a restarted job's ranks.
+
+  A cache directory the user set is kept (and forwarded to every node);
+  otherwise one per user in each node's temporary directory, reused across
+  runs and launches, where every compiled program is kept (JAX keeps only
+  those that took over 1 s by default). It is not size-capped: JAX's cap
+  needs the `filelock` package, which jdist does not install.
+  """
+  if environ.get(COMPILE_CACHE_ENV):
+    return {COMPILE_CACHE_ENV: environ[COMPILE_CACHE_ENV]}
+  directory = os.path.join(tempfile.gettempdir(), f"jdist-xla-cache-{os.getuid()}")
+  return {COMPILE_CACHE_ENV: directory, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
 
 class ElasticError(RuntimeError):

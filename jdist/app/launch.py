@@ -8,8 +8,9 @@ What plain `mpirun` does not guarantee, measured on a two-node rig
 
 * A node whose link goes down is noticed by PRRTE only through TCP
   keepalive, 300 + 9 x 20 s by default; until then mpirun hangs. This
-  supervisor passes `oob_tcp_keepalive_*` settings (5 s, then 3 probes 2 s
-  apart) unless the environment already sets them.
+  supervisor passes `oob_tcp_keepalive_*` settings (1 s, then 3 probes 1 s
+  apart: a link down ends the job about 4 s later) unless the environment
+  already sets them.
 * Once any rank has aborted (jdist's watchdog), mpirun's order to kill the
   job sits unacknowledged on the lost node's socket, keepalive no longer
   applies, and mpirun hangs for good. The supervisor sees the abort report

@@ -160,15 +160,18 @@ class Elastic:
   def _runs(self, workdir: str) -> int:
     hosts, processes, code = self.hosts, self.first, supervise.EXIT_FAILURE
     restart, failures = 0, 0
+    cache = elastic.compile_cache_env(dict(os.environ))
     while True:
       hostfile = (elastic.write_hostfile(hosts, os.path.join(workdir, f"hosts.{restart}"))
                   if hosts else None)
       extra = (launch_shrink.mpirun_args(self.args) if self.shrink
-               else shlex.split(self.args.mpirun_args)) + ["-x", elastic.RESTART_ENV]
+               else shlex.split(self.args.mpirun_args))
+      for name in (elastic.RESTART_ENV, *cache):  # to the ranks on every node
+        extra += ["-x", name]
       argv = supervise.mpirun_argv(self.command, mpirun=self.args.mpirun, hostfile=hostfile,
                                 processes=processes, mpirun_args=extra)
       self.grow = None
-      env = {elastic.RESTART_ENV: str(restart),
+      env = {elastic.RESTART_ENV: str(restart), **cache,
              **(launch_shrink.environment(self.args) if self.shrink else {})}
       code, state = supervise.supervise(
           argv, abort_grace=self.args.abort_grace, env=supervise.environment(env),

@@ -251,10 +251,14 @@ class ShrinkRun:
     """Rank 0's initial parameters on every replica (as `jdist train` does), or a checkpoint's."""
     if resume_step is not None:
       saved = self.checkpoints.restore(resume_step, self._saved(self._fresh()))
+      # As a fresh start's arrays (uncommitted), not orbax's (committed to a
+      # device): the step's compiled program, in JAX's cache since the run
+      # before the restart, is then found there instead of compiled again.
+      fresh = lambda tree: jax.tree.map(lambda leaf: jnp.asarray(np.asarray(leaf)), tree)
       self.out.say(self.primary, f"jdist train --shrink: resumed from step {resume_step} of "
                    f"{self.checkpoints.directory}")
-      return Snapshot(resume_step, saved["params"], saved["model_state"], saved["opt_state"],
-                      np.asarray(saved["tally"]))
+      return Snapshot(resume_step, fresh(saved["params"]), fresh(saved["model_state"]),
+                      fresh(saved["opt_state"]), np.asarray(saved["tally"]))
     params, state = self.program.init(self.config.seed)
     flat, unravel = ravel_pytree((params, state))
     params, state = unravel(jnp.asarray(self.comm.bcast(np.array(flat))))
@@ -439,6 +443,14 @@ class ShrinkRun:
               f"{self.comm.size} replicas, {event['resumed_at'] - event['detected_at']:.2f} s "
               f"after the loss was detected")
 
+  def first_step_after_restart(self, now: Snapshot, resume_step: int) -> None:
+    """Logs the first step a restarted job completed (what a restart cost ends with)."""
+    event = {"event": "restart", "resumed_from": resume_step, "step": now.step,
+             "replicas": self.comm.size, "first_step_at": time.time()}
+    self.out.record(self.primary, event)
+    self.out.say(self.primary, f"jdist train --shrink: first step after the restart done "
+                 f"(step {now.step}, {self.comm.size} replicas)")
+
   def run(self, joined: Snapshot | None = None, resume_step: int | None = None) -> dict:
     """Trains every epoch, shrinking past lost processes; returns the summary record.
 
@@ -456,6 +468,7 @@ class ShrinkRun:
     began = epoch_began = time.time()
     now = confirmed = joined or self.start(resume_step)
     pending, due, final = None, False, None  # growth happens only where no evaluation is due
+    restarted = joined is None and resume_step is not None
     while final is None:
       try:
         if not due and now.step < self.total_steps and self.can_grow(now.step):
@@ -466,6 +479,9 @@ class ShrinkRun:
                                 f"{self.growth.min_np}, and none can be started")
         if not due and now.step < self.total_steps:
           now = self.train_step(now)
+          if restarted:
+            self.first_step_after_restart(now, resume_step)
+            restarted = False
           confirmed = now if self.confirms(now.step) else confirmed
           due = now.step % self.steps_per_epoch == 0
           if confirmed is now and not due:

@@ -49,9 +49,10 @@ class ShrinkRun:
   epochs: list | None = None  # per epoch: [train loss, test accuracy, replicas]
   resumed_s: list | None = None  # a chain's faults: each fault -> its next completed step
   # With --max-restarts (`restart=True`): the last fault -> the restarted run's
-  # "resumed from step S" line, and -> its first epoch line after it.
+  # "resumed from step S" line, -> its first completed step, -> its first epoch line.
   restarts: int | None = None
   fault_to_restarted_s: float | None = None
+  fault_to_first_step_s: float | None = None
   fault_to_next_epoch_s: float | None = None
 
 
@@ -108,6 +109,8 @@ def _restart_times(run: ShrinkRun, stamped: list[tuple[float, str]], times: list
   resumed = [at for at, line in after if "resumed from step" in line]
   if resumed:
     run.fault_to_restarted_s = resumed[0] - times[-1]
+    stepped = [at for at, line in after if "first step after the restart done" in line]
+    run.fault_to_first_step_s = stepped[0] - times[-1] if stepped else None
     epochs = [at for at, line in after if at > resumed[0] and line.startswith("epoch ")]
     run.fault_to_next_epoch_s = epochs[0] - times[-1] if epochs else None
 

@@ -205,11 +205,13 @@ def _shrink_restart_rows(rows: list[dict]) -> list[str]:
   for row in rows:
     accuracy, losses, kept = _result_cells(row)
     cells.append([row["fault"], str(row["code"]), str(row["lost_ranks"] or "-"),
-                  str(row["restarts"]), f"**{_seconds(row['fault_to_restarted_s'])}**",
+                  str(row["restarts"]), _seconds(row["fault_to_restarted_s"]),
+                  f"**{_seconds(row.get('fault_to_first_step_s'))}**",
                   _seconds(row["fault_to_next_epoch_s"]), kept, accuracy, losses,
                   f"{row['load']:.1f}"])
   return _table(["faults", "exit", "shrunk past (lost ranks)", "restarts",
-                 'last fault -> "resumed from step"', "last fault -> next epoch done",
+                 'last fault -> "resumed from step"', "last fault -> first step after it",
+                 "last fault -> next epoch done",
                  "steps, replicas at the end", "final test accuracy", "train loss per epoch",
                  "load"], cells)
 
