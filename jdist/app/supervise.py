@@ -24,10 +24,10 @@ from typing import IO, Callable, Sequence
 from jdist.runtime import abort
 
 # A silent PRRTE daemon is declared lost after 1 s idle + 3 unanswered probes
-# 1 s apart. On the rig PRRTE saw a link down 4.8 s after the fault with 2 s +
-# 3 x 1 s and 2.2 s with 1 s + 2 x 1 s, against about 11 s at 5 s + 3 x 2 s.
-# The kernel answers probes, so a busy node still answers; three lost in a
-# row is what a dead link looks like (two could be a congested moment).
+# 1 s apart: on the rig a link down ended the job 3.9-4.6 s after the fault
+# (5 runs), against 7.7-11.9 s at 5 s + 3 x 2 s. The kernel answers probes,
+# so a busy node still answers; three lost in a row is what a dead link looks
+# like (two could be a congested moment).
 KEEPALIVE_DEFAULTS = {"PRTE_MCA_oob_tcp_keepalive_time": "1",
                       "PRTE_MCA_oob_tcp_keepalive_intvl": "1",
                       "PRTE_MCA_oob_tcp_keepalive_probes": "3"}
