@@ -148,6 +148,37 @@ def test_a_timeline_records_the_window_of_a_functions_steps(tmp_path):
     assert len(part["exchanges"]) == 2
 
 
+def test_a_stopped_timeline_leaves_the_engines_rows_to_the_next(tmp_path, monkeypatch):
+  """The engine's rows are the process's: a closed timeline's poller, or a late
+  step report from the watchdog, must not take the next timeline's (CI lost
+  one exchange of four this way, under load)."""
+  jdist.init()
+  rows = []  # the engine's trace, as native.take_trace hands it out
+
+  def take_trace(max_rows=1 << 16):
+    taken, rows[:] = rows[:max_rows], rows[max_rows:]
+    return taken
+
+  monkeypatch.setattr(timeline_recorder.native, "take_trace", take_trace)
+  monkeypatch.setattr(timeline_recorder.native, "enable_trace", lambda on: False)
+  monkeypatch.setattr(timeline_recorder.jit_steps, "any_traced", lambda: True)
+  path = str(host.allgather_object(str(tmp_path / "t.json"))[0])
+  first = jdist.timeline(path)
+  first.close()
+  poller = first._poller  # pylint: disable=protected-access
+  assert poller is not None and not poller.is_alive()
+  second = timeline_recorder.Timeline(path).start()
+  try:
+    second.step_dispatched(1, "step", 0, 1)
+    rows.append((0, 7, 0, 64, 10, 20, 30, 40))  # the next timeline's exchange ends
+    first.step_done(1, 0, 50)  # a late report to the stopped one
+    second.step_done(1, 0, 50)
+    exchanges = [r for r in second.records if r[0] == "x"]
+    assert [(x[1], x[2]) for x in exchanges] == [(0, 7)]
+  finally:
+    second.stop()
+
+
 def test_every_rank_and_exchange_of_a_real_step_is_in_the_file(tmp_path):
   jdist.init()
   path = str(host.allgather_object(str(tmp_path / "real.json"))[0])

@@ -107,6 +107,7 @@ class Timeline:
     self._jit_rows_at = 0.0  # when the poller last saw an exchange
     self._steps_recorded = 0
     self._poller: threading.Thread | None = None
+    self._stopped = threading.Event()
     self.rank = job_lib.current().process_index
     self._counters = timeline_counters.Dispatcher(
         max(1, job_lib.current().process_count))
@@ -200,8 +201,7 @@ class Timeline:
 
   def _poll_jit_steps(self) -> None:
     """The poller thread: assembles jit steps from their exchanges while recording."""
-    while self._recording:
-      time.sleep(_JIT_POLL_S)
+    while not self._stopped.wait(_JIT_POLL_S):
       if jit_steps.any_traced():
         self._take_exchanges(loose=False)
 
@@ -285,8 +285,14 @@ class Timeline:
     self.records.append(record)
 
   def _take_exchanges(self, loose: bool = True) -> list[tuple]:
-    """Exchanges finished since the last call that no jit step ran (`loose`: returned, else kept)."""
+    """Exchanges finished since the last call that no jit step ran (`loose`: returned, else kept).
+
+    Nothing once stopped: the engine's rows are the process's, and the poller
+    or a late step monitor call would take the next timeline's.
+    """
     with self._fetch_lock:
+      if self._stopped.is_set():
+        return []
       fresh = self._fetch_exchanges()
       if fresh:
         self._jit_rows_at = time.monotonic()
@@ -327,6 +333,13 @@ class Timeline:
     if not self._recording:
       return
     self._recording = False
+    self._stopped.set()
+    # A take under way ends before the next timeline can start. Bounded: a
+    # signal's handler may run on a thread that holds the lock.
+    if self._fetch_lock.acquire(timeout=1.0):
+      self._fetch_lock.release()
+    if self._poller is not None and self._poller is not threading.current_thread():
+      self._poller.join(timeout=1.0)
     flight_recorder.remove_listener(self)
     native.enable_trace(self._native_was_on)
 
