@@ -133,3 +133,37 @@ def test_an_unreachable_coordinator_is_a_clear_error_not_a_hang_subprocess():
   assert errors.CoordinatorError.__name__ in done.stderr, done.stderr[-3000:]
   assert "could not connect to JAX's coordinator at 127.0.0.1:23456" in done.stderr
   assert "JDIST_JAX_DISTRIBUTED=0" in done.stderr
+
+
+_COMPILE_TWO_PROGRAMS = """
+import jax, jax.numpy as jnp, jdist, numpy as np
+jdist.init()
+def own_program(x):  # this process's devices only, as jdist's steps
+  return x * 3.0 + 1.0
+def spanning_program(x):  # over every process's devices
+  return x * 5.0
+jax.block_until_ready(jax.jit(own_program)(jnp.ones(3)))
+everyone = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+batch = jax.make_array_from_process_local_data(
+    jax.sharding.NamedSharding(everyone, jax.sharding.PartitionSpec("x")),
+    np.ones((jax.local_device_count(), 3), np.float32))
+jax.block_until_ready(jax.jit(spanning_program)(batch))
+"""
+
+
+def test_every_rank_writes_its_own_programs_to_jaxs_cache_subprocess(tmp_path):
+  """JAX writes its persistent cache from process 0 only; a program over one
+  process's devices is that process's alone, so each rank writes its own
+  (a restarted job's ranks then find theirs), and one spanning every
+  process (XLA's CPU client runs those only with cross-process collectives:
+  Gloo here, the user's choice) is still written once."""
+  cache = tmp_path / "cache"
+  env = launch.clean_env(2, JAX_COMPILATION_CACHE_DIR=str(cache),
+                         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                         JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+  done = launch.mpirun([sys.executable, "-c", _COMPILE_TWO_PROGRAMS], devices=2, timeout=120,
+                       env=env)
+  assert done.returncode == 0, done.stderr[-3000:]
+  entries = os.listdir(cache)
+  assert len([e for e in entries if e.startswith("jit_own_program-")]) == 2, entries
+  assert len([e for e in entries if e.startswith("jit_spanning_program-")]) == 1, entries

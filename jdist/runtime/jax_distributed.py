@@ -248,6 +248,7 @@ def start(world, *, xla_collectives: bool = False) -> None:
         f"jdist.init(jax_distributed=False) or {ENV}=0 in the environment.")
   if not xla_collectives:
     keep_cpu_collectives_local(world)
+  jax_internals.cache_programs_on_every_process()
   candidates = coordinator_candidates(world)
   timeout = _timeout()
   try:

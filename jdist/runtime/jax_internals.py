@@ -10,12 +10,20 @@ And the jit step being traced (`jit_trace`): jdist's reductions in a
 `jax.jit` step over global arrays note which step their exchanges belong to,
 so `jdist.timeline` can record that step (`jdist.runtime.jit_steps`).
 
+And JAX's persistent compilation cache, which under JAX's distributed runtime
+only process 0 writes (`cache_programs_on_every_process`): jdist's steps are
+each process's own programs, which every other rank compiled again in each
+job, a restarted one included.
+
 (The callback route's exchange chain once read the current trace from here;
 it now keys on the public `jax.extend.core.get_opaque_trace_state()`, and
 the collective layer imports nothing private.)
 """
 
 from __future__ import annotations
+
+import threading
+import warnings
 
 TESTED_JAX = ">=0.10.2,<0.11"
 
@@ -56,3 +64,64 @@ def jit_trace() -> tuple[object | None, str | None, bool]:
     return None, None, False
   info = getattr(getattr(found[-1], "frame", None), "debug_info", None)
   return found[-1], getattr(info, "func_name", None) or "jit step", len(found) > 1
+
+
+# Which programs the compilation under way on this thread spans (see below).
+_compiling = threading.local()
+
+
+def cache_programs_on_every_process() -> bool:
+  """Lets each process write its own programs to JAX's persistent cache.
+
+  Under JAX's distributed runtime only process 0 writes cache entries (JAX
+  assumes programs that span processes, compiled alike everywhere, and a
+  shared cache directory: jax #18819). jdist compiles each process's step
+  over its own devices, so every other rank's programs were never written,
+  and a restarted job (or the next job on that rank) compiled them again:
+  a second `jdist train` of 2 processes on one cache took 10.1 / 10.2 s
+  before, 6.5 / 7.6 s with this (rank 1's 24 programs read, not compiled).
+  Programs that span several processes keep JAX's rule.
+
+  Returns:
+    False where this JAX keeps its cache elsewhere (nothing changed).
+  """
+  try:
+    from jax._src import compilation_cache  # pylint: disable=g-import-not-at-top
+    from jax._src import compiler  # pylint: disable=g-import-not-at-top
+    from jax._src import config  # pylint: disable=g-import-not-at-top
+    from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return False
+  compile_cached, cache_write = (getattr(compiler, "compile_or_get_cached", None),
+                                 getattr(compiler, "_cache_write", None))
+  if compile_cached is None or cache_write is None:
+    return False
+  if getattr(cache_write, "jdist", False):
+    return True
+
+  def compile_or_get_cached(backend, computation, devices, *args, **kwargs):
+    spans = {getattr(d, "process_index", 0) for d in getattr(devices, "flat", devices)}
+    _compiling.own = len(spans) == 1
+    try:
+      return compile_cached(backend, computation, devices, *args, **kwargs)
+    finally:
+      _compiling.own = False
+
+  def _cache_write(cache_key, compile_time_secs, module_name, backend, executable,
+                   host_callbacks):
+    if (distributed.global_state.process_id == 0 or not getattr(_compiling, "own", False)
+        or host_callbacks
+        or compile_time_secs < config.persistent_cache_min_compile_time_secs.value):
+      return cache_write(cache_key, compile_time_secs, module_name, backend, executable,
+                         host_callbacks)
+    try:
+      compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
+                                                int(compile_time_secs))
+    except Exception as err:  # pylint: disable=broad-except
+      warnings.warn(f"jdist: could not write {module_name!r} to JAX's compilation cache: "
+                    f"{type(err).__name__}: {err}")
+    return None
+
+  _cache_write.jdist = True
+  compiler.compile_or_get_cached, compiler._cache_write = compile_or_get_cached, _cache_write  # pylint: disable=protected-access
+  return True
