@@ -85,10 +85,10 @@ def _launch_shrink_job(log, processes, job, train_flags, launch_flags=(), **env)
   return [json.loads(line) for line in log.read_text().splitlines()], output
 
 
-def _run_shrink_job(tmp_path, *launch_flags):
+def _run_shrink_job(tmp_path, *launch_flags, **env):
   """`jdist launch --shrink -np 3` of the digits job where rank 2 dies before step 12."""
   records, output = _launch_shrink_job(tmp_path / "run.jsonl", 3, ["2", "12"], ["--epochs", "2"],
-                                       launch_flags)
+                                       launch_flags, **env)
   shrinks = [r for r in records if r["event"] == "shrink"]
   assert len(shrinks) == 1, output
   event = shrinks[0]
@@ -111,14 +111,19 @@ def test_fault_rank_killed_survivors_shrink_and_finish(tmp_path):
 
 
 def test_fault_rank_killed_job_grows_back_with_the_state_from_memory(tmp_path):
-  records, output = _run_shrink_job(tmp_path, "--max-np", "3")
+  # Steps on 2 replicas take 0.5 s: the run cannot end before the started
+  # process (imports, data, compiling) is ready, however slow the machine.
+  records, output = _run_shrink_job(tmp_path, "--max-np", "3",
+                                    JDIST_TEST_SLOW_UNTIL_REPLICAS="3")
   grows = [r for r in records if r["event"] == "grow"]
   # rank 3: started in rank 2's place
   assert len(grows) == 1 and grows[0]["new_ranks"] == [3] and grows[0]["replicas"] == 3, output
-  assert grows[0]["step"] == AGREED, grows  # the survivors' last agreed step
+  # The survivors trained on while it started, and took it in once it was ready.
+  assert f"shrink: resumed at step {AGREED + 1} on 2 replicas" in output, output
+  assert grows[0]["step"] > AGREED + 1, grows
+  assert grows[0]["started_at"] < grows[0]["ready_at"] <= grows[0]["joined_at"], grows
   assert grows[0]["digests_equal"], grows  # the new process holds the survivors' state
   assert records[-1]["replicas"] == 3 and records[-1]["grows"] == 1
-  assert f"shrink: resumed at step {AGREED + 1} on 3 replicas" in output, output
   # Every epoch is logged once, by whichever process is rank 0.
   assert [r["epoch"] for r in records if r["event"] == "epoch"] == [1, 2]
 
@@ -156,30 +161,23 @@ def test_launch_shrink_adds_ulfm_and_tcp():
   assert launch_shrink.SHRINK_ENV["JDIST_JAX_DISTRIBUTED"] == "0"
 
 
-def test_fault_a_process_that_dies_while_joining_ends_the_wait_and_a_restart_resumes(tmp_path):
+def test_fault_a_process_that_dies_while_starting_costs_the_survivors_no_step(tmp_path):
   # Rank 2 dies at step 12; the survivors start a process in its place, which
-  # dies before it joins: MPI never reports it, and they would wait in the
-  # merge forever. Past --timeout they leave; the job ends and the launcher
-  # starts it again from the checkpoint of step 10 (epoch 1's end).
+  # dies before it says it is ready (MPI never reports it). The survivors
+  # train on without it, to the end; nothing waits for it (it once kept them
+  # in the merge until --timeout, and the job was restarted).
   hostfile = tmp_path / "hosts"
   hostfile.write_text("localhost slots=3\n")
-  flags = ["--epochs", "2", "--train-limit", "480", "--test-limit", "120", "--timeout", "25",
-           "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "8", "--resume"]
+  flags = ["--epochs", "2", "--train-limit", "480", "--test-limit", "120", "--timeout", "25"]
   records, output = _launch_shrink_job(
       tmp_path / "run.jsonl", 3, ["2", "12"], flags,
-      ["--max-np", "3", "--max-restarts", "1", "--hostfile", str(hostfile), "--cooldown", "0"],
-      JDIST_TEST_JOINER_DIES="1")
+      ["--max-np", "3", "--hostfile", str(hostfile)], JDIST_TEST_JOINER_DIES="1")
   assert "a started process dies before joining" in output, output[-4000:]
-  assert re.search(r"rank [01]: waited over 25 s in Merge for the other processes", output), (
-      output[-4000:])
-  assert "jdist launch: restart 1: the job failed without losing a host" in output, output[-4000:]
-  assert "jdist train --shrink: resumed from step 10 of" in output, output[-4000:]
-  restarts = [r for r in records if r.get("event") == "restart"]
-  assert [(r["resumed_from"], r["step"], r["replicas"]) for r in restarts] == [(10, 11, 3)], records
+  assert "waited over" not in output and "restart" not in output, output[-4000:]
   summary = records[-1]  # 480 examples, global batch 48: 10 steps an epoch
-  assert summary["event"] == "summary" and summary["steps"] == 20 and summary["replicas"] == 3
-  digests = re.findall(r"jdist-job: rank (\d) digest (\w+)", output)
-  assert len({digest for _, digest in digests}) == 1 and len(digests) >= 1, output[-4000:]
+  assert summary["event"] == "summary" and summary["steps"] == 20, records
+  assert summary["replicas"] == 2 and summary["grows"] == 0 and summary["shrinks"] == 1
+  assert summary["digests_equal"], summary
 
 
 def test_the_stall_guard_speaks_up_only_for_a_wait_past_its_deadline():
@@ -384,9 +382,21 @@ class _NoGrowthComm(_OneComm):
     super().__init__(fail_at=())
     self.grow_tries = []
 
-  def grow(self, count, command, hosts=()):
+  def start_growth(self, count, command, hosts=()):
     self.grow_tries.append(count)
     raise shrinkable.GrowFailed("no free slot")
+
+
+class _NeverReadyComm(_NoGrowthComm):
+  """A one-process job under `--max-np 2` whose started process never gets ready."""
+
+  def start_growth(self, count, command, hosts=()):
+    self.grow_tries.append(count)
+    return shrinkable.Starting(None, count, time.monotonic())
+
+  def growth_verdict(self, starting, give_up):
+    self.verdicts = getattr(self, "verdicts", 0) + 1
+    return shrinkable.GIVE_UP if give_up else shrinkable.WAIT
 
 
 def _tiny_data():
@@ -403,6 +413,18 @@ def test_a_failed_growth_is_tried_again_at_the_next_epoch_not_every_step(capsys)
   summary = run.run()  # 4 steps an epoch: tries before steps 0, 4 and 8
   assert comm.grow_tries == [1, 1, 1] and summary["steps"] == 12 and summary["replicas"] == 1
   assert "no free slot; going on with 1 replicas (trying again at step 4)" in capsys.readouterr().out
+
+
+def test_started_processes_never_ready_are_given_up_on_while_the_job_trains(capsys):
+  config = TrainConfig(model="cnn", batch_size=16, epochs=3, lr=0.05)
+  comm = _NeverReadyComm()
+  run = train_shrink.ShrinkRun(config, _tiny_data(), comm, growth=train_shrink.Growth(1, 2, ()))
+  run.grow_wait_s = 0.0  # past the wait at the first verdict
+  summary = run.run()  # 4 steps an epoch: started before steps 0, 4 and 8
+  assert comm.grow_tries == [1, 1, 1] and comm.verdicts == 3
+  assert summary["steps"] == 12 and summary["replicas"] == 1 and summary["grows"] == 0
+  assert "were not ready within 0 s; going on with 1 replicas (trying again at step 4)" in (
+      capsys.readouterr().out)
 
 
 def test_an_evaluation_cut_short_is_retaken_and_every_epoch_logged_once(tmp_path):

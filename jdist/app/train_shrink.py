@@ -10,8 +10,10 @@ process restarts, no checkpoint is read.
 
 With `jdist launch --shrink --max-np N`, the job also grows back: at the
 next step boundary after a shrink, the survivors start new processes (on
-the lost ones' hosts, `MPI_Comm_spawn`) up to N, and rank 0 hands them the
-state it holds; no checkpoint is read. With `--min-np M`, a job left with
+the lost ones' hosts, `MPI_Comm_spawn`) up to N and train on while those
+start, load the data and compile the step; at the first step boundary
+after they said they are ready, the survivors take them in and rank 0
+hands them the state it holds; no checkpoint is read. With `--min-np M`, a job left with
 fewer than M processes that cannot grow stops with a message.
 
 What stays the same across a shrink (and a growth):
@@ -103,6 +105,9 @@ class Program(NamedTuple):
   grads: Callable  # (params, state, x, y, weight, global_batch) -> grads, state, loss, correct
   apply: Callable  # (params, opt_state, grads) -> params, opt_state
   evaluate: Callable  # (params, state, x, y, weight) -> loss sum, correct
+
+
+GROW_WAIT_S = 120.0  # how long started processes may take to get ready, without --timeout
 
 
 class Growth(NamedTuple):
@@ -227,21 +232,25 @@ class ShrinkRun:
 
   def __init__(self, config: TrainConfig, data: datasets.Dataset, comm, on_step=None,
                growth: Growth = Growth(), global_batch: int | None = None,
-               checkpoints: shrink_checkpoints.ShrinkCheckpoints | None = None):
+               checkpoints: shrink_checkpoints.ShrinkCheckpoints | None = None,
+               program: Program | None = None):
     self.config, self.data, self.comm, self.growth = config, data, comm, growth
     self.checkpoints = checkpoints
-    self.on_step = on_step or (lambda step, rank: None)  # fault drills (tests)
+    self.on_step = on_step or (lambda step, rank, replicas: None)  # fault drills (tests)
     self.global_batch = global_batch or config.batch_size * comm.size  # the launch's, kept
     self.steps_per_epoch = len(data.train_x) // self.global_batch
     if not self.steps_per_epoch:
       raise ShrinkModeError(f"the training set ({len(data.train_x)} examples) is smaller "
                             f"than one global batch ({self.global_batch})")
     self.total_steps = self.steps_per_epoch * config.epochs
-    self.program = build_program(config, data.num_classes, data.train_x.shape[1:])
+    self.program = program or build_program(config, data.num_classes, data.train_x.shape[1:])
     self.out = Output(config)
     self.shrinks: list[dict] = []
     self.grows: list[dict] = []
     self.grow_after: int | None = None  # after a failed growth: the step to try again at
+    self.starting: tuple[shrinkable.Starting, float] | None = None  # started, and when (wall)
+    deadline = shrinkable.STALLS.deadline_s  # --timeout
+    self.grow_wait_s = 2 * deadline if deadline else GROW_WAIT_S
 
   @property
   def primary(self) -> bool:
@@ -265,7 +274,7 @@ class ShrinkRun:
     return Snapshot(0, params, state, self.program.opt_init(params), np.zeros(3))
 
   def share(self, now: Snapshot | None) -> tuple[Snapshot, bool]:
-    """Rank 0's state on every member, the ones `grow()` started included (they pass None).
+    """Rank 0's state on every member, the ones `start_growth()` started included (they pass None).
 
     Returns:
       The state, and whether every member's parameters are then bit-identical.
@@ -288,8 +297,8 @@ class ShrinkRun:
     return (self.comm.size < self.growth.max_np
             and (self.grow_after is None or step >= self.grow_after))
 
-  def grow(self, now: Snapshot) -> Snapshot:
-    """Starts processes up to `--max-np` and hands them the state (collective).
+  def start_growth(self) -> None:
+    """Starts processes up to `--max-np` on the lost ones' hosts (collective); they prepare.
 
     Raises:
       shrinkable.PeerLost: a member failed meanwhile.
@@ -298,16 +307,47 @@ class ShrinkRun:
     started = time.time()
     lost_hosts = tuple(sorted({self.comm.hosts[rank] for rank in
                                set(self.comm.hosts) - set(self.comm.members)}))
-    grown = self.comm.grow(self.growth.max_np - self.comm.size, list(self.growth.command),
-                           lost_hosts)
+    self.starting = (self.comm.start_growth(self.growth.max_np - self.comm.size,
+                                            list(self.growth.command), lost_hosts), started)
+
+  def growth_ready(self) -> bool:
+    """Whether the started processes are ready to be taken in (collective, the same everywhere).
+
+    Past `grow_wait_s` (twice `--timeout`) they are given up on (one died while starting, where
+    MPI cannot see it) and told to leave; the job tries again at the next
+    epoch.
+
+    Raises:
+      shrinkable.PeerLost: a member failed meanwhile.
+    """
+    starting, _ = self.starting
+    waited = time.monotonic() - starting.began
+    verdict = self.comm.growth_verdict(starting, give_up=waited > self.grow_wait_s)
+    if verdict == shrinkable.GIVE_UP:
+      self.starting = None
+      raise shrinkable.GrowFailed(f"the started process(es) were not ready within "
+                                  f"{self.grow_wait_s:g} s")
+    return verdict == shrinkable.READY
+
+  def take_in(self, now: Snapshot) -> Snapshot:
+    """Takes the ready processes in and hands them the state (collective with them).
+
+    Raises:
+      shrinkable.PeerLost: a member failed meanwhile.
+      shrinkable.GrowFailed: a started process failed in the merge.
+    """
+    (starting, started), self.starting = self.starting, None
+    ready = time.time()
+    grown = self.comm.take_in(starting)
     self.comm.bcast_object(self.global_batch)  # what `joined` reads first
     now, equal = self.share(now)
     event = {"event": "grow", "new_ranks": list(grown.new_ranks), "replicas": grown.size,
-             "started_at": started, "joined_at": time.time(), "step": now.step,
-             "digests_equal": equal}
+             "started_at": started, "ready_at": ready, "joined_at": time.time(),
+             "step": now.step, "digests_equal": equal}
     self._log(self.grows, event, f"jdist train: grow: rank(s) {list(grown.new_ranks)} joined "
               f"at step {now.step}; {grown.size} replicas, {event['joined_at'] - started:.2f} s "
-              f"to start them and hand them the state")
+              f"after they were started ({event['joined_at'] - ready:.2f} s of it the "
+              f"members' to take them in)")
     return now
 
   def _log(self, events: list[dict], event: dict, line: str) -> None:
@@ -353,7 +393,7 @@ class ShrinkRun:
     counts only once a later `confirm()` passed (`confirms`): the caller
     keeps the last confirmed state to go back to.
     """
-    self.on_step(now.step, self.comm.launch_rank)
+    self.on_step(now.step, self.comm.launch_rank, self.comm.size)
     chunks, weights = replica_slice(self.batch_indices(now.step), self.comm.rank,
                                     self.comm.size, self.config.batch_size)
     summed, sums, state = 0.0, np.zeros(2), now.model_state
@@ -458,11 +498,12 @@ class ShrinkRun:
     A loss during an epoch's evaluation (or the final one) is shrunk past
     like one during a step: the survivors evaluate again, so every epoch is
     logged once, and a shrink is logged once they completed their next step
-    or evaluation. After a shrink, the job grows back (`Growth.max_np`) at
-    the next step boundary, before that step.
+    or evaluation. After a shrink, the job starts processes to grow back
+    (`Growth.max_np`) at the next step boundary and takes them in at the
+    first step boundary after they are ready.
 
     Args:
-      joined: in a process that `grow()` started, the state it was handed.
+      joined: in a process that `start_growth()` started, the state it was handed.
       resume_step: the checkpoint to start from (`jdist launch --max-restarts`).
     """
     began = epoch_began = time.time()
@@ -471,8 +512,11 @@ class ShrinkRun:
     restarted = joined is None and resume_step is not None
     while final is None:
       try:
-        if not due and now.step < self.total_steps and self.can_grow(now.step):
-          now = confirmed = self.grow(now)
+        boundary = not due and now.step < self.total_steps  # before a step: growth's place
+        if boundary and self.starting is None and self.can_grow(now.step):
+          self.start_growth()
+        if boundary and self.starting is not None and self.growth_ready():
+          now = confirmed = self.take_in(now)
           continue
         if self.comm.size < self.growth.min_np:
           raise TooFewProcesses(f"{self.comm.size} process(es) left, fewer than --min-np "
@@ -497,6 +541,9 @@ class ShrinkRun:
           pending = None
       except shrinkable.PeerLost:
         now, pending = self.recover(confirmed, pending)
+        if self.starting is not None:  # started beside a member now lost: start others
+          self.comm.dismiss(self.starting[0])
+          self.starting = None
         confirmed = now
         due = due and now.step % self.steps_per_epoch == 0  # else its steps are taken again
       except shrinkable.GrowFailed as err:
@@ -505,6 +552,9 @@ class ShrinkRun:
         self.grow_after = (now.step // self.steps_per_epoch + 1) * self.steps_per_epoch
         self.out.say(self.primary, f"jdist train: grow: {err}; going on with "
                      f"{self.comm.size} replicas (trying again at step {self.grow_after})")
+    if self.starting is not None:  # started too late to take part: sent away
+      self.comm.dismiss(self.starting[0])
+      self.starting = None
     test_loss, test_accuracy = final
     equal = self.digests_equal(now)  # every replica's final parameters, bit for bit
     summary = {"event": "summary", "steps": now.step, "replicas": self.comm.size,
@@ -553,7 +603,8 @@ def train(config: TrainConfig, on_step=None) -> dict:
 
   Args:
     config: the run's settings (see `HONORED`).
-    on_step: called as `on_step(step, launch_rank)` before every step (fault drills).
+    on_step: called as `on_step(step, launch_rank, replicas)` before every step (fault
+      drills).
 
   Raises:
     ShrinkModeError: a setting this mode does not support.
@@ -563,8 +614,12 @@ def train(config: TrainConfig, on_step=None) -> dict:
   growth = Growth.from_environment()
   # A wait past --timeout makes this process leave, as a lost one (StallGuard).
   shrinkable.STALLS.deadline_s = topology.resolve_timeout(config.timeout)
-  joining = shrinkable.spawned()  # started by the survivors' grow(): handed the state
-  comm = shrinkable.ShrinkableComm.joined() if joining else shrinkable.ShrinkableComm()
+  joining = shrinkable.spawned()  # started by the survivors' start_growth(): handed the state
+  data = program = None
+  if joining:
+    comm, data, program = _prepare_and_join(config)
+  else:
+    comm = shrinkable.ShrinkableComm()
   checkpoints = (shrink_checkpoints.ShrinkCheckpoints(config.checkpoint_dir,
                                                       config.checkpoint_every)
                  if config.checkpoint_dir else None)
@@ -573,8 +628,8 @@ def train(config: TrainConfig, on_step=None) -> dict:
   if comm.rank == 0 and not joining:  # for `jdist launch --max-restarts`: which host was lost
     abort.announce_hosts([comm.hosts[rank] for rank in sorted(comm.hosts)])
   try:
-    run = ShrinkRun(config, train_lib.load_data(config), comm, on_step, growth,
-                    global_batch=global_batch, checkpoints=checkpoints)
+    run = ShrinkRun(config, data or train_lib.load_data(config), comm, on_step, growth,
+                    global_batch=global_batch, checkpoints=checkpoints, program=program)
     if run.primary and not joining:
       sys.stdout.write(f"jdist train --shrink: {comm.size} processes, global batch "
                        f"{run.global_batch}, {run.total_steps} steps; lost processes are "
@@ -590,6 +645,38 @@ def train(config: TrainConfig, on_step=None) -> dict:
     # peers that wait for it) and the others shrink past it.
     traceback.print_exc()
     shrinkable.leave(1)
+
+
+def warm_up(program: Program, config: TrainConfig, data: datasets.Dataset) -> None:
+  """Compiles the step's functions at the shapes a run calls them with (`ShrinkRun`)."""
+  params, state = program.init(config.seed)
+  size, evaluated = config.batch_size, config.eval_batch
+  gradient, _, _, _ = program.grads(params, state, data.train_x[:size], data.train_y[:size],
+                                    np.ones(size, np.float32), float(size))
+  flat, unravel = ravel_pytree(gradient)
+  program.apply(params, program.opt_init(params), unravel(jnp.asarray(np.asarray(flat))))
+  jax.block_until_ready(program.evaluate(params, state, data.test_x[:evaluated],
+                                         data.test_y[:evaluated],
+                                         np.ones(evaluated, np.float32)))
+
+
+def _prepare_and_join(config: TrainConfig):
+  """A started process: loads the data and compiles, then joins; leaves if sent away.
+
+  Returns:
+    (the job's communicator, the data, the compiled program).
+  """
+  try:
+    data = train_lib.load_data(config)
+    program = build_program(config, data.num_classes, data.train_x.shape[1:])
+    warm_up(program, config, data)
+    return shrinkable.ShrinkableComm.joined(), data, program
+  except shrinkable.PeerLost as err:  # sent away, or a member failed: not a failure of its own
+    sys.stderr.write(f"jdist train --shrink: a started process leaves: {err}.\n")
+    shrinkable.leave(0)  # MPI_Finalize would wait for the members it is connected to
+  except BaseException:  # pylint: disable=broad-except
+    traceback.print_exc()
+  shrinkable.leave(1)
 
 
 def leave(summary: dict, code: int = 0) -> None:

@@ -6,9 +6,11 @@ that dies does not end the job: an MPI call that involves it returns
 communicator) to the others. `ShrinkableComm` turns that into `PeerLost`;
 `shrink()` then revokes the communicator (every survivor leaves whatever
 call it was in), builds the survivors' communicator (`MPIX_Comm_shrink`)
-and says who was lost. `grow()` starts new processes in their place
-(`MPI_Comm_spawn`, then one communicator with them: `MPI_Intercomm_merge`);
-a process started so joins with `ShrinkableComm.joined()`.
+and says who was lost. `start_growth()` starts new processes in their
+place (`MPI_Comm_spawn`), which get ready while the members go on;
+`growth_verdict()` tells the members, alike, once they are, and `take_in()`
+makes one communicator with them (`MPI_Intercomm_merge`). A process started
+so joins with `ShrinkableComm.joined()`.
 
 Only host buffers cross it (numpy): jdist's native engine and mpi4jax call
 `MPI_Abort` on any MPI error, so a step that ran them would end the job
@@ -38,16 +40,18 @@ STALL_EXIT = 1  # the exit status of a process that gave up waiting (`StallGuard
 class StallGuard:
   """Ends this process when one of its MPI calls waits longer than a deadline.
 
-  ULFM reports a member's death only where MPI learns of it. A process that
-  `grow()` started and that dies before it joins (killed while starting,
-  measured) is never reported: the members then wait in
-  `MPI_Intercomm_merge` forever, and revoking the communicator does not
-  wake them (tried: the merge kept waiting). Past the deadline (`jdist
-  train --timeout`), this process leaves, as a lost one: the others see a
-  death MPI does report and shrink past it, or, if every member waited, the
-  job ends, with this message instead of a hang (and `jdist launch
-  --max-restarts` starts it again from its checkpoints). One thread
-  watches every call; a call pays a clock read.
+  ULFM reports a member's death only where MPI learns of it. A started
+  process that dies before it joins (killed while starting, measured) is
+  never reported: members waiting in `MPI_Intercomm_merge` for it wait
+  forever, and revoking the communicator does not wake them (tried). The
+  members now merge only with processes that said they are ready
+  (`growth_verdict`), but a wait MPI cannot end remains possible (a death
+  between that word and the merge, `MPI_Init`, a started process's own
+  waits). Past the deadline (`jdist train --timeout`), this process leaves,
+  as a lost one: the others see a death MPI does report and shrink past it,
+  or, if every member waited, the job ends, with this message instead of a
+  hang (and `jdist launch --max-restarts` starts it again from its
+  checkpoints). One thread watches every call; a call pays a clock read.
 
   Args:
     deadline_s: the longest wait; None: never give up.
@@ -121,7 +125,7 @@ class Shrunk(NamedTuple):
 
 
 class Grown(NamedTuple):
-  """What one `ShrinkableComm.grow()` changed.
+  """What one `ShrinkableComm.take_in()` changed.
 
   Attributes:
     new_ranks: the launch ranks given to the started processes (never reused).
@@ -129,6 +133,84 @@ class Grown(NamedTuple):
   """
   new_ranks: tuple[int, ...]
   size: int
+
+
+class Starting(NamedTuple):
+  """Processes `start_growth()` started, not yet taken in.
+
+  Attributes:
+    inter: the intercommunicator to them (MPI_Comm_spawn's).
+    count: how many.
+    began: when they were started (time.monotonic()).
+  """
+  inter: object
+  count: int
+  began: float
+
+
+# What `growth_verdict()` says, and the words between members and started processes.
+READY, WAIT, GIVE_UP = "ready", "wait", "give up"
+_READY, _WAIT = 1, 2  # rank 0's flags in the agreement
+_READY_TAG, _GO_TAG = 7101, 7102
+_JOIN, _LEAVE = "join", "leave"
+_POLL_S = 0.005  # a started process's wait for the members' word: no busy MPI wait
+_ANY = -1  # MPI_ANY_SOURCE
+_TELL_S = 2.0  # the members' longest wait for a word to leave (`_tell`)
+
+
+# A started Python process runs this first: MPI_Init (which the members'
+# MPI_Comm_spawn waits for) before the program's own imports (JAX: seconds),
+# so the members wait for an interpreter's start, not the program's. Within
+# the deadline (argv[1]; as `spawned()`: one killed while starting would
+# leave the others in MPI_Init), then the program as `python ARGS` runs it.
+_MPI_FIRST = """
+import faulthandler, os, runpy, sys
+deadline, args = float(sys.argv[1]), sys.argv[2:]
+if deadline > 0:
+  faulthandler.dump_traceback_later(deadline, exit=True)
+from mpi4py import MPI
+faulthandler.cancel_dump_traceback_later()
+sys.orig_argv = [sys.executable, *args]  # what the program reads to start others in turn
+if args[0] == "-m":
+  sys.argv = args[1:]
+  runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+else:
+  sys.argv, sys.path[0] = args, os.path.dirname(os.path.abspath(args[0]))
+  runpy.run_path(args[0], run_name="__main__")
+"""
+
+
+def _starting_mpi_first(command: list[str]) -> tuple[str, list[str]]:
+  """`command` (program, args) as MPI_Comm_spawn runs it: a Python program starts MPI first."""
+  if command[0] != sys.executable or not command[1:] or (
+      command[1].startswith("-") and command[1] != "-m"):
+    return command[0], list(command[1:])  # not a plain `python script|-m module ...`
+  return sys.executable, ["-c", _MPI_FIRST, f"{STALLS.deadline_s or 0:g}", *command[1:]]
+
+
+def _tell(mpi, starting: "Starting", word: str) -> None:
+  """Sends `word` to every started process, waiting at most `_TELL_S` for the sends.
+
+  A blocking send to one that died before it was wired up waited for good
+  (measured); an unanswered one is left behind (the process leaves at exit).
+  """
+  requests = []
+  for child in range(starting.count):
+    with contextlib.suppress(mpi.Exception):
+      requests.append(starting.inter.isend(word, dest=child, tag=_GO_TAG))
+  deadline = time.monotonic() + _TELL_S
+  while requests and time.monotonic() < deadline:
+    with contextlib.suppress(mpi.Exception):
+      requests = [r for r in requests if not r.Test()]
+    time.sleep(_POLL_S)
+
+
+def _wait_for_word(parent) -> str:
+  """A started process's wait for the members' word (polled, within `STALLS`'s deadline)."""
+  with STALLS.waiting("the members' word (joining)"):
+    while not parent.Iprobe(source=_ANY, tag=_GO_TAG):
+      time.sleep(_POLL_S)
+    return parent.recv(source=_ANY, tag=_GO_TAG)
 
 
 class GrowFailed(errors.JdistError):
@@ -156,14 +238,33 @@ class ShrinkableComm:
 
   @classmethod
   def joined(cls) -> "ShrinkableComm":
-    """The job's communicator in a process that `grow()` started (collective with it).
+    """The job's communicator in a process that `start_growth()` started, once prepared.
+
+    Says it is ready (once every process started with it is), then waits
+    for the members' word: join (the merge) or leave (they gave up on it,
+    or lost a member meanwhile and start others).
 
     Raises:
-      PeerLost: a member failed meanwhile (this process then leaves; the others shrink).
+      PeerLost: a member failed meanwhile, or the members sent it away (this
+        process then leaves; the others go on).
     """
     from mpi4py import MPI  # pylint: disable=import-outside-toplevel
+    parent = MPI.Comm.Get_parent()
+    parent.Set_errhandler(MPI.ERRORS_RETURN)
+    try:
+      with STALLS.waiting("Barrier (the started processes)"):
+        MPI.COMM_WORLD.Barrier()
+      if MPI.COMM_WORLD.Get_rank() == 0:
+        with STALLS.waiting("telling the members it is ready"):
+          parent.send(None, dest=0, tag=_READY_TAG)
+      word = _wait_for_word(parent)
+    except MPI.Exception as err:
+      raise PeerLost(f"a started process: {err}") from err
+    if word != _JOIN:
+      raise PeerLost("the members did not take this started process in (they gave up on "
+                     "it, or lost a member meanwhile)")
     with STALLS.waiting("Merge (joining)"):
-      merged = MPI.Comm.Get_parent().Merge(high=True)
+      merged = parent.Merge(high=True)
     merged.Set_errhandler(MPI.ERRORS_RETURN)
     members, hosts = _agreed(MPI, merged, merged.bcast, None, root=0)
     joined = cls(merged, members[merged.Get_rank()], members)
@@ -252,11 +353,16 @@ class ShrinkableComm:
                    f"{_MAX_SHRINK_TRIES} tries (members kept failing)")
 
 
-  def grow(self, count: int, command: list[str], hosts: tuple[str, ...] = ()) -> Grown:
-    """Starts `count` processes running `command` and takes them in (collective).
+  def start_growth(self, count: int, command: list[str],
+                   hosts: tuple[str, ...] = ()) -> "Starting":
+    """Starts `count` processes running `command`; they prepare while the members go on.
 
-    The new processes call `ShrinkableComm.joined()`; they come last in rank
-    order, with launch ranks above every one the job had.
+    Collective over the members. The new processes get ready on their own
+    (imports, data, compilation) and call `ShrinkableComm.joined()`; the
+    members ask `growth_verdict()` at their step boundaries and take them in
+    with `take_in()` once they are ready, so their start costs the members
+    no step. The new processes come last in rank order, with launch ranks
+    above every one the job had.
 
     Args:
       count: how many processes to start.
@@ -270,25 +376,71 @@ class ShrinkableComm:
     info = self._mpi.Info.Create()
     if hosts:
       info.Set("host", ",".join(hosts))
+    program, args = _starting_mpi_first(command)
     try:
       with STALLS.waiting("Spawn"):
-        inter = self._comm.Spawn(command[0], args=command[1:], maxprocs=count, root=0,
-                                 info=info)
+        inter = self._comm.Spawn(program, args=args, maxprocs=count, root=0, info=info)
     except self._mpi.Exception as err:
       self.confirm()  # PeerLost if a member died; else the start itself failed
       raise GrowFailed(f"rank {self.launch_rank}: could not start {count} process(es): "
                        f"{err}") from err
     finally:
       info.Free()
+    inter.Set_errhandler(self._mpi.ERRORS_RETURN)  # a started process may die: not fatal here
+    return Starting(inter, count, time.monotonic())
+
+  def growth_verdict(self, starting: "Starting", give_up: bool) -> str:
+    """READY, WAIT or GIVE_UP for `starting`, the same at every member (collective).
+
+    Rank 0 reads whether the started processes said they are ready; the
+    agreement (`MPIX_Comm_agree`, a bitwise AND of every member's flags)
+    hands its verdict to all, and fails everywhere alike if a member failed,
+    which also confirms every collective before it. `give_up` (rank 0's):
+    they took too long; they are told to leave.
+
+    Raises:
+      PeerLost: a member failed (at every member alike).
+    """
+    flags = _READY | _WAIT
+    if self.rank == 0:
+      try:
+        ready = starting.inter.Iprobe(source=0, tag=_READY_TAG)
+        if ready:
+          starting.inter.recv(source=0, tag=_READY_TAG)
+      except self._mpi.Exception:
+        ready = False  # a started process died: never ready
+      flags = _READY if ready else (0 if give_up else _WAIT)
+    verdict = self._call(self._comm.Agree, flags)
+    if verdict & _READY:
+      return READY
+    if not verdict & _WAIT:
+      self.dismiss(starting)
+      return GIVE_UP
+    return WAIT
+
+  def dismiss(self, starting: "Starting") -> None:
+    """Tells the started processes to leave (from rank 0; a dead one is skipped)."""
+    if self.rank == 0:
+      _tell(self._mpi, starting, _LEAVE)
+
+  def take_in(self, starting: "Starting") -> Grown:
+    """Merges the ready processes of `starting` into the job (collective with them).
+
+    Raises:
+      PeerLost: a member failed meanwhile.
+      GrowFailed: a started process failed in the merge; the communicator is as it was.
+    """
+    if self.rank == 0:
+      _tell(self._mpi, starting, _JOIN)
     try:
-      merged = self._call(inter.Merge, high=False)
+      merged = self._call(starting.inter.Merge, high=False)
     except PeerLost as err:  # MPI reported a failure in the merge
       self.confirm()  # PeerLost if a member died; else the new processes did
       raise GrowFailed(f"rank {self.launch_rank}: the started process(es) did not join: "
                        f"{err}") from err
     merged.Set_errhandler(self._mpi.ERRORS_RETURN)
     first = max(self.hosts) + 1
-    new_ranks = tuple(range(first, first + count))
+    new_ranks = tuple(range(first, first + starting.count))
     _agreed(self._mpi, merged, merged.bcast, (self.members + new_ranks, self.hosts), root=0)
     grown = ShrinkableComm(merged, self.launch_rank, self.members + new_ranks)
     self._comm, self.members = grown._comm, grown.members  # pylint: disable=protected-access
@@ -330,7 +482,7 @@ def _agreed(mpi, comm, collective, *args, **kwargs):
 
 
 def spawned() -> bool:
-  """Whether this process was started by `ShrinkableComm.grow()` (it must call `joined()`).
+  """Whether this process was started by `ShrinkableComm.start_growth()` (it must call `joined()`).
 
   The first call starts MPI (`MPI_Init`, which waits for every process of
   the launch: one killed while starting left the others there for good, in

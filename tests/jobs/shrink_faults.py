@@ -9,7 +9,8 @@ gradient or in the allreduce). It prints
 prints "jdist-job: rank R digest D" at the end (replicas must agree), R its
 launch rank (processes started to grow the job back have ranks above -np's).
 Faults happen in the launch's first run only (not after a `--max-restarts`
-restart).
+restart). With JDIST_TEST_SLOW_UNTIL_REPLICAS=N, steps on fewer than N
+replicas wait 0.5 s each.
 """
 
 import os
@@ -21,6 +22,10 @@ import time
 # Set: a process that the survivors start to grow back dies before it joins
 # them, as one killed while starting would.
 JOINER_DIES_ENV = "JDIST_TEST_JOINER_DIES"
+# Set to N: while fewer than N replicas train, each step waits 0.5 s first, so
+# that the run cannot end before a started process is ready, however slowly
+# the machine starts it.
+SLOW_UNTIL_ENV = "JDIST_TEST_SLOW_UNTIL_REPLICAS"
 
 
 def main(argv):
@@ -34,7 +39,11 @@ def main(argv):
 
   first_run = os.environ.get("JDIST_RESTART", "0") == "0"  # jdist launch --max-restarts
 
-  def on_step(step, rank):
+  slow_until = int(os.environ.get(SLOW_UNTIL_ENV, "0"))
+
+  def on_step(step, rank, replicas):
+    if replicas < slow_until:
+      time.sleep(0.5)
     if rank == victim and step == at_step and first_run:
       print(f"jdist-job: rank {rank} dies at {time.time():.3f}", file=sys.stderr, flush=True)
       if delay is None:

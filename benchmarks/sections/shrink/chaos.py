@@ -41,6 +41,7 @@ class ChaosRun:
   digests_equal: bool | None = None  # after every shrink and growth
   resumed_s: list | None = None  # each shrink: detected -> next completed step
   grow_s: list | None = None  # each growth: start -> state handed over
+  take_in_s: list | None = None  # each growth: ready -> state handed over (the members' stall)
   steps: int | None = None
   replicas: int | None = None
   test_accuracy: float | None = None
@@ -132,6 +133,7 @@ def _outcome(run: ChaosRun, records: list[dict]) -> ChaosRun:
   run.digests_equal = all(r["digests_equal"] for r in shrinks + grows)
   run.resumed_s = [round(r["resumed_at"] - r["detected_at"], 3) for r in shrinks]
   run.grow_s = [round(r["joined_at"] - r["started_at"], 3) for r in grows]
+  run.take_in_s = [round(r["joined_at"] - r.get("ready_at", r["started_at"]), 3) for r in grows]
   summaries = [r for r in records if r.get("event") == "summary"]
   if summaries:
     last = summaries[-1]

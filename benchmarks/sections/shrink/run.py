@@ -237,8 +237,9 @@ def _cost_rows(found: dict[str, list[dict]]) -> list[str]:
 
 def _chaos_rows(rows: list[dict]) -> list[str]:
   lines = ["| kills | exit | hung | shrinks | grows | restarts | replicas bit-identical after each | "
-           "median detected -> next step | median growth | steps, replicas at the end | final "
-           "test accuracy | wall | goodput | cost per kill | load |",
+           "median detected -> next step | median growth: started -> joined (the members' "
+           "part) | steps, replicas at the end | final test accuracy | wall | goodput | cost "
+           "per kill | load |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   calm = rows[0]["wall_s"] if rows and rows[0]["kills"] == 0 else None
   for row in rows:
@@ -252,7 +253,8 @@ def _chaos_rows(rows: list[dict]) -> list[str]:
     lines.append(f"| {row['kills']} | {row['code']} | {row['hung']} | {row['shrinks']} | "
                  f"{row['grows']} | {row.get('restarts', 0)} | {row['digests_equal']} | "
                  f"{median(row['resumed_s'])} | "
-                 f"{median(row['grow_s'])} | {row['steps']}, {row['replicas']} | {accuracy} | "
+                 f"{median(row['grow_s'])} ({median(row.get('take_in_s'))}) | "
+                 f"{row['steps']}, {row['replicas']} | {accuracy} | "
                  f"{_seconds(row['wall_s'])} | {goodput} | {cost_per} | {row['load']:.1f} |")
   return lines
 
