@@ -249,8 +249,7 @@ class ShrinkRun:
     self.grows: list[dict] = []
     self.grow_after: int | None = None  # after a failed growth: the step to try again at
     self.starting: tuple[shrinkable.Starting, float] | None = None  # started, and when (wall)
-    deadline = shrinkable.STALLS.deadline_s  # --timeout
-    self.grow_wait_s = 2 * deadline if deadline else GROW_WAIT_S
+    self.grow_wait_s = shrinkable.STALLS.deadline_s or GROW_WAIT_S  # --timeout
 
   @property
   def primary(self) -> bool:
@@ -313,9 +312,9 @@ class ShrinkRun:
   def growth_ready(self) -> bool:
     """Whether the started processes are ready to be taken in (collective, the same everywhere).
 
-    Past `grow_wait_s` (twice `--timeout`) they are given up on (one died while starting, where
-    MPI cannot see it) and told to leave; the job tries again at the next
-    epoch.
+    Past `grow_wait_s` (`--timeout`) they are given up on (one died while
+    starting, which MPI does not report) and others are started at the
+    next step boundary.
 
     Raises:
       shrinkable.PeerLost: a member failed meanwhile.
@@ -325,8 +324,9 @@ class ShrinkRun:
     verdict = self.comm.growth_verdict(starting, give_up=waited > self.grow_wait_s)
     if verdict == shrinkable.GIVE_UP:
       self.starting = None
-      raise shrinkable.GrowFailed(f"the started process(es) were not ready within "
-                                  f"{self.grow_wait_s:g} s")
+      self.out.say(self.primary, f"jdist train: grow: the started process(es) were not ready "
+                   f"within {self.grow_wait_s:g} s (one may have died while starting); "
+                   f"starting others")
     return verdict == shrinkable.READY
 
   def take_in(self, now: Snapshot) -> Snapshot:

@@ -142,10 +142,13 @@ class Starting(NamedTuple):
     inter: the intercommunicator to them (MPI_Comm_spawn's).
     count: how many.
     began: when they were started (time.monotonic()).
+    ready: those that said they are ready (their ranks among them; filled
+      at the member that heard them, rank 0, the only one that talks to them).
   """
   inter: object
   count: int
   began: float
+  ready: set
 
 
 # What `growth_verdict()` says, and the words between members and started processes.
@@ -188,14 +191,22 @@ def _starting_mpi_first(command: list[str]) -> tuple[str, list[str]]:
   return sys.executable, ["-c", _MPI_FIRST, f"{STALLS.deadline_s or 0:g}", *command[1:]]
 
 
-def _tell(mpi, starting: "Starting", word: str) -> None:
-  """Sends `word` to every started process, waiting at most `_TELL_S` for the sends.
+def _hear(mpi, starting: "Starting") -> None:
+  """Takes in every "ready" the started processes sent so far (rank 0)."""
+  status = mpi.Status()
+  with contextlib.suppress(mpi.Exception):  # a started process died: not ready
+    while starting.inter.Iprobe(source=_ANY, tag=_READY_TAG, status=status):
+      starting.inter.recv(source=status.Get_source(), tag=_READY_TAG)
+      starting.ready.add(status.Get_source())
 
-  A blocking send to one that died before it was wired up waited for good
-  (measured); an unanswered one is left behind (the process leaves at exit).
+
+def _tell(mpi, starting: "Starting", word: str) -> None:
+  """Sends `word` to the started processes that said they are ready, waiting at most `_TELL_S`.
+
+  Only to those (see `dismiss`); a send not done by then is left behind.
   """
   requests = []
-  for child in range(starting.count):
+  for child in sorted(starting.ready):
     with contextlib.suppress(mpi.Exception):
       requests.append(starting.inter.isend(word, dest=child, tag=_GO_TAG))
   deadline = time.monotonic() + _TELL_S
@@ -240,9 +251,10 @@ class ShrinkableComm:
   def joined(cls) -> "ShrinkableComm":
     """The job's communicator in a process that `start_growth()` started, once prepared.
 
-    Says it is ready (once every process started with it is), then waits
-    for the members' word: join (the merge) or leave (they gave up on it,
-    or lost a member meanwhile and start others).
+    Says it is ready (to the members' rank 0, the one that talks to started
+    processes), then waits for their word: join (the merge, once every
+    process started with it is ready) or leave (they gave up on it, lost a
+    member meanwhile and start others, or finished).
 
     Raises:
       PeerLost: a member failed meanwhile, or the members sent it away (this
@@ -252,11 +264,8 @@ class ShrinkableComm:
     parent = MPI.Comm.Get_parent()
     parent.Set_errhandler(MPI.ERRORS_RETURN)
     try:
-      with STALLS.waiting("Barrier (the started processes)"):
-        MPI.COMM_WORLD.Barrier()
-      if MPI.COMM_WORLD.Get_rank() == 0:
-        with STALLS.waiting("telling the members it is ready"):
-          parent.send(None, dest=0, tag=_READY_TAG)
+      with STALLS.waiting("telling the members it is ready"):
+        parent.send(None, dest=0, tag=_READY_TAG)
       word = _wait_for_word(parent)
     except MPI.Exception as err:
       raise PeerLost(f"a started process: {err}") from err
@@ -387,7 +396,7 @@ class ShrinkableComm:
     finally:
       info.Free()
     inter.Set_errhandler(self._mpi.ERRORS_RETURN)  # a started process may die: not fatal here
-    return Starting(inter, count, time.monotonic())
+    return Starting(inter, count, time.monotonic(), set())
 
   def growth_verdict(self, starting: "Starting", give_up: bool) -> str:
     """READY, WAIT or GIVE_UP for `starting`, the same at every member (collective).
@@ -403,12 +412,8 @@ class ShrinkableComm:
     """
     flags = _READY | _WAIT
     if self.rank == 0:
-      try:
-        ready = starting.inter.Iprobe(source=0, tag=_READY_TAG)
-        if ready:
-          starting.inter.recv(source=0, tag=_READY_TAG)
-      except self._mpi.Exception:
-        ready = False  # a started process died: never ready
+      _hear(self._mpi, starting)
+      ready = len(starting.ready) == starting.count
       flags = _READY if ready else (0 if give_up else _WAIT)
     verdict = self._call(self._comm.Agree, flags)
     if verdict & _READY:
@@ -419,8 +424,14 @@ class ShrinkableComm:
     return WAIT
 
   def dismiss(self, starting: "Starting") -> None:
-    """Tells the started processes to leave (from rank 0; a dead one is skipped)."""
+    """Tells the started processes that said they are ready to leave (rank 0 does).
+
+    Only those: the first message to a process that died while it started
+    waited for good (in PMIx_Get, measured). The others leave on their own
+    past their deadline (`--timeout`), or when their word finds no member.
+    """
     if self.rank == 0:
+      _hear(self._mpi, starting)
       _tell(self._mpi, starting, _LEAVE)
 
   def take_in(self, starting: "Starting") -> Grown:
