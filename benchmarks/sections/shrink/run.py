@@ -149,7 +149,8 @@ def main(args: argparse.Namespace) -> int:
     if missing:
       sys.stderr.write("shrink: the rig cannot be built: " + "; ".join(missing) + "\n")
       return 1
-  results = {"command": args.command, "quick": args.quick, "epochs": args.epochs}
+  results = {"command": args.command, "quick": args.quick, "epochs": args.epochs,
+             "chaos_epochs": args.chaos_epochs}
   if "faults" in parts:
     results["faults"] = run_faults(args)
   if "restart" in parts:
@@ -264,7 +265,9 @@ def markdown(results: dict) -> str:
   text = [f"# `jdist launch --shrink` on the rig\n\n`{results['command']}`"
           + (" (quick: a smoke run, not a measurement)" if results.get("quick") else "")
           + "; 2 nodes x 2 processes x 1 device, 1 Gbit/s per node, the digits CNN, "
-          f"{results['epochs']} epochs, `--timeout 20`.\n"]
+          f"{results['epochs']} epochs"
+          + (f" ({results['chaos_epochs']} in the chaos runs)" if "chaos" in results else "")
+          + ", `--timeout 20`.\n"]
   if results.get("note"):  # added by hand to a sitting's JSON (then re-rendered)
     text.append(results["note"] + "\n")
   if "faults" in results:
