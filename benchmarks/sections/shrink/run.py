@@ -246,7 +246,10 @@ def _chaos_rows(rows: list[dict]) -> list[str]:
   for row in rows:
     accuracy = "-" if row["test_accuracy"] is None else f"{row['test_accuracy']:.2%}"
     goodput = cost_per = "-"
-    finished = row["code"] == 0 and row["steps"] == rows[0]["steps"]
+    # Goodput against the undisturbed run only where the job ended as it did
+    # (on fewer replicas, 2 shared cores run each step faster: no comparison).
+    finished = (row["code"] == 0 and row["steps"] == rows[0]["steps"]
+                and row["replicas"] == rows[0]["replicas"])
     if calm and row["wall_s"] and row["kills"] and finished:
       goodput = f"{calm / row['wall_s']:.1%}"
       cost_per = _seconds((row["wall_s"] - calm) / row["kills"])
