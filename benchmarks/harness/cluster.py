@@ -303,8 +303,12 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c "hostname $name; $*"
 
   def link_down(self, index: int) -> None:
     """Takes node `index`'s link down from inside the node (its NIC fails)."""
+    self.set_link(index, "down")
+
+  def set_link(self, index: int, state: str) -> None:
+    """Sets node `index`'s link "up" or "down" from inside the node."""
     node = self.nodes[index]
-    _run(netns.exec_prefix(node.namespace) + ["ip", "link", "set", node.inner_veth, "down"])
+    _run(netns.exec_prefix(node.namespace) + ["ip", "link", "set", node.inner_veth, state])
 
   def kill_node(self, index: int) -> None:
     """Kills every process on node `index` at once (a power loss)."""

@@ -48,6 +48,12 @@ def mpirun_binary() -> str:
   return here if os.path.exists(here) else (shutil.which("mpirun") or "mpirun")
 
 
+def mpirun_argv(processes: int) -> list[str]:
+  """`mpirun -np PROCESSES --oversubscribe` on this host (`--allow-run-as-root` as root)."""
+  argv = [mpirun_binary(), "-np", str(processes), "--oversubscribe"]
+  return argv + (["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else [])
+
+
 def program_argv(job: Job, out_prefix: str, quick: bool) -> list[str]:
   """The argv of one of `job`'s ranks: `python -m benchmarks PROGRAM --out --config`."""
   config = json.dumps({"job": job.name, "sections": [m.__name__ for m in job.sections],
@@ -61,10 +67,7 @@ def command(job: Job, out_prefix: str, quick: bool) -> list[str]:
   worker = program_argv(job, out_prefix, quick)
   if job.processes == 1:
     return list(job.prefix) + worker
-  launcher = [mpirun_binary(), "-np", str(job.processes), "--oversubscribe"]
-  if hasattr(os, "geteuid") and os.geteuid() == 0:
-    launcher.append("--allow-run-as-root")
-  return list(job.prefix) + launcher + list(job.mpirun_args) + worker
+  return list(job.prefix) + mpirun_argv(job.processes) + list(job.mpirun_args) + worker
 
 
 def environment(job: Job) -> dict[str, str]:

@@ -2,13 +2,10 @@
 
     sudo .venv/bin/python -m benchmarks elastic_restart --nodes 2 --per-node 2 --epochs 6
 
-Builds the namespace rig (`benchmarks.harness.cluster`), runs `jdist train` under
-`jdist launch --max-restarts 1` undisturbed, then again with node B's link
-taken down in the middle of an epoch, and prints one JSON line per run: exit
-status, seconds from the fault to the restarted job's "resumed from" line and
-to its next finished epoch, final test accuracy, and whether the JSON-lines
-log holds one record per epoch with steps increasing by a whole epoch each.
-`tests/test_elastic.py` runs `run_job` with a short schedule.
+`jdist train` on the rig, undisturbed and then with `--fault` on node B in the middle
+of an epoch; one JSON line per run: exit status, seconds from the fault to the
+restarted job's "resumed from" line and to its next epoch, final test accuracy, and
+whether the JSON-lines log holds one record per epoch, steps one epoch apart.
 """
 
 from __future__ import annotations
@@ -16,17 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 
 from benchmarks.harness import cluster
-from benchmarks.harness import jobs
+from benchmarks.harness import rig_faults
 from benchmarks.harness.section import Run, section
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def train_args(epochs: int, batch: int, checkpoint_dir: str, log_file: str,
@@ -40,47 +34,40 @@ def train_args(epochs: int, batch: int, checkpoint_dir: str, log_file: str,
 def run_job(rig, per_node: int, train: list[str], *, fault_after_epoch: int | None = None,
             fault_delay_s: float = 1.0, fault: str = "link_down", max_restarts: int = 1,
             timeout: float = 240, env: dict | None = None) -> dict:
-  """Runs `train` under `jdist launch` on `rig`; `fault` hits node 1 after an epoch.
+  """Runs `train` under `jdist launch` on `rig`; `fault` ("link_down", "kill_node") hits
+  node 1 `fault_delay_s` after epoch `fault_after_epoch`'s line.
 
-  `fault` is a rig method: "link_down" or "kill_node".
-
-  Returns a dict: code, output (stdout and stderr together), fault_at (monotonic
-  time or None), resumed_s (fault -> the restarted run's "resumed from"),
-  next_epoch_s (fault -> its first finished epoch).
+  Returns:
+    code, output, fault_at (monotonic time or None), resumed_s (fault -> the restarted
+    run's "resumed from"), next_epoch_s (fault -> its first finished epoch).
   """
-  argv = rig.launch_argv(train, per_node, ["--max-restarts", str(max_restarts)])
-  full_env = rig.launch_env(env or dict(os.environ))
-  job = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, cwd=REPO, start_new_session=True)
-  lines, marks = [], {"fault_at": None, "resumed_at": None, "next_epoch_at": None}
+  job = rig_faults.launch(rig, train, per_node, ["--max-restarts", str(max_restarts)],
+                          env or dict(os.environ))
+  marks = {"fault_at": None, "resumed_at": None, "next_epoch_at": None}
 
-  def read():
-    for line in job.stdout:
-      lines.append(line)
-      now = time.monotonic()
-      if marks["fault_at"] is None:
-        if (fault_after_epoch is not None and
-            line.startswith(f"epoch {fault_after_epoch}/")):
-          timer = threading.Timer(fault_delay_s, lambda: (getattr(rig, fault)(1),
-                                                          marks.update(fault_at=time.monotonic())))
-          timer.start()
-      elif marks["resumed_at"] is None and line.startswith("resumed from"):
-        marks["resumed_at"] = now
-      elif (marks["resumed_at"] is not None and marks["next_epoch_at"] is None
-            and line.startswith("epoch ")):
-        marks["next_epoch_at"] = now
+  def on_line(line: str) -> None:
+    now = time.monotonic()
+    if marks["fault_at"] is None:
+      if fault_after_epoch is not None and line.startswith(f"epoch {fault_after_epoch}/"):
+        threading.Timer(fault_delay_s, lambda: (rig_faults.inject(rig, f"{fault}:1"), marks.update(
+            fault_at=time.monotonic()))).start()
+    elif marks["resumed_at"] is None and line.startswith("resumed from"):
+      marks["resumed_at"] = now
+    elif (marks["resumed_at"] is not None and marks["next_epoch_at"] is None
+          and line.startswith("epoch ")):
+      marks["next_epoch_at"] = now
 
-  jobs.follow(job, read, timeout)
+  output = rig_faults.Output(job, on_line)
+  output.follow(timeout)
   fault_at = marks["fault_at"]
   since = lambda t: None if fault_at is None or t is None else round(t - fault_at, 1)  # noqa: E731
-  return {"code": job.returncode, "output": "".join(lines), "fault_at": fault_at,
+  return {"code": job.returncode, "output": output.text, "fault_at": fault_at,
           "resumed_s": since(marks["resumed_at"]), "next_epoch_s": since(marks["next_epoch_at"])}
 
 
 def read_log(path: str) -> tuple[list[dict], dict | None]:
   """(epoch records, the last summary) of a JSON-lines log."""
-  with open(path, encoding="utf-8") as handle:
-    records = [json.loads(line) for line in handle if line.strip()]
+  records = rig_faults.read_jsonl(path)
   epochs = [r for r in records if r.get("event") == "epoch"]
   summaries = [r for r in records if r.get("event") == "summary"]
   return epochs, (summaries[-1] if summaries else None)
@@ -123,7 +110,7 @@ def main(args: argparse.Namespace) -> int:
                          args.checkpoint_every)
       result = run_job(rig, args.per_node, train, fault_after_epoch=fault, fault=args.fault,
                        timeout=900)
-      epochs, summary = read_log(log) if os.path.exists(log) else ([], None)
+      epochs, summary = read_log(log)
       row = {"fault": fault and args.fault, "fault_after_epoch": fault, "code": result["code"],
              "resumed_s": result["resumed_s"], "next_epoch_s": result["next_epoch_s"],
              "final_test_accuracy": summary and summary["final_test_accuracy"],

@@ -1,16 +1,12 @@
 """Lost nodes on the rig: how long until every process of a job is gone, and what it says.
 
-    python -m benchmarks faults --runs 5 --timeout 20 \\
-        --out docs/benchmarks/cluster/faults.md
+    python -m benchmarks faults --runs 5 --timeout 20 --out docs/benchmarks/cluster/faults.md
 
-Each run starts `jdist train` on 2 nodes x 2 processes under `jdist launch`,
-waits for its first epoch, injects one fault on node B and measures the
-seconds from the fault to `jdist launch`'s exit, its exit status, whether
-the message names the lost host and its ranks, and whether any process is
-left on the nodes. Faults: `link_down` (node B's NIC fails), `kill_node`
-(every process on node B killed at once), `partition` (the nodes cannot
-reach each other; mpirun still reaches both). The target (issue 25): every
-run ends within timeout + 15 s, non-zero, naming the host.
+Each run starts `jdist train` on 2 nodes x 2 processes under `jdist launch`, injects
+one fault on node B after its first epoch (`link_down`, `kill_node`, `partition`) and
+measures the seconds to `jdist launch`'s exit, its status, whether the message names
+the lost host and its ranks, and what is left on the nodes. The target (issue 25):
+every run ends within timeout + 15 s, non-zero, naming the host.
 """
 
 from __future__ import annotations
@@ -24,11 +20,12 @@ import time
 
 from benchmarks.harness import cluster
 from benchmarks.harness import outputs
+from benchmarks.harness import report
+from benchmarks.harness import rig_faults
 from benchmarks.harness.section import Run, section
 
 FAULTS = ("link_down", "kill_node", "partition")
 PROCESSES_PER_NODE = 2
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @dataclasses.dataclass
@@ -44,13 +41,10 @@ class FaultRun:
 def run_fault(rig: cluster.Cluster, fault: str, timeout_s: float, env: dict[str, str],
               wait_s: float = 60) -> FaultRun:
   """One job on `rig` under `jdist launch`, with `fault` injected after its first epoch."""
-  argv = rig.launch_argv(
-      [cluster.tool("jdist"), "train", "--epochs", "1000", "--batch-size", "8", "--no-progress",
-       "--timeout", f"{timeout_s:g}"], PROCESSES_PER_NODE,
-      ["-np", str(PROCESSES_PER_NODE * len(rig.nodes)), "--mpirun-args", "--map-by slot"])
-  env = rig.launch_env(env)
-  job = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, cwd=_REPO, start_new_session=True)
+  job = rig_faults.launch(
+      rig, [cluster.tool("jdist"), "train", "--epochs", "1000", "--batch-size", "8",
+            "--no-progress", "--timeout", f"{timeout_s:g}"], PROCESSES_PER_NODE,
+      ["-np", str(PROCESSES_PER_NODE * len(rig.nodes)), "--mpirun-args", "--map-by slot"], env)
   lines: list[str] = []
   try:
     for line in job.stdout:  # until the first epoch ended on every rank
@@ -60,10 +54,7 @@ def run_fault(rig: cluster.Cluster, fault: str, timeout_s: float, env: dict[str,
     if not any(line.startswith("epoch 1/") for line in lines):
       raise RuntimeError("the job ended before its first epoch:\n" + "".join(lines)[-3000:])
     time.sleep(1)
-    if fault == "partition":
-      rig.partition()
-    else:
-      getattr(rig, fault)(1)
+    rig_faults.inject(rig, fault if fault == "partition" else f"{fault}:1")
     faulted = time.monotonic()
     try:
       rest, _ = job.communicate(timeout=timeout_s + wait_s)
@@ -83,8 +74,7 @@ def run_fault(rig: cluster.Cluster, fault: str, timeout_s: float, env: dict[str,
 
 def table(runs: list[FaultRun], timeout_s: float) -> str:
   """A Markdown table, one row per fault kind."""
-  lines = ["| fault | runs | seconds to exit (min / median / max) | exit status | names host + ranks "
-           "| processes left | within timeout + 15 s |", "| --- | --- | --- | --- | --- | --- | --- |"]
+  body = []
   for fault in FAULTS:
     mine = [r for r in runs if r.fault == fault]
     if not mine:
@@ -92,10 +82,12 @@ def table(runs: list[FaultRun], timeout_s: float) -> str:
     seconds = sorted(r.seconds for r in mine)
     statuses = ", ".join(str(s) for s in sorted({r.exit_status for r in mine}, key=str))
     within = sum(r.seconds <= timeout_s + 15 and r.exit_status not in (0, None) for r in mine)
-    lines.append(f"| {fault} | {len(mine)} | {seconds[0]:.1f} / {seconds[len(seconds) // 2]:.1f} "
-                 f"/ {seconds[-1]:.1f} | {statuses} | {sum(r.names_host for r in mine)} of "
-                 f"{len(mine)} | {max(r.leftover for r in mine)} | {within} of {len(mine)} |")
-  return "\n".join(lines)
+    body.append([fault, len(mine), f"{seconds[0]:.1f} / {seconds[len(seconds) // 2]:.1f} / "
+                 f"{seconds[-1]:.1f}", statuses, f"{sum(r.names_host for r in mine)} of "
+                 f"{len(mine)}", max(r.leftover for r in mine), f"{within} of {len(mine)}"])
+  return "\n".join(report.table(
+      ["fault", "runs", "seconds to exit (min / median / max)", "exit status",
+       "names host + ranks", "processes left", "within timeout + 15 s"], body)).rstrip("\n")
 
 
 def markdown(results: dict) -> str:
@@ -119,13 +111,11 @@ def main(args: argparse.Namespace) -> int:
   if missing:
     sys.stderr.write("cluster_faults: the rig cannot be built: " + "; ".join(missing) + "\n")
     return 1
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-             XLA_FLAGS="--xla_force_host_platform_device_count=1")
   runs = []
   for _ in range(args.runs):
     for fault in args.faults.split(","):
       with cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
-        run = run_fault(rig, fault, args.timeout, env)
+        run = run_fault(rig, fault, args.timeout, rig_faults.train_env())
       runs.append(run)
       print(f"{fault}: exit {run.exit_status} after {run.seconds:.1f} s, names host "
             f"{run.names_host}, {run.leftover} left", flush=True)

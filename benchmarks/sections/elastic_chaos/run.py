@@ -2,23 +2,18 @@
 
     sudo .venv/bin/python -m benchmarks elastic_chaos --faults 20
 
-On the 2-node rig (`benchmarks.harness.cluster`, one process per node) the SINGA
-CNN trains on digits with persistent and local checkpoints under `jdist launch
---cooldown C --discovery-interval 2`. Whenever the job has saved a checkpoint
-since it (re)started, the next fault of `CYCLE` hits it (node B's link down,
-node B killed, a rank killed); a host left out comes back after its cooldown and
-the launcher grows the job onto it. Beside it the same schedule is replayed
-without faults (each segment on its run's number of processes, bound to cores as
-on the rig), every checkpoint of both is copied as it appears
-(`benchmarks.sections.elastic_chaos.checkpoints`; `--archive DIR` keeps them) and
-the two are compared at every step both saved. Prints one JSON line: faults,
-grow-backs, restarts, hangs, lost and corrupt checkpoints, the schedule and the
-differences (target 1e-5). The run: docs/multinode.md (chaos run).
+The digits CNN on the 2-node rig (one process per node) with persistent and local
+checkpoints; whenever the job has saved since it (re)started, the next fault of
+`CYCLE` hits it, and a host left out comes back after `--cooldown`. Beside it the
+same schedule is replayed without faults, every checkpoint of both is copied as it
+appears (`checkpoints`) and the two are compared at every step both saved (target
+1e-5). Prints one JSON line. The run: docs/multinode.md (chaos run).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import glob
 import json
 import os
@@ -31,14 +26,12 @@ import tempfile
 import threading
 import time
 
-import numpy as np
-
 from benchmarks.harness import cluster
-from benchmarks.harness import netns
+from benchmarks.harness import jobs
+from benchmarks.harness import rig_faults
 from benchmarks.sections.elastic_chaos import checkpoints as chaos_checkpoints
 from tests import launch as test_launch
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 CYCLE = ("link_down", "kill_rank", "kill_node", "kill_rank")
 # Searched, not matched: the launcher's stderr and the ranks' stdout share one pipe,
 # so a line may start with another's unfinished output.
@@ -65,24 +58,10 @@ def train_args(args, checkpoint_dir: str) -> list[str]:
           "--checkpoint-every", str(args.checkpoint_every), "--resume"]
 
 
-def link_up(rig, index: int) -> None:
-  node = rig.nodes[index]
-  subprocess.run(netns.exec_prefix(node.namespace) + ["ip", "link", "set", node.inner_veth,
-                                                      "up"], check=True)
-
-
 def training_pids(rig) -> list[int]:
   """The `jdist train` processes: node A's are children of its prted too."""
-  pids = []
-  for pid in rig.namespace_pids():
-    try:
-      with open(f"/proc/{pid}/cmdline", "rb") as handle:
-        words = handle.read().split(b"\0")
-    except OSError:
-      continue
-    if b"train" in words and any(w.endswith(b"jdist") for w in words):
-      pids.append(pid)
-  return pids
+  return rig_faults.pids_where(rig, lambda words: b"train" in words and any(
+      w.endswith(b"jdist") for w in words))
 
 
 def cpus_allowed(pid: int) -> str | None:
@@ -138,7 +117,7 @@ class Chaos:
       if "is back" in line:
         self.grows += 1
       if self.link_is_down:
-        link_up(self.rig, 1)
+        self.rig.set_link(1, "up")
         self.link_is_down = False
     if "cannot be read" in line:
       self.corrupt += 1
@@ -208,7 +187,7 @@ def replay(args, chaos: "Chaos", finished: threading.Event, directory: str,
     # One core per rank, as the rig's mpirun binds the chaos job's (1 slot a node, not
     # oversubscribed); XLA's CPU results depend on the threads a process may use.
     ran = subprocess.run(test_launch.mpirun_argv(REPLAY_BINDING + argv, np=world), env=env,
-                         cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+                         cwd=jobs.REPO, capture_output=True, text=True, timeout=600, check=False)
     codes.append(ran.returncode)
     if ran.returncode:
       print(ran.stdout[-2000:] + ran.stderr[-2000:], file=sys.stderr)
@@ -268,10 +247,7 @@ def main(args: argparse.Namespace) -> int:
     train = train_args(args, chaos_dir) + ["--local-checkpoint-every", str(args.local_every)]
     launch_args = ["--max-restarts", "30", "--cooldown", str(args.cooldown),
                    "--discovery-interval", "2"]
-    job = subprocess.Popen(rig.launch_argv(train, 1, launch_args),
-                           env=rig.launch_env(test_launch.clean_env(1)), cwd=REPO,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)
+    job = rig_faults.launch(rig, train, 1, launch_args, test_launch.clean_env(1))
     chaos = Chaos(rig, args)
     reader = threading.Thread(target=chaos.read, args=(job.stdout,), daemon=True)
     reader.start()
@@ -308,13 +284,8 @@ def main(args: argparse.Namespace) -> int:
                                       archive.copies("replay"), schedule, args.tolerance)
     diff = None
     if len(codes) == len(schedule) and not any(codes):
-      mine, theirs = final_arrays(chaos_dir), final_arrays(replay_dir)
-      diff = max(float(np.max(np.abs(np.asarray(mine[k], np.float64)
-                                     - np.asarray(theirs[k], np.float64))))
-                 for k in mine if np.asarray(mine[k]).size)
-    kinds = {}
-    for fault in chaos.faults:
-      kinds[fault["kind"]] = kinds.get(fault["kind"], 0) + 1
+      diff = chaos_checkpoints.difference(final_arrays(chaos_dir), final_arrays(replay_dir))[0]
+    kinds = dict(collections.Counter(fault["kind"] for fault in chaos.faults))
     print(json.dumps({
         "event": "summary", "code": job.returncode, "faults": len(chaos.faults), "by_kind": kinds,
         "grow_backs": chaos.grows, "runs": len(chaos.runs), "hangs": chaos.hangs,

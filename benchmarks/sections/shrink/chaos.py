@@ -1,15 +1,10 @@
 """A chaos run of `jdist launch --shrink --max-np`: many processes killed, the job grows back each time.
 
-`run_chaos` starts the digits job on 2 nodes x 2 processes with `--max-np 4`
-and, from the first epoch's line on, SIGKILLs one training process chosen at
-random (any node; the job's rank 0 among them) every `interval` seconds, up
-to `faults` kills. Each kill is shrunk past and the job starts a process in
-its place. The JSON log says, per shrink and per growth, whether every
-replica's parameters were bit-identical (`digests_equal`). Goodput is the
-undisturbed run's wall time over the chaos run's, for the same steps (so it
-depends on how often processes die: here every `interval` seconds); the
-cost per fault, (chaos - undisturbed) / kills, says what it would be at
-another rate.
+`run_chaos` kills one training process at random (any node, rank 0 among them) every
+`interval` seconds from the first epoch on, up to `count` kills; each is shrunk past
+and a process started in its place. Goodput is the undisturbed run's wall time over
+the chaos run's for the same steps (so it depends on the kill rate); the cost per
+kill, (chaos - undisturbed) / kills, gives it at another rate.
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ import threading
 import time
 
 from benchmarks.harness import cluster
-from benchmarks.harness import jobs
+from benchmarks.harness import rig_faults
 from benchmarks.sections.shrink import faults
 
 
@@ -51,18 +46,11 @@ class ChaosRun:
 
 
 def training_pids(rig: cluster.Cluster) -> list[int]:
-  """The job's training processes on the rig (not mpirun's daemons)."""
-  found = []
-  for pid in rig.namespace_pids():
-    with contextlib.suppress(OSError):
-      with open(f"/proc/{pid}/cmdline", "rb") as handle:
-        argv = handle.read().split(b"\0")
-      # python .../jdist train --shrink ...; not mpirun nor `jdist launch`, whose
-      # command lines hold the same words
-      if (os.path.basename(argv[0]).startswith(b"python") and b"launch" not in argv
-          and b"train" in argv and b"--shrink" in argv):
-        found.append(pid)
-  return found
+  """The job's training processes on the rig (`python .../jdist train --shrink`; not mpirun
+  nor `jdist launch`, whose command lines hold the same words)."""
+  return rig_faults.pids_where(rig, lambda argv: (
+      os.path.basename(argv[0]).startswith(b"python") and b"launch" not in argv
+      and b"train" in argv and b"--shrink" in argv))
 
 
 def _killer(rig, count: int, interval: float, stop: threading.Event, kills: list) -> None:
@@ -96,34 +84,27 @@ def run_chaos(count: int, env: dict[str, str], *, epochs: int, interval: float,
       command += ["--checkpoint-dir", os.path.join(tmp, "ckpt"), "--checkpoint-every", "8",
                   "--resume"]
       flags += ["--max-restarts", str(restarts), "--cooldown", "0"]
-    argv = rig.launch_argv(command, faults.PER_NODE, flags)
-    job = subprocess.Popen(argv, env=rig.launch_env(env), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, cwd=faults._REPO,  # pylint: disable=protected-access
-                           start_new_session=True)
+    job = rig_faults.launch(rig, command, faults.PER_NODE, flags, env)
     stop, kills, began = threading.Event(), [], time.time()
 
-    lines = []
+    def on_line(line: str) -> None:
+      if count and not kills_started.is_set() and line.startswith("epoch 1/"):
+        kills_started.set()
+        threading.Thread(target=_killer, args=(rig, count, interval, stop, kills),
+                         daemon=True).start()
 
-    def read():
-      started = False
-      for line in job.stdout:
-        lines.append(line)
-        if count and not started and line.startswith("epoch 1/"):
-          started = True
-          threading.Thread(target=_killer, args=(rig, count, interval, stop, kills),
-                           daemon=True).start()
-
+    kills_started = threading.Event()
+    output = rig_faults.Output(job, on_line)
     try:
-      wall, hung = jobs.follow(job, read, timeout) - began, False
+      wall, hung = output.follow(timeout) - began, False
     except subprocess.TimeoutExpired:
       wall, hung = None, True
     stop.set()
-    said = [line for line in lines if line.strip() and not line.startswith("NBC_Progress")]
+    said = [line for line in output.lines if line.strip() and not line.startswith("NBC_Progress")]
     tail = "" if job.returncode == 0 else "".join(said[-60:])
-    restarted = sum(1 for line in lines if line.startswith("jdist launch: restart "))
+    restarted = sum(1 for line in output.lines if line.startswith("jdist launch: restart "))
     return _outcome(ChaosRun(count, job.returncode, hung, kills=len(kills), wall_s=wall,
-                             tail=tail, restarts=restarted),
-                    faults._read_log(log))  # pylint: disable=protected-access
+                             tail=tail, restarts=restarted), rig_faults.read_jsonl(log))
 
 
 def _outcome(run: ChaosRun, records: list[dict]) -> ChaosRun:

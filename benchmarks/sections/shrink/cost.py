@@ -1,18 +1,10 @@
-"""ULFM's steady-state cost: the step loop under `mpirun --with-ft ulfm` and without, alternated.
+"""ULFM's steady-state cost: the step loop (`steploop`) under `mpirun --with-ft ulfm` and without.
 
-Three configurations, in turn within each round (so that a change of the
-shared machine's load hits all of them alike):
-
-  * `ulfm`: what `jdist launch --shrink` runs (`launch_shrink.ULFM_MPIRUN_ARGS`:
-    `--with-ft ulfm --mca btl tcp,self --mca coll ^han`);
-  * `tcp`: plain mpirun with the same transport and collectives (the difference is ULFM);
-  * `default`: plain mpirun with the usual transports (shared memory within a node).
-
-Two placements: `shm` (2 processes on this host, plain `mpirun -np 2`) and
-`rig` (1 process on each of the rig's 2 nodes, TCP over a 1 Gbit/s link).
-The loop runs with one BLAS thread per process (`ONE_THREAD`): mpirun binds
-each of 2 processes to a core, where a BLAS pool of 2 threads fights itself
-(measured: the same product 16 to 250 ms between runs on a loaded machine).
+Configurations, alternated within each round: `ulfm` (`launch_shrink.ULFM_MPIRUN_ARGS`,
+what `jdist launch --shrink` runs), `tcp` (the same transport and collectives without
+ULFM) and `default` (plain mpirun); placements `shm` (2 processes on this host) and
+`rig` (1 process on each of the rig's 2 nodes). One BLAS thread per process
+(`ONE_THREAD`): two threads on a bound core fight each other.
 """
 
 from __future__ import annotations
@@ -25,6 +17,7 @@ import sys
 from typing import Callable
 
 from benchmarks.harness import cluster
+from benchmarks.harness import jobs
 from jdist.app import launch_shrink
 
 CONFIGS = {
@@ -33,10 +26,6 @@ CONFIGS = {
     "default": [],
 }
 ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))))
-
-
 LOOP_CODE = ("import sys; from benchmarks.sections.shrink import steploop; "
              "steploop.main(*map(int, sys.argv[1:]))")
 
@@ -59,28 +48,21 @@ def _result(process: subprocess.Popen, timeout: float) -> dict:
                      f"{(out + err)[-3000:]}")
 
 
-def shm_starter(env: dict[str, str]) -> Callable[[list[str], list[str]], subprocess.Popen]:
-  """Starts `command` as 2 processes on this host with mpirun flags `extra`."""
-  env = dict(env, **ONE_THREAD)
-
-  def start(command, extra):
-    argv = [cluster.tool("mpirun"), "-np", "2", "--oversubscribe"]
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-      argv.append("--allow-run-as-root")
-    return subprocess.Popen(argv + list(extra) + command, env=env, cwd=_REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-  return start
+Starter = Callable[[list[str], list[str]], subprocess.Popen]  # (command, mpirun flags) -> job
 
 
-def rig_starter(rig: cluster.Cluster, env: dict[str, str]
-                ) -> Callable[[list[str], list[str]], subprocess.Popen]:
-  """Starts `command` as 1 process on each node of `rig` with mpirun flags `extra`."""
-  env = dict(env, **ONE_THREAD)
+def shm_starter(env: dict[str, str]) -> Starter:
+  """Starts a command as 2 processes on this host."""
+  return lambda command, extra: subprocess.Popen(
+      jobs.mpirun_argv(2) + list(extra) + command, env=dict(env, **ONE_THREAD), cwd=jobs.REPO,
+      text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
-  def start(command, extra):
-    return rig.popen(command, 1, mpirun=cluster.tool("mpirun"), extra=extra, env=env,
-                     cwd=_REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-  return start
+
+def rig_starter(rig: cluster.Cluster, env: dict[str, str]) -> Starter:
+  """Starts a command as 1 process on each node of `rig`."""
+  return lambda command, extra: rig.popen(
+      command, 1, mpirun=cluster.tool("mpirun"), extra=extra, env=dict(env, **ONE_THREAD),
+      cwd=jobs.REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def alternate(start, rounds: int, steps: int, warmup: int = 10,

@@ -10,25 +10,17 @@ from the fault to `jdist launch`'s exit, with the line that says why.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import os
-import signal
-import subprocess
 import tempfile
 import threading
-import time
 
 from benchmarks.harness import cluster
-from benchmarks.harness import jobs
+from benchmarks.harness import rig_faults
 
 PER_NODE = 2
-# "kind:target": kill_rank:R (launch rank R's process), kill_node:I, link_down:I (node I);
-# "A+B+C": A after the first epoch, B after the second, ... (a small chaos run).
+# `rig_faults.inject`'s "kind:target"; "A+B+C": A after the first epoch, B after the second, ...
 FAULTS = ("kill_rank:3", "kill_rank:0", "kill_node:1", "kill_node:0", "link_down:1")
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))))
 _WHY = ("lost communication", "failed to report back", "jdist launch: the job failed")
 
 
@@ -63,43 +55,6 @@ def train_command(log: str, epochs: int, train_limit: int | None) -> list[str]:
              "--epochs", str(epochs), "--seed", "3", "--timeout", "20", "--no-progress",
              "--log-file", log]
   return command + (["--train-limit", str(train_limit)] if train_limit else [])
-
-
-def rank_pids(rig: cluster.Cluster, rank: int) -> list[int]:
-  """The processes of launch rank `rank` (its OMPI_COMM_WORLD_RANK) on any node."""
-  found = []
-  for pid in rig.namespace_pids():
-    with contextlib.suppress(OSError):
-      with open(f"/proc/{pid}/environ", "rb") as handle:
-        if f"OMPI_COMM_WORLD_RANK={rank}".encode() in handle.read().split(b"\0"):
-          found.append(pid)
-  return found
-
-
-def inject(rig: cluster.Cluster, fault: str) -> float:
-  """Injects `fault` ("kind:target"); returns its wall-clock time (time.time())."""
-  kind, _, target = fault.partition(":")
-  if kind == "kill_rank":
-    pids = rank_pids(rig, int(target))
-    if not pids:
-      raise RuntimeError(f"no process of rank {target} on the rig")
-    at = time.time()
-    for pid in pids:
-      with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    return at
-  if kind not in ("kill_node", "link_down"):
-    raise ValueError(f"unknown fault {fault!r}: kill_rank:R, kill_node:I or link_down:I")
-  at = time.time()
-  getattr(rig, kind)(int(target))
-  return at
-
-
-def _read_log(path: str) -> list[dict]:
-  if not os.path.exists(path):
-    return []
-  with open(path, encoding="utf-8") as handle:
-    return [json.loads(line) for line in handle if line.strip()]
 
 
 def _restart_times(run: ShrinkRun, stamped: list[tuple[float, str]], times: list[float]) -> None:
@@ -155,27 +110,20 @@ def run_shrink(fault: str, env: dict[str, str], *, epochs: int = 3,
       command += ["--checkpoint-dir", os.path.join(tmp, "ckpt"), "--checkpoint-every", "8",
                   "--resume"]
       flags += ["--max-restarts", "1", "--cooldown", "600"]
-    argv = rig.launch_argv(command, PER_NODE, flags)
-    job = subprocess.Popen(argv, env=rig.launch_env(env), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, cwd=_REPO,
-                           start_new_session=True)
+    job = rig_faults.launch(rig, command, PER_NODE, flags, env)
     chain = [] if fault == "none" else fault.split("+")  # the i-th after epoch i's line
-    lines, times = [], []
+    times: list[float] = []
 
-    stamped = []
+    def on_line(line: str) -> None:
+      epoch = line.startswith("epoch ") and line.split()[1].split("/")[0]
+      if epoch and epoch.isdigit() and 1 <= int(epoch) <= len(chain):
+        hit = chain[int(epoch) - 1]
+        threading.Timer(1.0, lambda: times.append(rig_faults.inject(rig, hit))).start()
 
-    def read():
-      for line in job.stdout:
-        lines.append(line)
-        stamped.append((time.time(), line))
-        epoch = line.startswith("epoch ") and line.split()[1].split("/")[0]
-        if epoch and epoch.isdigit() and 1 <= int(epoch) <= len(chain):
-          hit = chain[int(epoch) - 1]
-          threading.Timer(1.0, lambda hit=hit: times.append(inject(rig, hit))).start()
-
-    ended = jobs.follow(job, read, timeout)
-    run = _outcome(ShrinkRun(fault, job.returncode), _read_log(log), times, ended,
-                   "".join(lines))
+    output = rig_faults.Output(job, on_line)
+    ended = output.follow(timeout)
+    run = _outcome(ShrinkRun(fault, job.returncode), rig_faults.read_jsonl(log), times, ended,
+                   output.text)
     if restart:
-      _restart_times(run, stamped, times)
+      _restart_times(run, output.stamped, times)
     return run

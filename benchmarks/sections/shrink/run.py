@@ -3,30 +3,13 @@
     python -m benchmarks shrink --on rig                 # docs/benchmarks/cluster/shrink.md
     python -m benchmarks shrink --quick --parts cost     # a smoke run (tests/test_fault_shrink.py)
 
-Parts (`--parts`, comma-separated; all by default):
-
-  * `faults`: an undisturbed `jdist train --shrink` on 2 nodes x 2 processes,
-    then one run per fault of `--faults` (`faults.FAULTS`: kill rank 3, kill
-    rank 0, kill node B, kill node A, node B's link down), each a second
-    after the first epoch: fault -> detected -> the survivors' next
-    completed step (the JSON log's "shrink" record), or fault -> the job's
-    end where it did not survive;
-  * `restart`: the same job under `jdist launch --max-restarts 1` (no
-    `--shrink`, checkpoints every 10 steps, `benchmarks.sections.elastic_restart`),
-    node B killed and node B's link down: fault -> "resumed from";
-  * `shrink_restart`: the job under `jdist launch --shrink --max-restarts 1`
-    with checkpoints every 8 steps (`--resume`), undisturbed, then one run
-    per fault of `--shrink-restart-faults` (node B killed, node B's link
-    down, rank 3 killed then node B): a lost rank is shrunk past, a lost
-    node ends the run and the job starts again on node A from the newest
-    checkpoint: last fault -> "resumed from step", -> its next epoch line;
-  * `cost`: `steploop` alternated under ULFM on and off (`cost.py`), on
-    shared memory and across the rig's nodes;
-  * `chaos`: `--chaos-faults` random kills under `--max-np 4`, one every
-    `--chaos-interval` seconds, the job growing back after each (`chaos.py`),
-    beside the same job undisturbed.
-
-Every row carries the machine's load average when it ran.
+Parts (`--parts`): `faults` (`jdist train --shrink` on 2 nodes x 2 processes, undisturbed,
+then each fault of `--faults` a second after the first epoch: fault -> detected -> the
+survivors' next step, or -> the job's end), `restart` (`--max-restarts 1` without
+`--shrink`: fault -> "resumed from"), `shrink_restart` (`--shrink --max-restarts 1`
+with checkpoints: a lost rank is shrunk past, a lost node restarts), `cost` (ULFM on
+and off, `cost.py`) and `chaos` (random kills under `--max-np 4`, `chaos.py`). Every
+row carries the load average. The runs: docs/multinode.md.
 """
 
 from __future__ import annotations
@@ -37,9 +20,12 @@ import os
 import statistics
 import sys
 import tempfile
+from typing import Callable, Iterable
 
 from benchmarks.harness import cluster
 from benchmarks.harness import outputs
+from benchmarks.harness import report
+from benchmarks.harness import rig_faults
 from benchmarks.sections import elastic_restart
 from benchmarks.sections.shrink import chaos
 from benchmarks.sections.shrink import cost
@@ -69,66 +55,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="chaos: also --max-restarts N with checkpoints (0: none)")
 
 
-def _env() -> dict[str, str]:
-  return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-              PYTHONPATH=os.pathsep.join(filter(None, [faults._REPO,  # pylint: disable=protected-access
-                                                       os.environ.get("PYTHONPATH")])),
-              XLA_FLAGS="--xla_force_host_platform_device_count=1")
-
-
-def run_faults(args: argparse.Namespace) -> list[dict]:
+def _rows(part: str, cases: Iterable, measure: Callable) -> list[dict]:
+  """One row per case: `measure(case)` (a dataclass or a dict) with the load average before it."""
   rows = []
-  for fault in ["none"] + [f for f in args.faults.split(",") if f]:
+  for case in cases:
     load = os.getloadavg()[0]
-    run = faults.run_shrink(fault, _env(), epochs=args.epochs,
-                            train_limit=480 if args.quick else None)
-    rows.append(dict(dataclasses.asdict(run), load=load))
-    print(f"shrink {fault}: {rows[-1]}", flush=True)
+    run = measure(case)
+    rows.append(dict(run if isinstance(run, dict) else dataclasses.asdict(run), load=load))
+    print(f"{part} {case}: {rows[-1]}", flush=True)
   return rows
 
 
-def run_restarts(args: argparse.Namespace) -> list[dict]:
-  rows = []
-  for fault in ("kill_node", "link_down"):
-    load = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as tmp, cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
-      train = elastic_restart.train_args(args.epochs, 8, os.path.join(tmp, "ckpt"),
-                                         os.path.join(tmp, "log.jsonl"), 10,
-                                         extra=["--timeout", "20"])
-      result = elastic_restart.run_job(rig, 2, train, fault_after_epoch=1, fault=fault,
-                                       timeout=600, env=_env())
-    rows.append({"fault": f"{fault}:1", "code": result["code"], "load": load,
-                 "resumed_s": result["resumed_s"], "next_epoch_s": result["next_epoch_s"]})
-    print(f"restart {fault}: {rows[-1]}", flush=True)
-  return rows
+def _restart(fault: str, epochs: int) -> dict:
+  """`elastic_restart.run_job` with `fault` on node B after the first epoch."""
+  with tempfile.TemporaryDirectory() as tmp, cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
+    train = elastic_restart.train_args(epochs, 8, os.path.join(tmp, "ckpt"),
+                                       os.path.join(tmp, "log.jsonl"), 10,
+                                       extra=["--timeout", "20"])
+    result = elastic_restart.run_job(rig, 2, train, fault_after_epoch=1, fault=fault,
+                                     timeout=600, env=rig_faults.train_env())
+  return {"fault": f"{fault}:1", "code": result["code"], "resumed_s": result["resumed_s"],
+          "next_epoch_s": result["next_epoch_s"]}
 
 
-def run_shrink_restarts(args: argparse.Namespace) -> list[dict]:
-  rows = []
-  for fault in ["none"] + [f for f in args.shrink_restart_faults.split(",") if f]:
-    load = os.getloadavg()[0]
-    run = faults.run_shrink(fault, _env(), epochs=args.epochs, restart=True,
-                            train_limit=480 if args.quick else None)
-    rows.append(dict(dataclasses.asdict(run), load=load))
-    print(f"shrink_restart {fault}: {rows[-1]}", flush=True)
-  return rows
-
-
-def run_chaos(args: argparse.Namespace) -> list[dict]:
-  rows = []
-  for count in (0, args.chaos_faults):  # undisturbed first: goodput's reference
-    load = os.getloadavg()[0]
-    run = chaos.run_chaos(count, _env(), epochs=args.chaos_epochs,
-                          interval=args.chaos_interval, timeout=7200,
-                          restarts=args.chaos_restarts)
-    rows.append(dict(dataclasses.asdict(run), load=load))
-    print(f"chaos {count}: {rows[-1]}", flush=True)
-  return rows
+def run_part(args: argparse.Namespace, part: str) -> list[dict]:
+  """The rows of `part` (any but `cost`)."""
+  env, limit = rig_faults.train_env(), 480 if args.quick else None
+  chosen = lambda text: ["none"] + [f for f in text.split(",") if f]  # noqa: E731
+  plans = {
+      "faults": (chosen(args.faults), lambda fault: faults.run_shrink(
+          fault, env, epochs=args.epochs, train_limit=limit)),
+      "restart": (("kill_node", "link_down"), lambda fault: _restart(fault, args.epochs)),
+      "shrink_restart": (chosen(args.shrink_restart_faults), lambda fault: faults.run_shrink(
+          fault, env, epochs=args.epochs, restart=True, train_limit=limit)),
+      "chaos": ((0, args.chaos_faults), lambda count: chaos.run_chaos(  # undisturbed first
+          count, env, epochs=args.chaos_epochs, interval=args.chaos_interval, timeout=7200,
+          restarts=args.chaos_restarts))}
+  return _rows(part, *plans[part])
 
 
 def run_cost(args: argparse.Namespace) -> dict[str, list[dict]]:
   rounds, steps, warmup = (1, 10, 3) if args.quick else (args.rounds, args.steps, 8)
-  env = _env()
+  env = rig_faults.train_env()
   print("cost, shared memory (2 processes on this host):", flush=True)
   found = {"shm": cost.alternate(cost.shm_starter(env), rounds, steps, warmup)}
   if not args.quick:
@@ -151,16 +119,9 @@ def main(args: argparse.Namespace) -> int:
       return 1
   results = {"command": args.command, "quick": args.quick, "epochs": args.epochs,
              "chaos_epochs": args.chaos_epochs}
-  if "faults" in parts:
-    results["faults"] = run_faults(args)
-  if "restart" in parts:
-    results["restart"] = run_restarts(args)
-  if "shrink_restart" in parts:
-    results["shrink_restart"] = run_shrink_restarts(args)
-  if "cost" in parts:
-    results["cost"] = run_cost(args)
-  if "chaos" in parts:
-    results["chaos"] = run_chaos(args)
+  for part in PARTS:
+    if part in parts:
+      results[part] = run_cost(args) if part == "cost" else run_part(args, part)
   names = outputs.write_report(args.out, results, markdown, json_name="shrink.json",
                                md_name="shrink.md")
   print(f"wrote {', '.join(os.path.join(args.out, n) for n in names)}")
@@ -179,12 +140,6 @@ def _result_cells(row: dict) -> tuple[str, str, str]:
   return accuracy, losses, kept
 
 
-def _table(columns: list[str], cells: list[list[str]]) -> list[str]:
-  """A markdown table's lines."""
-  return ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns),
-          *("| " + " | ".join(row) + " |" for row in cells)]
-
-
 def _fault_rows(rows: list[dict]) -> list[str]:
   cells = []
   for row in rows:
@@ -196,7 +151,7 @@ def _fault_rows(rows: list[dict]) -> list[str]:
     cells.append([row["fault"], str(row["code"]), _seconds(row["fault_to_detected_s"]),
                   f"**{resumed}**", ended, str(row["lost_ranks"] or "-"), kept, accuracy, losses,
                   f"{row['load']:.1f}"])
-  return _table(["fault", "exit", "fault -> detected", "fault -> next completed step",
+  return report.table(["fault", "exit", "fault -> detected", "fault -> next completed step",
                  "fault -> job ended (not survived)", "lost ranks", "steps, replicas at the end",
                  "final test accuracy", "train loss per epoch", "load"], cells)
 
@@ -210,7 +165,7 @@ def _shrink_restart_rows(rows: list[dict]) -> list[str]:
                   f"**{_seconds(row.get('fault_to_first_step_s'))}**",
                   _seconds(row["fault_to_next_epoch_s"]), kept, accuracy, losses,
                   f"{row['load']:.1f}"])
-  return _table(["faults", "exit", "shrunk past (lost ranks)", "restarts",
+  return report.table(["faults", "exit", "shrunk past (lost ranks)", "restarts",
                  'last fault -> "resumed from step"', "last fault -> first step after it",
                  "last fault -> next epoch done",
                  "steps, replicas at the end", "final test accuracy", "train loss per epoch",
@@ -218,31 +173,27 @@ def _shrink_restart_rows(rows: list[dict]) -> list[str]:
 
 
 def _cost_rows(found: dict[str, list[dict]]) -> list[str]:
-  lines = ["| placement | config | runs | mean step (ms), median of runs | mean exchange (ms), median of runs | "
-           "loads |", "| --- | --- | --- | --- | --- | --- |"]
+  body = []
   for placement, records in found.items():
     for config in cost.CONFIGS:
       mine = [r for r in records if r["config"] == config]
       if mine:
-        lines.append(
-            f"| {placement} | {config} | {len(mine)} | "
-            f"{statistics.median(r['step_s'] for r in mine) * 1e3:.1f} | "
-            f"{statistics.median(r['exchange_s'] for r in mine) * 1e3:.1f} | "
-            f"{min(r['load'] for r in mine):.1f}-{max(r['load'] for r in mine):.1f} |")
+        body.append([placement, config, len(mine),
+                     f"{statistics.median(r['step_s'] for r in mine) * 1e3:.1f}",
+                     f"{statistics.median(r['exchange_s'] for r in mine) * 1e3:.1f}",
+                     f"{min(r['load'] for r in mine):.1f}-{max(r['load'] for r in mine):.1f}"])
     step, exchange = cost.ratios(records), cost.ratios(records, "exchange_s")
-    lines.append(f"| {placement} | **ratio** (median of per-round ratios) | | "
-                 + ", ".join(f"{k} {v:.3f}" for k, v in step.items()) + " | "
-                 + ", ".join(f"{k} {v:.3f}" for k, v in exchange.items()) + " | |")
-  return lines
+    body.append([placement, "**ratio** (median of per-round ratios)", "",
+                 ", ".join(f"{k} {v:.3f}" for k, v in step.items()),
+                 ", ".join(f"{k} {v:.3f}" for k, v in exchange.items()), ""])
+  return report.table(["placement", "config", "runs", "mean step (ms), median of runs",
+                       "mean exchange (ms), median of runs", "loads"], body)
 
 
 def _chaos_rows(rows: list[dict]) -> list[str]:
-  lines = ["| kills | exit | hung | shrinks | grows | restarts | replicas bit-identical after each | "
-           "median detected -> next step | median growth: started -> joined (the members' "
-           "part) | steps, replicas at the end | final test accuracy | wall | goodput | cost "
-           "per kill | load |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   calm = rows[0]["wall_s"] if rows and rows[0]["kills"] == 0 else None
+  median = lambda values: _seconds(statistics.median(values)) if values else "-"  # noqa: E731
+  body = []
   for row in rows:
     accuracy = "-" if row["test_accuracy"] is None else f"{row['test_accuracy']:.2%}"
     goodput = cost_per = "-"
@@ -253,14 +204,16 @@ def _chaos_rows(rows: list[dict]) -> list[str]:
     if calm and row["wall_s"] and row["kills"] and finished:
       goodput = f"{calm / row['wall_s']:.1%}"
       cost_per = _seconds((row["wall_s"] - calm) / row["kills"])
-    median = lambda values: _seconds(statistics.median(values)) if values else "-"  # pylint: disable=unnecessary-lambda-assignment
-    lines.append(f"| {row['kills']} | {row['code']} | {row['hung']} | {row['shrinks']} | "
-                 f"{row['grows']} | {row.get('restarts', 0)} | {row['digests_equal']} | "
-                 f"{median(row['resumed_s'])} | "
-                 f"{median(row['grow_s'])} ({median(row.get('take_in_s'))}) | "
-                 f"{row['steps']}, {row['replicas']} | {accuracy} | "
-                 f"{_seconds(row['wall_s'])} | {goodput} | {cost_per} | {row['load']:.1f} |")
-  return lines
+    body.append([row["kills"], row["code"], row["hung"], row["shrinks"], row["grows"],
+                 row.get("restarts", 0), row["digests_equal"], median(row["resumed_s"]),
+                 f"{median(row['grow_s'])} ({median(row.get('take_in_s'))})",
+                 f"{row['steps']}, {row['replicas']}", accuracy, _seconds(row["wall_s"]),
+                 goodput, cost_per, f"{row['load']:.1f}"])
+  return report.table(
+      ["kills", "exit", "hung", "shrinks", "grows", "restarts",
+       "replicas bit-identical after each", "median detected -> next step",
+       "median growth: started -> joined (the members' part)", "steps, replicas at the end",
+       "final test accuracy", "wall", "goodput", "cost per kill", "load"], body)
 
 
 def markdown(results: dict) -> str:
@@ -273,23 +226,18 @@ def markdown(results: dict) -> str:
           + ", `--timeout 20`.\n"]
   if results.get("note"):  # added by hand to a sitting's JSON (then re-rendered)
     text.append(results["note"] + "\n")
-  if "faults" in results:
-    text += ["## `--shrink`: fault -> the survivors' next completed step\n",
-             *_fault_rows(results["faults"]), ""]
-  if "restart" in results:
-    text += ["## `--max-restarts 1` (no `--shrink`), the same sitting\n",
-             "| fault | exit | fault -> \"resumed from\" | fault -> next epoch done | load |",
-             "| --- | --- | --- | --- | --- |",
-             *(f"| {r['fault']} | {r['code']} | {_seconds(r['resumed_s'])} | "
-               f"{_seconds(r['next_epoch_s'])} | {r['load']:.1f} |" for r in results["restart"]),
-             ""]
-  if "shrink_restart" in results:
-    text += ["## `--shrink --max-restarts 1`, checkpoints every 8 steps: a lost node restarts, "
-             "a lost rank is shrunk past\n", *_shrink_restart_rows(results["shrink_restart"]), ""]
-  if "cost" in results:
-    text += ["## ULFM's steady-state cost (`steploop`, alternated)\n",
-             *_cost_rows(results["cost"]), ""]
-  if "chaos" in results:
-    text += ["## Chaos: random kills, `--max-np 4` (the job grows back after each)\n",
-             *_chaos_rows(results["chaos"]), ""]
+  restarts = [[r["fault"], r["code"], _seconds(r["resumed_s"]), _seconds(r["next_epoch_s"]),
+               f"{r['load']:.1f}"] for r in results.get("restart", [])]
+  for part, title, rows in (
+      ("faults", "`--shrink`: fault -> the survivors' next completed step", _fault_rows),
+      ("restart", "`--max-restarts 1` (no `--shrink`), the same sitting", lambda _: report.table(
+          ["fault", "exit", 'fault -> "resumed from"', "fault -> next epoch done", "load"],
+          restarts)),
+      ("shrink_restart", "`--shrink --max-restarts 1`, checkpoints every 8 steps: a lost node "
+       "restarts, a lost rank is shrunk past", _shrink_restart_rows),
+      ("cost", "ULFM's steady-state cost (`steploop`, alternated)", _cost_rows),
+      ("chaos", "Chaos: random kills, `--max-np 4` (the job grows back after each)",
+       _chaos_rows)):
+    if part in results:
+      text += [f"## {title}\n", *rows(results[part])]
   return "\n".join(text) + "\n"
