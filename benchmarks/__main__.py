@@ -1,16 +1,11 @@
 """The one entry point of the benchmarks: `python -m benchmarks SECTION [--on WHERE] [options]`.
 
     python -m benchmarks list                      # the sections and where each runs
-    python -m benchmarks suite [--quick] [--only allreduce,network]
-    python -m benchmarks [--quick]                 # the same: the suite
-    python -m benchmarks network --on shaped|rig [--quick] [--links ...]
+    python -m benchmarks [suite] [--quick]         # the suite
     python -m benchmarks SECTION --help            # a section's options
 
-Sections declare themselves in `benchmarks.sections` (found by
-`benchmarks.registry`); this module builds the one
-parser: the common options (`--on`, and `--out`, `--quick` for the sections
-that write reports / have a smoke run) and each section's own
-(`add_arguments`), then calls the section's `check` and `main`.
+The parser holds the common options (`--on`; `--out`, `--quick` where the run has them)
+and the section's own (`add_arguments`), then calls its `check` and `main`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Every benchmark section, found where it declares itself; `python -m benchmarks list`.
 
-Each module or package of `benchmarks.sections` defines `SECTION` (a
-`benchmarks.harness.section.Section`); `all_sections()` is them in the order
-of `ORDER` (then by name), and after them the internal per-rank programs the
-jobs start themselves (`PROGRAMS`: `worker`, `torch_peer`), declared here
-because they belong to the harness, which never imports a section. A job's
-ranks look up only `PROGRAMS`, so they do not import every section.
+Each module or package of `benchmarks.sections` defines `SECTION`; `all_sections()` lists
+them in `ORDER`, then the harness's per-rank programs (`PROGRAMS`), which a job's ranks
+look up without importing every section.
 """
 
 from __future__ import annotations

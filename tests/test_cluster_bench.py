@@ -26,7 +26,7 @@ from tests import launch
 
 @pytest.fixture(scope="module")
 def rig_ready():
-  launch.require(cluster_bench.missing(), "the cluster rig")
+  launch.require(cluster.missing_requirements(), "the cluster rig")
 
 
 def _positive(value) -> bool:

@@ -1,7 +1,6 @@
-"""From the jobs' raw rows to the figures the report shows, and the targets.
+"""The suite's analysis: from the jobs' rows to the report's figures and the targets.
 
-Every ratio here divides two numbers measured in the same job, interleaved
-(see `timing`), so both sides saw the same machine load.
+Every ratio divides two numbers measured interleaved in the same job.
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
 """A cluster of nodes on one machine: network namespaces on a bridge, launched by `mpirun --hostfile`.
 
-Each node is a network namespace with its own veth link into a bridge in the
-root namespace, its own address (10.<subnet>.0.<i+1>) and, for the processes
-launched on it, its own hostname (a UTS namespace): Open MPI then sees
-separate hosts, so ranks on one node use shared memory (`sm`) and ranks on
-different nodes use TCP over the node's link. Each link can be shaped with a
-token bucket (`tc tbf`) on both ends of its veth, so a node's ranks share its
-bandwidth in each direction, as on a real node's NIC.
-
     with cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
-      result = rig.mpirun(["python", "train.py"], processes_per_node=2)
+      rig.popen(["python", "train.py"], processes_per_node=2)
       rig.link_down(1)        # faults: link_down, kill_node, partition
 
-`mpirun` itself runs in the root namespace (the bridge's address is its
-out-of-band address); it starts its daemons on the nodes through a launch
-agent, a small script this module writes, instead of ssh. Nothing leaves the
-machine: the bridge has no uplink, and every address is one of the rig's.
-
-Making one needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN), iproute2's `ip`,
-`tc` and `bridge`, and util-linux's `unshare`; `missing_requirements` says
-what is absent, so callers skip with a reason. Every exit path deletes the
-namespaces, veths and bridge, after killing what runs on the nodes (a lost
-node's daemons stay behind otherwise and hold stdout pipes open);
-`remove_stale` clears what a SIGKILLed run left.
+Each node is a namespace with its own address, hostname (a UTS namespace) and veth
+into a bridge, shaped by `tc tbf` on both ends; `mpirun` runs in the root namespace and
+starts its daemons through a launch agent instead of ssh. Needs root, iproute2 and
+`unshare` (`missing_requirements`); every exit path removes what it built, and
+`remove_stale` what a SIGKILLed run left. See docs/multinode.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The benchmark jobs and how the driver runs them.
 
-A job is one topology (processes x local devices) and the sections measured
-in it. Single-process jobs run as `python -m benchmarks worker`; the others
-under `mpirun -np P --oversubscribe` (plus `--allow-run-as-root` as root).
-Every job has a hard timeout; each rank writes a JSON file into a temporary
-directory and `merge_ranks` folds them into one result: a collective takes
-as long as its slowest rank, so durations (`*_s`) are the maximum over
-ranks, and every other field is rank 0's.
+A job is one topology (processes x local devices) and the measurements run in it, as
+`python -m benchmarks worker` (under `mpirun -np P --oversubscribe` for P > 1), with a
+hard timeout. `merge_ranks` folds the ranks' JSON files into one result: durations
+(`*_s`) are the maximum over ranks, every other field rank 0's.
 """
 
 from __future__ import annotations
@@ -43,14 +40,15 @@ class Job:
   mpirun_args: tuple[str, ...] = ()  # extra mpirun options (e.g. MCA parameters)
 
 
-def mpirun_binary() -> str:
-  here = os.path.join(os.path.dirname(sys.executable), "mpirun")
-  return here if os.path.exists(here) else (shutil.which("mpirun") or "mpirun")
+def binary(name: str) -> str:
+  """The console script `name` beside this interpreter, else on PATH (mpirun, torchrun)."""
+  here = os.path.join(os.path.dirname(sys.executable), name)
+  return here if os.path.exists(here) else (shutil.which(name) or name)
 
 
 def mpirun_argv(processes: int) -> list[str]:
   """`mpirun -np PROCESSES --oversubscribe` on this host (`--allow-run-as-root` as root)."""
-  argv = [mpirun_binary(), "-np", str(processes), "--oversubscribe"]
+  argv = [binary("mpirun"), "-np", str(processes), "--oversubscribe"]
   return argv + (["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else [])
 
 

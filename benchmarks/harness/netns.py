@@ -1,25 +1,10 @@
 """A cluster network on one machine: a private network namespace, its loopback shaped by `tc`.
 
-Every rank of a job runs inside one fresh network namespace whose only
-interface is its own loopback; `tc` limits that loopback's rate (a token
-bucket, `tbf`) and optionally delays every packet (`netem`). Both ranks share
-the one link, as two hosts behind one switch port would share their uplink:
-a 2-rank all-reduce of S bytes moves about 2 S bytes through it.
-
-    with netns.shaped_namespace(netns.Link("1gbit", rate_mbit=1000)) as name:
-      subprocess.run(netns.exec_prefix(name) + mpirun_argv + netns.MPI_TCP_ARGS + ...)
-
-Traffic never leaves the namespace: it has no other interface and nothing
-in it addresses anything but its loopback. Creating one needs root (or
-CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2's `ip` and `tc`;
-`missing_requirements` says what is absent so callers can skip with a reason.
-
-Namespaces are named `jdist-net-<pid>-<n>` (unique per process, so parallel
-runs never collide) and deleted on every way out of `shaped_namespace`:
-normal exit, exceptions, Ctrl-C, and SIGTERM once `terminate_on_sigterm` is
-installed. Any process still inside is killed first (only processes in that
-namespace, which this module created). `remove_stale` deletes namespaces a
-killed run (SIGKILL) left behind: those whose creating pid is gone.
+Every rank of a job runs in one namespace whose loopback is rate-limited (`tbf`) and
+optionally delayed (`netem`), so MPI over TCP and gloo cross an emulated link. Needs
+root and iproute2 (`missing_requirements`); namespaces are deleted on every way out of
+`shaped_namespace` (SIGTERM too, with `terminate_on_sigterm`), and `remove_stale`
+deletes those of killed runs.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""Writes every benchmark report: the results as JSON, the Markdown its renderer makes,
-and each rank's results file (`Recorder`).
-
-Each section's run names its renderer (`Run(report=...)`, benchmarks.harness.section);
-the sections hand their results here, so a report file has one writer.
-"""
+"""Writes every benchmark report: results JSON, its Markdown and each rank's file (`Recorder`)."""
 
 from __future__ import annotations
 

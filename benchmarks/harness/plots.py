@@ -1,8 +1,4 @@
-"""PNG figures of the summary (matplotlib, Agg backend: no display needed).
-
-matplotlib is imported on the first figure (`_pyplot`), so listing or parsing the
-sections does not pay for it.
-"""
+"""PNG figures of the summaries (matplotlib's Agg backend, imported at the first figure)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ def _cpu_model() -> str:
 
 def _open_mpi_version() -> str:
   try:
-    out = subprocess.run([jobs_lib.mpirun_binary(), "--version"], capture_output=True,
+    out = subprocess.run([jobs_lib.binary("mpirun"), "--version"], capture_output=True,
                          text=True, timeout=30, check=False).stdout
   except (OSError, subprocess.TimeoutExpired) as err:
     return f"unknown ({err})"

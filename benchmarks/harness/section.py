@@ -1,28 +1,10 @@
 """What a benchmark section is: `Section`, its `Run`s, and `UsageError`.
 
-A section is something a user runs: `python -m benchmarks SECTION [--on
-WHERE] [options]`. It declares itself: each module or package of
-`benchmarks.sections` defines `SECTION = Section(...)`, and
-`benchmarks.registry` finds them by iterating that package. WHERE is how it
-reaches other processes:
-
-  * `host`: on this machine; the command starts its own jobs (mpirun over
-    shared memory) where it has any;
-  * `mpirun`: every rank runs the command, so start it under mpirun
-    (`bash scripts/mpirun.sh -np 2 python -m benchmarks SECTION`);
-  * `shaped`: over `tc`-shaped links of a network namespace on one host
-    (`benchmarks.harness.netns`; root);
-  * `rig`: on the cluster rig, nodes of network namespaces with their own
-    hostnames behind a shaped bridge (`benchmarks.harness.cluster`; root).
-
-The same section on two kinds of link is one section with two runs: the
-network benchmark runs on the shaped single-host links or on the rig.
-
-A run is a module with `main(args) -> int` and, where it has options of its
-own, `add_arguments(parser)` and `check(args)` (raises `UsageError`); only
-`benchmarks.__main__` builds the parser. A run's `report` is the one function
-that renders its Markdown report; `benchmarks.harness.outputs` writes every
-report file.
+A section runs in one or more places (`--on`): `host` (this machine; jobs over shared
+memory), `mpirun` (every rank runs the command), `shaped` (`tc`-shaped links of a network
+namespace, `netns`; root) or `rig` (nodes of network namespaces, `cluster`; root). A run
+is a module with `main(args) -> int` and optionally `add_arguments(parser)` and
+`check(args)`; its `report` renders its Markdown, which `outputs` writes.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """Timing helpers shared by every benchmark: warm-up, interleaving, medians.
 
-Every measurement here follows the same rules:
-
-* the timed call's result is waited for (`jax.block_until_ready`), so the
-  clock covers the computation, not only its dispatch;
-* each variant runs `warmup` times first (compilation, allocation, caches);
-* variants that are compared run interleaved, round-robin, in the same
-  process, so a noisy neighbour slows all of them alike;
-* the reported time is the median of the repeats.
-
-Collective steps must be called the same number of times in the same order
-on every rank, so repeat counts are computed from sizes (`repeats_for`),
-never from timings that may differ between ranks.
+Every timed call is waited for (`block_until_ready`); variants compared run interleaved
+round-robin after `warmup` rounds; the reported time is the median. Repeat counts follow
+from sizes (`repeats_for`), never from timings, so every rank runs as many.
 """
 
 from __future__ import annotations

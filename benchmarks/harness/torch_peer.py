@@ -1,19 +1,12 @@
 """The PyTorch peer: DDP (gloo) on SINGA's CNN.
 
-`benchmarks.sections.network.steps` builds these trainers inside its own
-processes (`init`, `Trainer`), so DDP and jdist steps interleave under the same
-load. It also runs alone, one rank per process (under mpirun or torchrun; rank
-and size from their environment):
+`network.steps` builds its `Trainer`s inside its own processes, so DDP and jdist steps
+interleave; alone it is one rank per process (mpirun or torchrun), writing
+`PREFIX.rank<R>.json` in the worker's format (section "torch"):
 
     mpirun -np 2 python -m benchmarks torch_peer --out PREFIX --config JSON
 
-`SingaCNN` is `jdist.app.models.CNN` layer for layer; the variants (`wrap`) are
-`compute` (no DDP), `ddp`, `ddp_fp16` (the fp16 compression hook) and
-`ddp_powersgd` (rank 1). torch is a benchmark-only extra
-(`pip install -e .[torch-peer]`), never a jdist dependency. Writes
-`PREFIX.rank<R>.json` in the worker's format (section "torch"). Options:
-`per_process_batch`, `threads` (default cores / processes), `repeats`,
-`warmup`, `variants`.
+torch is the benchmark-only extra `torch-peer`, never a jdist dependency.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
-"""One benchmark job's process: `python -m benchmarks worker --out PREFIX --config JSON`.
+"""One benchmark job's rank: `python -m benchmarks worker --out PREFIX --config JSON`.
 
-The driver (`python -m benchmarks`) starts it, under `mpirun` for
-multi-process jobs, with the device count already in `XLA_FLAGS`. It sets up
-jdist (the backend named in the config), runs the sections named in the
-config in order, and writes this rank's results to `PREFIX.rank<R>.json`;
-the driver merges the ranks.
-
-A section is a generator `run(ctx)` that yields one row (a dict) per
-measurement, durations under keys ending in `_s`. The file is rewritten after
-every row, so when a job hangs and the driver kills it, what was measured
-and where it stopped survive. A section that raises is recorded as an error
-and the next one runs (every rank raises alike: same code, same shapes).
+Initializes jdist (the config's backend), runs the config's measurements (modules with
+`NAME` and a generator `run(ctx)` of rows) in order and records them in
+`PREFIX.rank<R>.json` (`outputs.Recorder`); the driver merges the ranks (`jobs`).
 """
 
 from __future__ import annotations

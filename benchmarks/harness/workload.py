@@ -1,21 +1,9 @@
 """Models, data and training steps the benchmarks time.
 
-Models are named so every job builds the same one: SINGA's MNIST CNN
-(`jdist.app.models.CNN`) and MLPs (`jdist.app.models.MLP`) on 28x28x1 inputs
-whose widths set the parameter count (~1M and ~10M, plus tiny ones for the
-smoke run).
-
-Steps on the same model and data:
-  * `jdist_step`: `jdist.data_parallel` + the transformation given (usually
-    `jdist.dist_opt(optax.sgd(...))`), the way a user writes it;
-  * `jit_step`: the same written as a `jax.jit` step over global arrays
-    (the quickstart's); `StyleSetup` places one global batch for both;
-  * `pmap_step`: the hand-written `jax.pmap(axis_name="i")` + `lax.pmean`
-    step that jdist's overhead is measured against (one process only);
-  * `shard_map_step`: the same written as `jax.jit(jax.shard_map(...))`,
-    what new JAX code writes instead of pmap (one process only);
-  * `compute_step`: the same step with no reduction at all, for the compute
-    part of a step's time.
+Models by name (`MODELS`: SINGA's CNN and MLPs of ~1M and ~10M parameters, tiny ones for
+smoke runs); steps on the same model and data: `jdist_step` (a user's `data_parallel`
+step), `jit_step` (a jit step over global arrays), the hand-written `pmap_step`,
+`shard_map_step` and `mpi4jax_step`, and `compute_step` (no reduction of its own).
 """
 
 from __future__ import annotations

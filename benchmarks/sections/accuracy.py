@@ -1,23 +1,11 @@
-"""Section 6: test accuracy against compression (a longer, separate run).
+"""Test accuracy against compression (a longer, separate run).
 
     python -m benchmarks accuracy [--epochs 4] [--dataset auto] [--modes ...]
 
-Trains SINGA's CNN (`jdist.app.models`) with `jdist.dist_opt(optax.sgd(0.005,
-momentum=0.9))` in each mode (plain, fp16, top-K 1% with error feedback,
-top-K 1% with DGC momentum correction (`optax.sgd(0.005)`,
-`momentum_correction=0.9`), partial sync of 4 chunks) on 2 processes (`mpirun -np 2`, one device each),
-from the same initial parameters and the same data order, and records the
-test accuracy after every epoch. The data: Fashion-MNIST where Debian's
-`dataset-fashion-mnist` package put it (/usr/share/datasets/fashion-mnist),
-else scikit-learn's 8x8 digits.
-
-The default (4 epochs of Fashion-MNIST per mode) took 26.5 minutes on the
-2-core machine; it writes accuracy.json and accuracy.md into --out
-(default docs/benchmarks) and is meant to run in the background:
-
-    nohup .venv/bin/python -m benchmarks accuracy > /tmp/accuracy.log 2>&1 &
-
-`--epochs 1 --limit 6000` is a quick check that the whole path works.
+SINGA's CNN with `jdist.dist_opt(optax.sgd(0.005, momentum=0.9))` in each mode on 2
+processes, from the same parameters and data order; test accuracy after every epoch.
+Fashion-MNIST where Debian's `dataset-fashion-mnist` is installed, else digits. The
+default takes about 27 minutes on 2 cores; `--epochs 1 --limit 6000` is a quick check.
 """
 
 from __future__ import annotations

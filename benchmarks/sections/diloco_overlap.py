@@ -3,39 +3,12 @@
     python -m benchmarks diloco_overlap [--links 1gbit,100mbit] [--rounds 8]
         [--sync-every 32] [--fragments 4] [--delay 4] [--payload int4|sparse|...]
 
-Each link gets a 2x1 job in a shaped namespace (root), on SINGA's CNN
-(431,080 parameters) with 64 images per replica, inner optimizer SGD. Three
-variants train in blocks of `--sync-every` consecutive steps, the variants
-alternating block by block for `--rounds` rounds:
-
-  * `compute`: the same step with no exchange at all (the compute floor);
-  * `no_sync`: the DiLoCo step of the other variants (its bookkeeping, the
-    loss mean every step) with a sync period longer than the run, so it
-    never syncs: the reference for the outer sync's own cost;
-  * `in_step`: `jdist.diloco(..., fragments=P, delay=0)`: each fragment's
-    averaged pseudo-gradient is exchanged inside the step that starts it, so
-    a sync step waits for the wire;
-  * `background`: `delay=τ`: on the native route the fragment's sum is
-    started in the sync step and read τ steps later (`jdist.collectives.
-    deferred`), while the inner steps in between compute.
-
-`--payload` is what the pseudo-gradient crosses as in the three DiLoCo
-variants (`jdist.diloco(payload=...)`: float32 by default, `int8`, `int4`,
-`sparse[:fraction]`). The issue's compute utilization of a syncing run is
-`no_sync`'s block time over the variant's (`1 / (1 + sync_share)`).
-
-A block is timed from its first dispatch to its last result, so a block's
-time per step is the inner step time with the outer syncs of that block
-included. Blocks start after `τ + 1` warm-up steps past a multiple of H / P,
-so every exchange a block starts is also read inside it (checked: the row
-says how many were still in flight at the block's end). Each variant's
-exposed sync time is its block time minus the `compute` block of the same
-round, over `compute`'s (median over rounds); its outer sync's share
-(`sync_share`) is the same against the `no_sync` block of the round.
-
-The pacing A/B of docs/diloco.md (an `unpaced` variant, the engine's
-per-exchange trace of an untimed block) was measured before commit 96c4069
-(`git show 96c4069:benchmarks/sections/diloco_overlap.py`), since removed.
+Per link, a 2x1 job in a shaped namespace trains SINGA's CNN in blocks of `--sync-every`
+steps, alternating block by block: `compute` (no exchange), `no_sync` (the DiLoCo step
+never syncing), `in_step` (`delay=0`) and `background` (`delay=τ`). A variant's exposed
+sync time is its block minus the round's `compute` block; `sync_share` the same against
+`no_sync`. The method and the runs: docs/diloco.md. The pacing A/B there was measured
+before commit 96c4069 (`git show 96c4069:benchmarks/sections/diloco_overlap.py`).
 """
 
 from __future__ import annotations

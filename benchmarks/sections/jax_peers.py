@@ -4,22 +4,11 @@
     sudo .venv/bin/python -m benchmarks jax_peers --on shaped --link 1gbit
     sudo .venv/bin/python -m benchmarks jax_peers --on rig [--rig-rate 1000]
 
-SINGA's CNN, one global batch of 64 rows, SGD, in 2x1 and 2x2. Each round runs
-two jobs back to back: the `jdist` job (`jdist_jit`: the quickstart's jit step
-over global arrays; `jdist_dp`: the same under `data_parallel`; `mpi4jax`, one
-device per process: a hand-written step with one `mpi4jax.allreduce`; `floor`:
-no exchange), its variants interleaved; and the `gloo` job, plain JAX
-multi-controller (`jax_gloo`: one mesh over every process's devices, XLA's
-all-reduce over Gloo). Reported: per-step medians and paired ratios over the
-rounds, 16 MiB all-reduces, loopback bytes per step (`/proc/net/dev` inside a
-private namespace when root) and the losses after 20 steps, which must agree
-(relative 1e-5). The runs: docs/jax_processes.md (against plain JAX).
-
-On the rig (`--on rig`: two nodes of network namespaces with their own host
-names behind a bridge shaped to `--rig-rate` Mbit/s per node) a topology's
-processes are split over the two nodes, so 2x1 and 2x2 put one process on
-each node and every cross-process byte crosses the bridge; the loopback
-bytes are then each node's own (none cross it).
+Each round runs two jobs back to back: `jdist` (`jdist_jit`, `jdist_dp`, `mpi4jax`,
+`floor`, interleaved) and `gloo` (`jax_gloo`: XLA's all-reduce over Gloo). Reported:
+step medians and paired ratios, 16 MiB all-reduces, loopback bytes per step and the
+losses after 20 steps (which must agree). On the rig a topology's processes are split
+over its two nodes. The runs: docs/jax_processes.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """The two step styles, timed against each other: a jit step over global arrays / `data_parallel`.
 
-Under mpirun (2x1, 2x2) each process trains the same model on the same global
-batch both ways, interleaved step by step (`timing.interleaved`):
-
-  * `data_parallel`: `jdist.data_parallel` + `jdist.dist_opt(optax.sgd)`, the
-    batch as [local_devices, per_replica, ...] (`workload.jdist_step`);
-  * `jit`: `jax.jit` over global arrays under `jax.set_mesh(jdist.mesh())`,
-    parameters replicated and this process's rows sharded over the mesh
-    (`jdist.shard_global_batch`), the same transformation (the README's
-    quickstart step).
-
-Models: SINGA's MNIST CNN (`workload.build("cnn")`) and a small transformer
-classifier (2 pre-norm blocks, embedding 64, sequence 64, 4 heads). Each row
-gives both medians, the ratio of medians and the median of per-round ratios
-(jit / data_parallel), the route each style took and the load average.
-
   bash scripts/mpirun.sh -np 2 -x XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
       python -m benchmarks styles [--repeats 40] [--global-batch 64] [--models cnn,transformer]
+
+Each process trains SINGA's CNN and a small transformer classifier on the same global
+batch both ways, interleaved step by step; each row gives both medians, their ratios
+(jit / data_parallel), the routes and the load average. The runs: docs/topologies.md.
 """
 
 from __future__ import annotations

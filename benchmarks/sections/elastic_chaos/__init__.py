@@ -1,5 +1,4 @@
-"""The elastic chaos section: one `jdist train` under `jdist launch` through many
-faults on the rig (`run`); `checkpoints` reads what the run left behind."""
+"""The elastic chaos section: one `jdist train` through many faults on the rig (`run`)."""
 
 from benchmarks.harness.section import Run, section
 from benchmarks.sections.elastic_chaos import run

@@ -1,17 +1,8 @@
 """The chaos run's and its replay's checkpoints: kept as they appear, compared step by step.
 
-`jdist train` keeps 3 persistent checkpoints and 2 local ones, so by the end
-of `benchmarks/sections/elastic_chaos/run.py` the steps where the chaos run and its
-fault-free replay first parted are gone. `Archive` copies every complete
-checkpoint of the watched directories as soon as it appears (a thread);
-`compare` then lines up the chaos run's copies with the replay's at the
-same steps and finds the first step where their parameters differ by more
-than the tolerance, and `segment_of` says which run of the chaos job
-trained up to it.
-
-Both tiers are read without a `jdist` world: a persistent checkpoint is
-orbax's `state` item (`leaf_00000`, ...) beside its JSON record (`jdist`),
-a local one `arrays.npz` (bytes) beside `record.json`.
+`Archive` copies every complete checkpoint as it appears (the runs keep only the newest
+few); `compare` finds the first step where the two differ by more than the tolerance
+and `segment_of` the run that trained up to it. Both tiers are read without a jdist world.
 """
 
 from __future__ import annotations

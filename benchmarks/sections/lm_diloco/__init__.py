@@ -1,6 +1,6 @@
-"""The language-model section: a small transformer's validation loss at equal tokens
-and time to a loss, DiLoCo against plain over shaped links (`run`); `train` is
-the worker measurement, `workload` the model and corpus, `report` the report."""
+"""The language-model section: DiLoCo against plain on a small transformer over shaped
+links (`run`; `train` the worker measurement, `workload` the model, `report`).
+"""
 
 from benchmarks.harness.section import Run, section
 from benchmarks.sections.lm_diloco import report

@@ -1,21 +1,6 @@
-"""The language-model benchmark's summary and Markdown report (`python -m benchmarks lm_diloco`).
-
-`summarize(results)` derives, from the runs of `benchmarks.sections.lm_diloco.run`:
-
-  * the loss target: plain's validation loss at its first evaluation at or
-    past `target_at` of the planned tokens, from a plain run that got there
-    (plain computes the same steps on every link; a run not capped first);
-  * plain's validation loss after all the tokens (`plain_loss`), the
-    reference of "loss at equal tokens";
-  * per link, one row per variant: the last validation loss and the tokens
-    it came after, its difference to `plain_loss` (runs that trained every
-    token only), training seconds, median step, bytes sent per step, and the
-    training seconds to the target (the first evaluation at or below it),
-    or, not reached, the seconds trained as a lower bound; and the ratio of
-    that time to plain's on the same link (`bounded_ratio`: "<=" / ">=" where
-    one side is a bound).
-
-`markdown(results)` renders lm_diloco.md.
+"""The language-model benchmark's summary and lm_diloco.md: the loss target (plain's
+validation loss at `target_at` of the tokens), then per link and variant the loss at
+equal tokens, seconds, bytes per step and the time to the target (or its lower bound).
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """A small transformer language model: DiLoCo against plain at equal tokens, on shaped links.
 
-    python -m benchmarks lm_diloco [--links 10mbit,100mbit]
-        [--variants plain,powersgd1,diloco32,diloco128,diloco128_int8,local_sgd32]
-        [--tokens N] [--batch 16] [--seq 64] [--embed 64] [--blocks 2] [--lr 0.001]
-        [--eval-every 64] [--target-at 0.5] [--max-seconds S]
-        [--max-seconds-of NAME[@LINK]=S,...] [--out DIR] [--quick] [--render JSON]
+    python -m benchmarks lm_diloco [--links 10mbit,100mbit] [--variants plain,diloco32,...]
+        [--tokens N] [--eval-every 64] [--target-at 0.5] [--max-seconds-of NAME[@LINK]=S]
 
-Issue 28's language-model measurement: each (link, variant) is one job of 2
-processes x 1 device, placed as `benchmarks.sections.time_to_accuracy.run`
-places its jobs, training the miniGPT of `benchmarks.sections.lm_diloco.workload`
-(`benchmarks.sections.lm_diloco.train`) for `--tokens` tokens; any mode of
-`benchmarks.sections.accuracy.MODES` but DGC's runs by name, inside
-`dist_opt(optax.adamw(lr), ...)`. The report (`benchmarks.sections.lm_diloco.report`)
-gives per link and variant the validation loss at equal tokens, its curve, the
-training seconds, bytes per step and the time to plain's loss after
-`--target-at` of the tokens (caps as in time_to_accuracy). The method and the
-runs: docs/diloco.md (the language model).
-
-Writes lm_diloco.json and lm_diloco.md into --out after every run. `--quick`: a
-tiny model for 64 steps, plain and diloco8 on shm, about a minute.
+Each (link, variant) is one 2x1 job, placed as time_to_accuracy places its jobs,
+training `workload`'s miniGPT for `--tokens` tokens. Writes lm_diloco.json and .md after
+every run. The method and the runs: docs/diloco.md (the language model).
 """
 
 from __future__ import annotations

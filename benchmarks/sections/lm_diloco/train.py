@@ -1,17 +1,6 @@
-"""Worker section "lm_diloco": one variant of the language model trained for a number of tokens.
-
-Runs in each rank of one job of `python -m benchmarks lm_diloco`: the miniGPT of
-`benchmarks.sections.lm_diloco.workload` with `jdist.dist_opt(optax.adamw(lr),
-**benchmarks.sections.accuracy.MODES[variant])`, every variant from the same
-parameters over the same windows in the same order. The step is compiled by a
-discarded warm-up step (`warm_up`); the loop is
-`benchmarks.sections.time_to_accuracy.train.run_to_target` with no target, rank 0
-measuring the validation loss (nats per token) of the replicas' average every
-`eval_every` steps with the clock stopped. Rows: one per evaluation (`kind`
-"eval"), then one "final" row (tokens, seconds, steps, loss, bytes per step, sizes).
-
-Options (ctx.options): `variant`, `tokens`, `batch`, `seq`, `embed`, `blocks`,
-`lr`, `stories`, `validation_stories`, `eval_every`, `max_seconds` (0: no cap).
+"""Worker measurement "lm_diloco": one variant of the language model trained for a number
+of tokens (`run_to_target` with no target; rank 0 measures the validation loss of the
+replicas' average every `eval_every` steps, the clock stopped).
 """
 
 from __future__ import annotations

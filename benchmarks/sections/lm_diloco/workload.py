@@ -1,20 +1,8 @@
 """The language model, corpus and steps of the `lm_diloco` benchmark.
 
-The corpus and tokenizer are examples/minigpt_single.py's: `tiny_stories`
-(short stories generated from templates, in TinyStories' format) and
-`ByteTokenizer` (UTF-8 bytes plus <|endoftext|> as token 256), taken from
-that file's definitions (`example_definitions`: the file is a script whose
-module level trains, so it is not imported). The training text is
-`tiny_stories(stories, seed=0)` and the validation text held-out stories,
-`tiny_stories(..., seed=1)`; each is one token stream cut into windows of
-`seq + 1` tokens (input and next-token labels), as in language-model
-pretraining, where the tutorial pads each story.
-
-The model is the tutorial's architecture, `MiniGPT`, in flax linen (so the
-benchmarks' `jdist.data_parallel` steps apply as for their other models):
-token and position embeddings, post-LayerNorm blocks of causal multi-head
-attention and a ReLU feed-forward layer, an output layer over the
-vocabulary. No dropout, so every variant computes the same function.
+examples/minigpt_single.py's stories and byte tokenizer (its definitions, read by
+`example_definitions`: the script trains at import) as one token stream cut into
+windows, and its `MiniGPT` in flax linen without dropout.
 """
 
 from __future__ import annotations

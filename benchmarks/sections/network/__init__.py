@@ -1,7 +1,6 @@
-"""The network section: jdist's modes against PyTorch DDP, whole training steps and
-all-reduce, on shaped links of one host (`shaped`, network.md) or on the cluster
-rig (`rig`, cluster/results.md); `steps` and `rig_allreduce` are the worker
-measurements, `report` and `rig_report` the reports."""
+"""The network section: jdist's modes against PyTorch DDP on shaped links (`shaped`,
+network.md) or on the rig (`rig`, cluster/results.md).
+"""
 
 from benchmarks.harness.section import Run, section
 from benchmarks.sections.network import report

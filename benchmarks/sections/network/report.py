@@ -1,16 +1,8 @@
 """The network section's analysis (ratios, targets, best mode per link) and network.md.
 
-Communication time is the median over rounds of a step's time minus its own
-side's compute-only step in the same round (jdist's `compute` step for jdist
-and the hand-written step, torch's bare model for DDP): the exchange a step
-exposes, compression work included. Per-round differences cancel the load
-drift of a shared machine; the difference of the two medians is kept as
-`comm_of_medians_s`, and the step minus the slowest process's compute-only
-step of the round as `comm_slowest_s` (a synchronized step waits for the
-slowest backward pass; with more processes than cores that wait is load,
-not exchange). Where DDP hides its exchange behind the backward pass this
-comes out near zero. Raw MPI rows are all-reduces alone, their time is all
-communication.
+comm = the median over rounds of a step minus its own side's compute-only step in the
+same round (`comm_of_medians_s`: the medians' difference; `comm_slowest_s`: against the
+slowest process's); raw MPI rows are all communication. Method: docs/benchmarks/network.md.
 """
 
 from __future__ import annotations
@@ -18,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.harness import analysis
+from benchmarks.harness import netns
 from benchmarks.harness import report
 
 # The issue's targets: (name, variant, reference variant or None for the
@@ -147,16 +140,16 @@ def by_variant(summary: dict, row: dict, variant: str) -> float | None:
   return None
 
 
-def _link_order(summary: dict) -> list[str]:
-  from benchmarks.harness import netns  # pylint: disable=import-outside-toplevel
-  present = {r["link"] for r in summary["rows"]}
+def link_order(rows: list[dict]) -> list[str]:
+  """The links of `rows`, fastest first (as `netns.LINKS` orders them)."""
+  present = {r["link"] for r in rows}
   return [link.name for link in netns.LINKS if link.name in present]
 
 
 def _by_variant_and_link(summary: dict, topology: str, cell, header: str,
                          kinds: tuple[str, ...] | None = None) -> list[str]:
   """A table of `cell(row)` with one line per variant and one column per link."""
-  links = _link_order(summary)
+  links = link_order(summary["rows"])
   mine = [r for r in summary["rows"] if r["topology"] == topology
           and (kinds is None or r.get("kind") in kinds)]
   index = {(r["variant"], r["link"]): r for r in mine}

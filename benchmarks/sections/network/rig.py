@@ -2,17 +2,9 @@
 
     python -m benchmarks network --on rig [--quick] [--out DIR] [--links 10gbit,1gbit,100mbit]
 
-For each per-node link rate, a fresh rig of 2 nodes x 2 processes x 1 device
-(`benchmarks.harness.cluster`) runs one `mpirun --hostfile` job of the worker
-with `benchmarks.sections.network.rig_allreduce` and, on `TRAIN_LINKS`,
-`benchmarks.sections.network.steps` (jdist plain and fp16 beside a compute-only
-step); then, on `TRAIN_LINKS`, PyTorch DDP (`benchmarks.harness.torch_peer`)
-under one `torchrun --nnodes 2` per node, as a cluster launches it. The two jobs
-run one after the other; each side's exposed exchange is its step minus its own
-compute-only step of the round. Writes results.json and results.md
-(`benchmarks.sections.network.rig_report`) into --out (default
-docs/benchmarks/cluster); without root, `ip`, `tc` or `unshare` every part is
-skipped with the reason, without torch the DDP part.
+Per node link rate, a fresh 2 nodes x 2 processes rig runs the worker with
+`rig_allreduce` and, on `TRAIN_LINKS`, `steps` (jdist plain and fp16), then DDP under
+one `torchrun --nnodes 2` per node. Writes results.json and results.md.
 """
 
 from __future__ import annotations
@@ -20,10 +12,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from typing import Any, Callable
 
@@ -64,17 +54,6 @@ RANK_ENV = {"JDIST_JAX_DISTRIBUTED": "0", "OMPI_MCA_mpi_yield_when_idle": "1"}
 FORWARDED = ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH", "PYTHONUNBUFFERED", "JDIST_TIMEOUT")
 
 
-def missing() -> list[str]:
-  """Why the rig cannot be built here (empty: it can)."""
-  return cluster.missing_requirements()
-
-
-def rank_environment() -> dict[str, str]:
-  """The environment of every rank: one device, the repo on the path, `RANK_ENV`."""
-  job = jobs_lib.Job(TOPOLOGY, NODES * PROCESSES_PER_NODE, 1, ())
-  return dict(jobs_lib.environment(job), **RANK_ENV)
-
-
 def run_job(rig: cluster.Cluster, job: jobs_lib.Job, *, quick: bool, timeout: float) -> dict:
   """`job` under `mpirun --hostfile` on the rig, its processes split evenly over the nodes.
 
@@ -85,20 +64,7 @@ def run_job(rig: cluster.Cluster, job: jobs_lib.Job, *, quick: bool, timeout: fl
   extra = [arg for key in names for arg in ("-x", key)]
   return jobs_lib.collect(job, lambda prefix: jobs_lib.launch(rig.mpirun_argv(
       jobs_lib.program_argv(job, prefix, quick), job.processes // len(rig.nodes),
-      jobs_lib.mpirun_binary(), extra), env, timeout))
-
-
-def run_jdist(rig: cluster.Cluster, name: str, sections: list, options: dict, *,
-              quick: bool, timeout: float) -> dict:
-  """`benchmarks.harness.worker` with `sections` on every rig node's processes."""
-  job = jobs_lib.Job(name, NODES * PROCESSES_PER_NODE, 1, tuple(sections),
-                     options=tuple(options.items()))
-  return run_job(rig, job, quick=quick, timeout=timeout)
-
-
-def torchrun_binary() -> str:
-  here = os.path.join(os.path.dirname(sys.executable), "torchrun")
-  return here if os.path.exists(here) else (shutil.which("torchrun") or "torchrun")
+      jobs_lib.binary("mpirun"), extra), env, timeout))
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -115,14 +81,15 @@ def run_torch(rig: cluster.Cluster, name: str, options: dict, *, timeout: float)
   """
   master = rig.nodes[0]
   port = str(network.free_port())
-  env = dict(rank_environment(), GLOO_SOCKET_IFNAME=master.inner_veth, OMP_NUM_THREADS="1")
   job = jobs_lib.Job(name, NODES * PROCESSES_PER_NODE, 1, (), options=tuple(options.items()),
                      program="torch_peer")
+  env = dict(jobs_lib.environment(job), **RANK_ENV, GLOO_SOCKET_IFNAME=master.inner_veth,
+             OMP_NUM_THREADS="1")
 
   def start(prefix: str) -> str | None:
     procs = []
     for node in rig.nodes:
-      command = [torchrun_binary(), "--nnodes", str(NODES), "--nproc-per-node",
+      command = [jobs_lib.binary("torchrun"), "--nnodes", str(NODES), "--nproc-per-node",
                  str(PROCESSES_PER_NODE), "--node-rank", str(node.index), "--master-addr",
                  master.address, "--master-port", port] + jobs_lib.program_argv(
                      job, prefix, False)[1:]
@@ -172,7 +139,9 @@ def run_link(link: str, *, quick: bool, repeats: int | None, with_torch: bool,
     name = f"jdist@{link}"
     hosts = ', '.join(n.hostname for n in rig.nodes)
     log(f"[{name}] {' '.join(m.NAME for m in sections)} on {hosts} ...")
-    results.append(run_jdist(rig, name, sections, options, quick=quick, timeout=timeout))
+    job = jobs_lib.Job(name, NODES * PROCESSES_PER_NODE, 1, tuple(sections),
+                       options=tuple(options.items()))
+    results.append(run_job(rig, job, quick=quick, timeout=timeout))
     if with_torch and network_steps in sections:
       name = f"torch@{link}"
       log(f"[{name}] DDP under torchrun --nnodes {NODES} ...")
@@ -193,7 +162,7 @@ def run_all(links=None, *, quick: bool = False, repeats: int | None = None,
   start = time.perf_counter()
   environment = network.environment()  # versions (torch included), load at the start
   links = list(links or (QUICK_LINKS if quick else LINKS))
-  skipped = missing()
+  skipped = cluster.missing_requirements()
   if skipped:
     skipped = ["the cluster rig cannot be built here: " + "; ".join(skipped)]
     links = []
@@ -227,11 +196,5 @@ check = network.check
 
 
 def main(args: argparse.Namespace) -> int:
-  if args.render:
-    network.render(args.render, cluster_report.summarize, write_outputs, args.out)
-    return 0
-  netns.terminate_on_sigterm()  # a killed run still tears its rig down
-  results = run_all(args.links, quick=args.quick, repeats=args.repeats)
-  results["command"] = args.command
-  network.print_outcome(results, write_outputs(results, args.out), args.out)
-  return 0
+  return network.run_main(args, lambda: run_all(args.links, quick=args.quick, repeats=args.repeats),
+                          cluster_report.summarize, write_outputs)

@@ -1,16 +1,8 @@
-"""Worker section "cluster_allreduce": all-reduce across the nodes of the cluster rig.
+"""Worker measurement "cluster_allreduce": all-reduce across the nodes of the rig.
 
-Runs inside one job of `python -m benchmarks network --on rig` (P processes x 1
-device on N nodes of `benchmarks.harness.cluster`, `mpirun --hostfile`). At each
-float32 size, interleaved round by round: `mpi` (mpi4py `Allreduce`, Open MPI's
-own algorithm), `hierarchical` (`Hierarchical`: node-aware, written by hand in
-mpi4py, checked against `mpi`), `jdist_psum` (`jdist.psum` in a jitted
-`data_parallel` step) and `jdist_flat` (the same with the native engine's sums
-flat, where it runs node-aware). Rounds follow from a warm-up round on the
-slowest rank (`repeats_for`), the same on every rank.
-
-Options (ctx.options): `sizes` (bytes per rank, required), `seconds` (target
-time per variant and size), `variants` (a subset of `VARIANTS`).
+At each float32 size, interleaved: `mpi` (mpi4py), `hierarchical` (node-aware, by hand,
+checked against `mpi`), `jdist_psum` and `jdist_flat` (the native engine's sums flat).
+Options: `sizes` (bytes per rank, required), `seconds`, `variants`.
 """
 
 from __future__ import annotations

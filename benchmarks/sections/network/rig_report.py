@@ -1,16 +1,8 @@
-"""The cluster benchmark's analysis (ratios, issue 25's targets) and its results.md.
+"""The rig's analysis (ratios, issue 25's targets) and its results.md.
 
-All-reduce: per link and size, Open MPI's `MPI_Allreduce`, the hand-written
-hierarchical all-reduce and `jdist.psum`, measured interleaved in one job,
-against the link floor: the time the node's link needs to carry the buffer
-once in each direction (S x 8 / rate), the least any all-reduce between two
-nodes can move (each node must receive the other's partial sums for every
-element, reduced or not).
-
-Training: `network_report.summarize` on the `network` (jdist) and `torch`
-(DDP) sections, so exposed exchange means the same as in network.md: the
-median over rounds of a step minus its own side's compute-only step in the
-same round.
+All-reduce: Open MPI, the hand-written hierarchical one and `jdist.psum` against the link
+floor (the buffer once over the node's link); training: `report.summarize`'s exposed
+exchange, as in network.md.
 """
 
 from __future__ import annotations
@@ -18,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.harness import analysis
+from benchmarks.harness import netns
 from benchmarks.harness import report
 from benchmarks.sections.network import report as network_report
 
@@ -29,11 +22,6 @@ TRAIN_TARGETS = (("exposed exchange: jdist plain / DDP", "plain", 0.7),
 SLOWEST_NOTE = ", beyond the slowest rank's compute"
 TRAIN_SECTIONS = ("network", "torch")
 _target = analysis._target  # pylint: disable=protected-access
-
-
-def _rate(link: str) -> float | None:
-  from benchmarks.harness import netns  # pylint: disable=import-outside-toplevel
-  return netns.link_named(link).rate_mbit
 
 
 def allreduce(jobs: list[dict]) -> list[dict]:
@@ -48,7 +36,7 @@ def allreduce(jobs: list[dict]) -> list[dict]:
         cell["node_aware"] = row.get("node_aware", False)
   out = []
   for (link, nbytes), cell in times.items():
-    rate = _rate(link)
+    rate = netns.link_named(link).rate_mbit
     mpi, hier, mine = cell.get("mpi"), cell.get("hierarchical"), cell.get("jdist_psum")
     flat = cell.get("jdist_flat")
     ratio = lambda a, b: None if a is None or not b else a / b
@@ -94,15 +82,9 @@ def summarize(results: dict) -> dict[str, Any]:
   return summary
 
 
-def _links(rows: list[dict]) -> list[str]:
-  from benchmarks.harness import netns  # pylint: disable=import-outside-toplevel
-  present = {r["link"] for r in rows}
-  return [link.name for link in netns.LINKS if link.name in present]
-
-
 def _allreduce_tables(rows: list[dict]) -> list[str]:
   lines = []
-  for link in _links(rows):
+  for link in network_report.link_order(rows):
     mine = sorted((r for r in rows if r["link"] == link), key=lambda r: r["bytes"])
     with_flat = any(r["jdist_flat_s"] is not None for r in mine)
     how = f"{mine[0]['route']} route{', node-aware' if mine[0]['node_aware'] else ''}"
@@ -123,7 +105,7 @@ def _allreduce_tables(rows: list[dict]) -> list[str]:
 def _training_table(rows: list[dict]) -> list[str]:
   order = {"torch_compute": 1, "ddp": 2, "ddp_fp16": 3, "compute": 4, "plain": 5, "fp16": 6}
   body = []
-  for link in _links(rows):
+  for link in network_report.link_order(rows):
     mine = sorted((r for r in rows if r["link"] == link), key=lambda r: order.get(r["variant"], 9))
     for r in mine:
       side = "PyTorch DDP (gloo, torchrun)" if r.get("kind") == "torch" else "jdist (mpirun)"

@@ -1,18 +1,11 @@
 """Network section: jdist against PyTorch DDP on emulated cluster links.
 
     python -m benchmarks network [--quick] [--out DIR] [--links shm,1gbit] [--topologies 2x1]
-    python -m benchmarks suite --only network   # the same, as a part of the suite
-    python -m benchmarks network --on rig       # the same section on the rig
 
-For each link of `netns.LINKS` (shm: no namespace; the others a fresh network
-namespace whose loopback `tc` shapes, MPI over TCP on it) and each topology
-(2x1, 2x2), one job (`benchmarks.sections.network.steps`) times jdist's modes, a
-hand-written mpi4jax step, raw MPI and PyTorch DDP (gloo; in 2x2 each torch rank
-trains both local replicas' images) interleaved round by round in the same
-processes. What this machine cannot run (no root / `ip` / `tc`, no netem, no
-torch) is skipped with the reason. Writes network.json, network.md and
-network.png into --out (default docs/benchmarks; --quick: a temporary
-directory).
+Per link of `netns.LINKS` (shm: no namespace) and topology (2x1, 2x2), one job
+(`steps`) times jdist's modes, a hand-written mpi4jax step, raw MPI and DDP interleaved
+in the same processes. What this machine cannot run is skipped with the reason. Writes
+network.json, network.md and network.png (method: docs/benchmarks/network.md).
 """
 
 from __future__ import annotations
@@ -195,7 +188,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   """Options of the network section in both places (`--on shaped`, `--on rig`)."""
   parser.add_argument("--links", help="comma-separated: shaped from "
                       + ",".join(link.name for link in netns.LINKS) + "; rig from "
-                      + ",".join(cluster_links()))
+                      + ",".join(RIG_LINKS))
   parser.add_argument("--repeats", type=int, help=f"timed rounds (default {REPEATS}; rig: "
                       "training rounds)")
   parser.add_argument("--render", metavar="JSON", help="measure nothing: re-derive the summary "
@@ -207,16 +200,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "powersgd1)")
 
 
-def cluster_links() -> tuple[str, ...]:
-  return RIG_LINKS
-
-
 def check(args: argparse.Namespace) -> None:
   if args.on == "rig":
     if args.topologies or args.modes:
       raise UsageError("--topologies and --modes: only with --on shaped")
-    if args.links and set(args.links.split(",")) - set(cluster_links()):
-      raise UsageError(f"--links: choose from {list(cluster_links())}")
+    if args.links and set(args.links.split(",")) - set(RIG_LINKS):
+      raise UsageError(f"--links: choose from {list(RIG_LINKS)}")
     args.links = args.links.split(",") if args.links else None
     return
   try:
@@ -240,14 +229,22 @@ def render(path: str, summarize: Callable[[dict], dict],
 
 def main(args: argparse.Namespace) -> int:
   """`python -m benchmarks network --on shaped` (`--on rig`: `benchmarks.sections.network.rig`)."""
+  return run_main(args, lambda: run_network(
+      args.links, args.topologies, quick=args.quick, repeats=args.repeats,
+      modes=args.modes.split(",") if args.modes else None), network_report.summarize,
+                  write_outputs)
+
+
+def run_main(args: argparse.Namespace, measure: Callable[[], dict],
+             summarize: Callable[[dict], dict], write: Callable[[dict, str], list[str]]) -> int:
+  """`--render` (`render`), or `measure()`'s results written and their targets printed."""
   if args.render:
-    render(args.render, network_report.summarize, write_outputs, args.out)
+    render(args.render, summarize, write, args.out)
     return 0
-  netns.terminate_on_sigterm()  # so a killed run still deletes its namespace
-  results = run_network(args.links, args.topologies, quick=args.quick, repeats=args.repeats,
-                        modes=args.modes.split(",") if args.modes else None)
+  netns.terminate_on_sigterm()  # so a killed run still deletes its namespaces or rig
+  results = measure()
   results["command"] = args.command
-  print_outcome(results, write_outputs(results, args.out), args.out)
+  print_outcome(results, write(results, args.out), args.out)
   return 0
 
 

@@ -1,18 +1,9 @@
-"""Worker section "network": jdist's modes, a hand-written step and raw MPI on one link.
+"""Worker measurement "network": jdist's modes, a hand-written step and raw MPI on one link.
 
-Runs inside one job of `python -m benchmarks network` (2x1 or 2x2). On SINGA's
-CNN with 64 synthetic images per replica these train interleaved round by
-round (`timing.interleaved`): `compute` (no exchange: communication time =
-step - compute, `comm_paired_s` against this rank's, `comm_vs_slowest_s` against
-the slowest rank's of the round), jdist's modes
-(`benchmarks.sections.suite.compression.transformation`), `handwritten` (one
-device per process: the raveled gradients summed with raw `mpi4jax.allreduce`)
-and, with option `torch`, the PyTorch peer's variants in the same processes
-(`benchmarks.harness.torch_peer`). Then the floor: mpi4py `Allreduce` of the
-gradient's float32 bytes (`mpi_f32`).
-
-Options (ctx.options): `modes`, `repeats`, `warmup`, `model` (default the CNN),
-`handwritten`, `floor` (default on), `torch` (torch variants; default none).
+On SINGA's CNN (64 images per replica), interleaved round by round: `compute` (no
+exchange), jdist's modes, `handwritten` (raw `mpi4jax.allreduce`, one device per
+process), the torch peer's variants (option `torch`), then the `mpi_f32` floor.
+Options: `modes`, `repeats`, `warmup`, `model`, `handwritten`, `floor`, `torch`.
 """
 
 from __future__ import annotations

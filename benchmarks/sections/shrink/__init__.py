@@ -1,5 +1,5 @@
-"""The shrink section: `jdist launch --shrink` through faults on the rig, beside a
-`--max-restarts` restart, and ULFM's steady-state cost (`run`)."""
+"""The shrink section: `jdist launch --shrink` through faults on the rig, and ULFM's cost (`run`).
+"""
 
 from benchmarks.harness.section import Run, section
 from benchmarks.sections.shrink import run

@@ -1,15 +1,8 @@
 """One rank of the ULFM cost loop: `jdist train --shrink`'s exchange, timed step by step.
 
-`cost.py` starts it under mpirun as `python -c LOOP_CODE STEPS WARMUP` (only
-`python -m benchmarks` parses arguments). Each step does a fixed amount of
-host compute (a matrix product, standing in for the model's gradient) and
-then the exchange `jdist train --shrink` does: one `ShrinkableComm.sum` of a
-float64 vector as long as the digits CNN's parameters (131,080) plus its
-tallies, and every `train_shrink.CONFIRM_EVERY` steps `confirm()` (the
-agreement that the sums since the last one count). Rank 0 prints one JSON
-line: the mean step and exchange times over the timed steps (a mean: the
-agreement comes once a window). The same program runs under `mpirun --with-ft ulfm`
-and under plain mpirun, so the difference is ULFM's.
+`cost.py` starts it as `python -c LOOP_CODE STEPS WARMUP`: fixed host compute, then one
+`ShrinkableComm.sum` of the digits CNN's gradient size and `confirm()` every
+`CONFIRM_EVERY` steps; rank 0 prints the mean step and exchange times as JSON.
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""The suite: all-reduce, overhead, compression, scaling,
-backends and the network section, written to results.md (`run`); one module
-per measured part, each a worker measurement (`NAME`, `run(ctx)`)."""
+"""The suite section: all-reduce, overhead, compression, scaling, backends, network (`run`)."""
 
 from benchmarks.harness import report
 from benchmarks.harness.section import Run, section

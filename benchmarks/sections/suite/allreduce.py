@@ -1,37 +1,10 @@
-"""Section 1 (and 5): all-reduce time of float32 buffers, 4 KB to 64 MB.
+"""Suite part 1 (and 5): all-reduce time of float32 buffers, 4 KB to 64 MB.
 
-Variants, interleaved at each size in one job:
-  * `memcpy`: `np.copyto` of the buffer, the machine's memory limit;
-  * `mpi`: mpi4py `Allreduce` on numpy buffers, the MPI floor;
-  * `mpi4jax`: `mpi4jax.allreduce` in a jitted function (one device only);
-  * `jdist_psum`: `jdist.psum` inside `jdist.data_parallel`, whatever route
-    the topology picks (mpi4jax with one device per process, the callback
-    route with several, XLA/gloo under backend "jax");
-  * `jdist_mean`: the `jdist.allreduce()` transformation (sum, then divide);
-  * `jdist_fp16`: `jdist.cast(float16)` + `jdist.allreduce()`: 16 bits on
-    the wire, float32 in and out;
-  * `jdist_callback`: `jdist.psum` on the callback route
-    (`jdist.collectives.on_route`), the fallback where the native library is not
-    built (with several devices per process, `jdist_psum` takes the native
-    route: the two side by side);
-  * `jdist_native`: `jdist.psum` on the native route
-    (`jdist.collectives.on_route`) on one device per process, beside mpi4jax;
-  * `jdist_noop`: the same kind of step with no exchange, `x + 1`: what
-    any jitted call that returns a fresh buffer of that size costs (launch,
-    a new output's page faults, one pass), the floor of the one-per-call
-    variants above, which raw MPI on a reused numpy buffer does not pay;
-  * `*_x8` (`mpi_x8`, `mpi4jax_x8`, `jdist_psum_x8`, `jdist_callback_x8`,
-    `jdist_native_x8`): eight all-reduces, one
-    after the other, per call (a Python loop for MPI, one jitted step for the
-    others). Their time is per all-reduce: what one all-reduce costs inside a
-    step, with the fixed cost of launching a jitted call (about 0.5 ms here,
-    paid once per training step and measured by the step-overhead section)
-    spread over the eight.
-
-Rows hold the buffer size per replica (`bytes`), the replica count, the
-ranks taking part in the variant's all-reduce (`participants`: every replica
-for jdist, one rank per process for MPI and mpi4jax, 1 for memcpy) and the
-median time; bandwidths are computed by the driver (`analysis`).
+Variants interleaved at each size: `memcpy`, raw `mpi` (mpi4py), `mpi4jax`, `jdist_psum`
+(the topology's route), `jdist_mean`, `jdist_fp16`, `jdist_callback` and `jdist_native`
+(one route each), `jdist_noop` (a jitted `x + 1`: the one-per-call floor) and `*_x8`
+(eight per call, timed per all-reduce). Rows: `bytes` per replica, `participants`
+(ranks taking part) and the median; the report's method: docs/benchmarks/results.md.
 """
 
 from __future__ import annotations

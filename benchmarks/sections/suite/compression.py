@@ -1,14 +1,8 @@
-"""Section 3: bytes on the wire and step time of each compression mode.
+"""Suite part 3: bytes on the wire and step time of each compression mode.
 
-In the 2x1 job, for MLPs of ~1M and ~10M parameters, every mode of
-`jdist.dist_opt(optax.sgd(...))` trains on the same batch, interleaved step
-by step with a `compute` step that reduces nothing (the step's compute part).
-Communication time = step time - compute time: for the compressors it
-includes their own work (casting, top-K selection, scatter-add), as a user
-pays it.
-
-The bytes each mode sent in its last step come from its own optimizer state:
-`jdist.wire_bytes(jdist.unreplicate(opt_state))`.
+Every mode of `jdist.dist_opt(optax.sgd(...))` on MLPs of ~1M and ~10M parameters,
+interleaved with a `compute` step (communication = step - compute, the compressor's own
+work included); bytes from `jdist.wire_bytes` of the mode's state.
 """
 
 from __future__ import annotations

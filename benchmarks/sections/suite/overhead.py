@@ -1,20 +1,8 @@
-"""Section 2: what jdist adds to a train step, against a hand-written pmap step.
+"""Suite part 2: what jdist adds to a train step, against hand-written steps.
 
-In one process with forced host devices (jobs 1x2 and 1x4), the same model,
-parameters and batch go through
-
-  * `jdist`: `jdist.data_parallel` + `jdist.dist_opt(optax.sgd(...))`;
-  * `pmap`: `jax.pmap(axis_name="i")` + `lax.pmean` of the gradients +
-    `optax.sgd(...)`, written by hand;
-  * `shard_map`: the same step as `jax.jit(jax.shard_map(...))`, written by
-    hand (jdist's `data_parallel` is built on shard_map);
-  * `jdist_nocheck`: the jdist step without `data_parallel`'s Python check
-    of the inputs' leading axes (`check_inputs=False`), which separates that
-    per-call host cost from differences in the compiled step;
-
-interleaved step by step. Each variant feeds its own outputs back (a real
-training loop). The row holds both medians; the driver reports their ratio
-and the median of per-round ratios.
+One process with forced host devices (1x2, 1x4): `jdist` (`data_parallel` +
+`dist_opt`), `pmap` and `shard_map` (hand-written) and `jdist_nocheck` (without the
+inputs' Python check), interleaved step by step, each feeding its outputs back.
 """
 
 from __future__ import annotations

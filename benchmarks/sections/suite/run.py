@@ -1,12 +1,8 @@
 """The benchmark suite: `python -m benchmarks suite [--quick] [--out DIR] [--only ...]`.
 
-Starts each job (`jobs`; `benchmarks.harness.jobs` runs them) one after the other, never two at
-once, so they do not compete for the cores; then writes `results.json`, the
-figures and `results.md` into the output directory (default
-docs/benchmarks; the smoke run `--quick` defaults to a temporary directory
-so it never overwrites real results). Its parts (`--only`) are
-`PARTS`; "network" runs the network section on
-shaped links and writes its own report (network.md).
+Runs its jobs one after the other, then writes results.json, the figures and results.md
+into --out (default docs/benchmarks; --quick: a temporary directory). Part "network"
+runs the network section on shaped links (its own network.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""Section 4: training throughput as replicas are added (weak scaling).
-
-Every job (1x1, 1x2, 2x1, 2x2) trains SINGA's CNN with
-`jdist.dist_opt(optax.sgd(...))` on the same per-replica batch, so the global
-batch grows with the replica count. The row holds the median step time and,
-interleaved with it, the same step without any reduction (its compute part);
-the driver turns them into samples/s (replicas x batch / step time), the
-efficiency against 1x1 and the share of the step spent communicating.
+"""Suite part 4: training throughput as replicas are added (weak scaling), beside the
+same step without reduction (its compute part).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""The time-to-accuracy section: seconds to a test accuracy, jdist's modes against
-PyTorch DDP over shaped links (`run`); `train` is the worker measurement (and
-`torch_trainer` its DDP side, imported only for a torch variant), `report` and
-`targets` the report."""
+"""The time-to-accuracy section: seconds to a test accuracy, jdist's modes against PyTorch
+DDP over shaped links (`run`; `train` the worker measurement, `report` and `targets`).
+"""
 
 from benchmarks.harness.section import Run, section
 from benchmarks.sections.time_to_accuracy import report

@@ -1,10 +1,4 @@
-"""The time-to-accuracy benchmark's Markdown report.
-
-`markdown(results)` renders a run of `benchmarks.sections.time_to_accuracy.run` with the
-figures and verdicts `benchmarks.sections.time_to_accuracy.targets.summarize` derived
-(per link: each variant's time to the target, steps, median step, bytes per
-step and ratio to DDP plain; the accuracy curves; the issue's targets).
-"""
+"""The time-to-accuracy benchmark's Markdown report (from `targets.summarize`'s summary)."""
 
 from __future__ import annotations
 

@@ -2,27 +2,12 @@
 
     python -m benchmarks time_to_accuracy [--links 1gbit,100mbit]
         [--variants ddp,plain@1gbit,powersgd4,powersgd1] [--full plain,powersgd4,powersgd1]
-        [--target 0.88] [--epochs 4] [--eval-every N] [--dataset auto|fashion_mnist|digits]
-        [--max-seconds S] [--max-seconds-of NAME[@LINK]=S,...]
-        [--limit N] [--out DIR] [--quick] [--render JSON]
+        [--target 0.88] [--epochs 4] [--max-seconds S] [--max-seconds-of NAME[@LINK]=S,...]
 
-Each (link, variant) is one job of 2 processes x 1 device in the link's fresh
-shaped namespace (shm: none), training SINGA's CNN to `--target` test accuracy
-(`benchmarks.sections.time_to_accuracy.train`): jdist's modes
-(`benchmarks.sections.accuracy.MODES`), `<mode>_paired` (a DiLoCo mode with
-its compute floors in the same job) and DDP over gloo (`ddp`, `ddp_fp16`,
-`ddp_powersgd`, `ddp_postlocal`), from the same weights, data order and rows
-per rank. A variant is `NAME` (every link) or `NAME@LINK`; the variants
-in `--full` train every epoch instead of stopping at the target; `--max-seconds`
-(`--max-seconds-of` per variant) caps a run, whose seconds then bound its time
-to the target. The method and the measured runs: docs/communication.md (time to
-accuracy) and docs/diloco.md.
-
-Writes time_to_accuracy.json and .md into --out after every run
-(`benchmarks.sections.time_to_accuracy.report`); links and torch variants this
-machine cannot run are skipped with the reason. `--render JSON` rewrites the
-Markdown of an earlier run. The defaults take about 40 minutes on 2 cores;
-`--quick` (digits, target 0.5, plain and DDP on shm and 1gbit) about two.
+Each (link, variant) is one 2x1 job in the link's shaped namespace (`train`); a variant
+is `NAME` (every link) or `NAME@LINK`; `--full` variants train every epoch. Writes
+time_to_accuracy.json and .md after every run; `--render JSON` rewrites the Markdown.
+The method and the runs: docs/communication.md, docs/diloco.md.
 """
 
 from __future__ import annotations

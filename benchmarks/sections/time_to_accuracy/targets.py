@@ -1,15 +1,9 @@
 """The time-to-accuracy benchmark's analysis: ratios, bounds, best mode, targets.
 
-`summarize` reads the runs of `benchmarks.sections.time_to_accuracy.run` and
-derives, per link, each variant's time to the target against DDP plain's and
-the fastest jdist mode; then the targets: at `TARGET_LINK` the issue's two
-(`targets`), or, where the run has `SLOW_LINK`, issue 28's (`slow_targets`:
-DiLoCo against jdist's and DDP's fastest, against its floors in a
-`<mode>_paired` run, and its accuracy at equal steps). A run that did not reach the target gives a lower bound (its
-training seconds), so a ratio against it is a bound ("<=" or ">="), decided only
-when the bound settles it. Accuracy does not depend on the link, so a figure
-missing on one link comes from another link of the same run, never from
-outside it. The targets and their measurements: docs/diloco.md.
+Per link, each variant's time to the target against DDP plain's; at `TARGET_LINK` the
+issue's two targets, or with `SLOW_LINK` issue 28's (`slow_targets`). A run that did not
+reach the target gives a lower bound ("<=" / ">=" ratios, decided only when the bound
+settles it). The targets: docs/diloco.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""PyTorch DDP trained like jdist in `benchmarks.sections.time_to_accuracy.run`.
-
-A fair comparison trains the same run as jdist plain: `TorchTrainer` builds
-`benchmarks.harness.torch_peer.SingaCNN` sized for the data and loads the flax
-parameters of `benchmarks.sections.accuracy.build_model` into it (`torch_state`:
-HWIO -> OIHW kernels, transposed dense kernels, the first dense layer's rows
-permuted from NHWC to NCHW flattening), trains it with `torch.optim.SGD` of the
-same rate and momentum on the same rows, wrapped by `torch_peer.wrap` (DDP,
-fp16 hook, PowerSGD) or by `post_local_sgd` ("ddp_postlocal": PyTorch's
-post-local SGD with jdist's `local_sgd32` warm-up and period). Only this module
-and `torch_peer` import torch.
+"""PyTorch DDP trained like jdist in the time-to-accuracy section: `TorchTrainer` loads the
+flax parameters into `torch_peer.SingaCNN` (`torch_state`) and trains the same rows with
+the same SGD, under `torch_peer.wrap` or `post_local_sgd`. Only this module and
+`torch_peer` import torch.
 """
 
 from __future__ import annotations

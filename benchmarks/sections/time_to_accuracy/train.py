@@ -1,23 +1,9 @@
-"""Worker section "time_to_accuracy": one variant trained until it reaches a test accuracy.
+"""Worker measurement "time_to_accuracy": one variant trained until it reaches a test accuracy.
 
-Runs in each rank of one job of `python -m benchmarks time_to_accuracy` (2
-processes x 1 device). SINGA's CNN from the same initial parameters, over the
-same batches (`benchmarks.sections.accuracy.epoch_batches`), as one of:
-`JdistTrainer` (a mode of `benchmarks.sections.accuracy.MODES`; local-update
-modes test the replicas' average), the DDP trainer
-(`benchmarks.sections.time_to_accuracy.torch_trainer`) or `PairedTrainer`
-("<mode>_paired": the DiLoCo mode, the compute floor (`FloorTrainer`: the same
-inner SGD step with nothing exchanged) and `<mode>_nosync` a step each in turn
-in one job, so the floor ratios meet the same machine load).
-
-`run_to_target` stops the training clock every `eval_every` steps while rank 0
-measures the test accuracy, which every rank then takes, so all stop after the
-same step (at the target with `stop_at_target`, or at `max_seconds`: `capped`).
-Rows: one per evaluation (`kind` "eval"), then one "final" row (time and steps to
-the target, median / first / total step time, bytes sent per step).
-
-Options (ctx.options): `variant`, `dataset`, `limit`, `epochs`, `batch`,
-`target`, `eval_every` (0: a quarter epoch), `stop_at_target`, `max_seconds`.
+SINGA's CNN from the same parameters over the same batches, as a jdist mode
+(`JdistTrainer`), DDP (`torch_trainer`) or `<mode>_paired` (`PairedTrainer`: the mode
+and its floors a step each in turn). `run_to_target` evaluates with the clock stopped;
+rank 0's decisions are shared so every rank stops after the same step.
 """
 
 from __future__ import annotations
