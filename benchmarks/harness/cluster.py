@@ -302,15 +302,8 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c "hostname $name; $*"
       with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, signal.SIGKILL)
 
-  def partition(self, groups: Sequence[Sequence[int]] | None = None) -> None:
-    """Cuts the nodes off from each other; each still reaches mpirun's host.
-
-    Bridge ports marked `isolated` forward only to non-isolated ports (the
-    bridge itself), so node-to-node traffic stops while the launcher still
-    reaches every node's daemon: a switch failure between racks, not a host
-    failure.
-    """
-    del groups  # every node on its own: the only partition with two nodes
+  def partition(self) -> None:
+    """Cuts the nodes off from each other (isolated bridge ports); each still reaches mpirun."""
     for node in self.nodes:
       _run(["bridge", "link", "set", "dev", node.outer_veth, "isolated", "on"])
 

@@ -155,12 +155,8 @@ def launch(argv: list[str], env: dict[str, str], timeout: float) -> str | None:
 
 
 def collect(job: Job, start_job: Callable[[str], str | None]) -> dict[str, Any]:
-  """Starts `job` with `start_job(out_prefix)` (its failure or None) and merges what
-  its ranks wrote into one result.
-
-  A job that fails or times out keeps what its ranks wrote so far, with an
-  `error` naming the failure and the end of its output; sections it did not
-  finish have `complete: False`.
+  """Starts `job` with `start_job(out_prefix)` (its failure or None); merges what its ranks
+  wrote, with an `error` where it failed (unfinished sections: `complete: False`).
   """
   start = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix=f"jdist-bench-{job.name}-") as tmp:
@@ -192,12 +188,12 @@ def run(job: Job, *, quick: bool, timeout: float, log=print) -> dict[str, Any]:
 
 
 def follow(job: subprocess.Popen, read: Callable[[], None], timeout: float) -> float:
-  """Waits for `job` while `read` (in a thread) consumes its output; returns when it ended.
+  """Waits for `job` (its own session) while `read` consumes its output in a thread.
 
-  The job runs in a session of its own (`start_new_session=True`); past
-  `timeout` its whole process group is killed and `subprocess.TimeoutExpired`
-  raised. The end time (`time.time()`) is taken before the reader is joined:
-  a lost node's daemons can hold the output pipe open for seconds.
+  Returns:
+    When it ended (`time.time()`, before the reader is joined: a lost node's daemons can
+    hold the pipe open). Past `timeout` its process group is killed and
+    `subprocess.TimeoutExpired` raised.
   """
   reader = threading.Thread(target=read, daemon=True)
   reader.start()

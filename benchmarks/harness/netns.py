@@ -39,11 +39,8 @@ class Link:
 
   Attributes:
     name: label in tables and plots ("1gbit", "100mbit+1ms").
-    rate_mbit: rate limit in Mbit/s; None runs without a namespace at all
-      (MPI over shared memory, the one-box baseline).
-    delay_ms: one-way delay added to every packet (netem); 0 for none. On a
-      loopback each packet crosses the qdisc once, so a round trip costs
-      twice this.
+    rate_mbit: rate limit in Mbit/s; None: no namespace (MPI over shared memory).
+    delay_ms: one-way delay of every packet (netem; a loopback round trip pays it twice).
   """
   name: str
   rate_mbit: float | None
@@ -52,9 +49,6 @@ class Link:
   @property
   def shaped(self) -> bool:
     return self.rate_mbit is not None
-
-  def bytes_per_s(self) -> float | None:
-    return None if self.rate_mbit is None else self.rate_mbit * 1e6 / 8
 
 
 SHARED_MEMORY = Link("shm", None)
@@ -79,12 +73,7 @@ def _run(argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def missing_requirements() -> list[str]:
-  """What stops this machine from making shaped namespaces (empty: nothing).
-
-  Returns:
-    One sentence per missing piece: not root, `ip` or `tc` not installed
-    (with the install line), or the kernel refusing a namespace.
-  """
+  """What stops this machine from making shaped namespaces, a sentence each (empty: nothing)."""
   missing = []
   if hasattr(os, "geteuid") and os.geteuid() != 0:
     missing.append("not root: network namespaces and tc need root "
@@ -123,10 +112,7 @@ def tbf_args(rate_mbit: float) -> list[str]:
 
 
 def shape(name: str, link: Link) -> None:
-  """Puts `link`'s qdiscs on namespace `name`'s loopback.
-
-  Rate only: `tbf` as the root qdisc. With a delay: `netem delay` as the
-  root and the `tbf` as its child, so packets are delayed, then rate-limited.
+  """Puts `link`'s qdiscs on namespace `name`'s loopback: `tbf`, under `netem` with a delay.
 
   Raises:
     NamespaceError: tc refused (e.g. the kernel lacks netem).
@@ -185,13 +171,7 @@ def remove_stale() -> list[str]:
 
 @contextlib.contextmanager
 def shaped_namespace(link: Link) -> Iterator[str]:
-  """A fresh namespace with its loopback up and shaped as `link`; yields its name.
-
-  Args:
-    link: a shaped link (`rate_mbit` set).
-
-  Yields:
-    The namespace's name: run commands in it with `exec_prefix(name)`.
+  """A fresh namespace with its loopback up and shaped as `link` (shaped); yields its name.
 
   Raises:
     NamespaceError: creating or shaping it failed (it is deleted again).

@@ -31,15 +31,10 @@ class Run:
   """How a section runs in one place.
 
   Attributes:
-    load: returns the module with `main(args)` (and optionally
-      `add_arguments(parser)`, `check(args)`); a function, so a run whose
-      module needs an extra is imported only when it runs.
-    report: renders the Markdown report of this run from its results, or
-      None when the run only prints.
-    out: the default output directory, relative to the repository (None:
-      no `--out DIR`; a section with a file to write declares its own).
-    quick: whether it has a smoke run (`--quick`, output to a temporary
-      directory unless `--out` is given).
+    load: returns the run's module (a function: a module needing an extra loads late).
+    report: renders the run's Markdown report from its results (None: it only prints).
+    out: the default `--out` directory, relative to the repository (None: no `--out`).
+    quick: whether it has a smoke run (`--quick`, into a temporary directory).
   """
   load: Callable[[], types.ModuleType]
   report: Callable[[dict], str] | None = None

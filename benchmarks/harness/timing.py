@@ -45,15 +45,13 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 def interleaved(variants: Mapping[str, Callable[[], Any]], *, repeats: int, warmup: int = 2,
                 sync: Callable[[], None] | None = None) -> dict[str, Series]:
-  """Times several variants round-robin and returns each one's samples.
+  """Times `variants` (name -> a call, which may carry state) round-robin.
 
   Args:
-    variants: name -> a function of no arguments that runs one call; it may
-      carry state between calls (e.g. a training step feeding its output back).
-    repeats: timed rounds; each round calls every variant once.
+    variants: name -> a function of no arguments running one call.
+    repeats: timed rounds, each calling every variant once.
     warmup: untimed rounds first.
-    sync: called before the first timed round (e.g. an MPI barrier, so ranks
-      start together).
+    sync: called before the first timed round (e.g. an MPI barrier).
 
   Returns:
     name -> `Series` of `repeats` timings.

@@ -51,11 +51,8 @@ def init_backend(backend: str | None) -> tuple[jdist.Topology, str | None]:
   """`jdist.init(backend=...)`; for "jax", retries with the proposed fix.
 
   Returns:
-    The topology, and the error the unmodified `jdist.init` raised (None
-    when it worked). With Open MPI 5 `jax.distributed.initialize()` cannot
-    find the coordinator by itself (it looks for Open MPI 4's
-    OMPI_MCA_orte_hnp_uri); passing `cluster_detection_method="mpi4py"`, the
-    change proposed for jdist/runtime/topology.py, makes it work.
+    The topology, and the error the unmodified `jdist.init` raised (None when it worked):
+    under Open MPI 5 `jax.distributed.initialize()` needs `cluster_detection_method="mpi4py"`.
   """
   if backend != "jax":
     return jdist.init(backend=backend), None

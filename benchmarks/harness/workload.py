@@ -200,15 +200,8 @@ STYLES = ("data_parallel", "jit")
 
 @dataclasses.dataclass
 class StyleSetup:
-  """One global batch and a model's parameters placed for both step styles.
-
-  Attributes:
-    model: the flax module.
-    process_rows: this process's rows of the global batch (host arrays).
-    dp_params: the parameters replicated over the local devices (`data_parallel`).
-    dp_batch: `process_rows` as [local_devices, per_replica, ...], on the devices.
-    jit_params: the parameters replicated over `jdist.mesh()` (the jit style).
-    jit_batch: the global batch sharded over the mesh (`jdist.shard_global_batch`).
+  """One global batch and a model's parameters placed for both step styles: `dp_*` for
+  `data_parallel` ([local_devices, per_replica, ...]), `jit_*` over `jdist.mesh()`.
   """
   model: nn.Module
   process_rows: tuple[np.ndarray, np.ndarray]

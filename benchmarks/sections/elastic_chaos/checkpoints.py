@@ -51,16 +51,10 @@ def _steps(directory: str) -> list[str]:
 
 
 class Archive:
-  """Copies every complete checkpoint of the watched directories (a polling thread).
+  """Copies every complete checkpoint of `sources` ({label: directory or glob}) as it appears.
 
-  A copy is `<root>/<label>/<step>-<n>`, n counting the copies made (of all
-  labels): a step saved again (after a resume from an older one) is a new copy,
-  and the higher n is the newer save.
-
-  Args:
-    root: where the copies go.
-    sources: {label: directory or glob of directories} to watch.
-    interval: seconds between looks.
+  A copy is `<root>/<label>/<step>-<n>`, n counting the copies made: the higher n, the
+  newer save of a step saved again.
   """
 
   def __init__(self, root: str, sources: dict[str, str], interval: float = 0.2):

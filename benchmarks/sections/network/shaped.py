@@ -140,16 +140,12 @@ def run_network(links=None, topologies=None, *, quick: bool = False, repeats: in
   """Runs the network section and returns its results (summary included).
 
   Args:
-    links: link names (default: all of `netns.LINKS`; quick: 1gbit).
+    links: link names (default every one of `netns.LINKS`; quick: 1gbit).
     topologies: "2x1" and/or "2x2" (default both; quick: 2x1).
     quick: smoke run: few modes, 3 timed rounds.
     repeats: timed rounds per variant (default `REPEATS`).
-    modes: jdist modes (default every one of `network_steps.MODES`).
+    modes: jdist modes (default every one of `steps.MODES`).
     log: progress lines.
-
-  Returns:
-    `{"command", "environment", "skipped", "jobs", "summary", "wall_s"}`;
-    `skipped` holds one sentence per part this machine could not run.
   """
   start = time.perf_counter()
   environment_info = environment()  # load average at the start

@@ -17,13 +17,7 @@ GRADIENT_ELEMENTS = 131_080 + 3  # the digits CNN's parameters, then loss, corre
 
 
 def main(steps: int = 200, warmup: int = 20, compute: int = 192) -> int:
-  """Runs the loop on this rank (collective); rank 0 prints the JSON line.
-
-  Args:
-    steps: timed steps.
-    warmup: untimed steps first.
-    compute: the side of the square matrix product done 4 times each step (0: none).
-  """
+  """Runs `steps` timed steps after `warmup` (collective); rank 0 prints the JSON line."""
   from jdist.app import train_shrink  # pylint: disable=import-outside-toplevel
   from jdist.collectives import shrinkable  # pylint: disable=import-outside-toplevel
   comm = shrinkable.ShrinkableComm()

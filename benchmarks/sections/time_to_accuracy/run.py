@@ -103,17 +103,17 @@ def run_plan(args: argparse.Namespace, measurement,
              drop: Callable[[list], tuple[list, list[str]]] | None = None,
              log: Callable[[str], None] = print,
              progress: Callable[[dict], None] | None = None) -> dict[str, Any]:
-  """Runs each `(variant, link)` of `args.variants` one job after another, a fresh
-  shaped namespace per link; also lm_diloco's driver.
+  """Runs each `(variant, link)` of `args.variants`, a fresh shaped namespace per link.
+
+  Also lm_diloco's driver.
 
   Args:
     args: has `links`, `variants` (`(variant, link)` pairs) and `timeout`.
     measurement: the jobs' worker measurement (its `NAME` keys their results).
-    job_for: `(link, variant)` -> the job (placed in the namespace here).
-    results_of: `(runs, skipped, plan)` -> the results so far, summary included
-      (`plan`: the `(variant, link)` pairs that run).
-    drop: `plan` -> `(plan, reasons)`, removing what else this machine cannot run.
-    log: takes each progress line (and the reason for each link or variant skipped).
+    job_for: `(link, variant)` -> the job.
+    results_of: `(runs, skipped, plan)` -> the results so far, summary included.
+    drop: `plan` -> `(plan, reasons)`, less what this machine cannot run.
+    log: takes each progress line.
     progress: called with the results so far after each run.
   """
   links, skipped = network.available_links(netns.link_named(n) for n in args.links)

@@ -31,15 +31,8 @@ def nchw(images: np.ndarray) -> np.ndarray:
 
 
 def torch_state(params: Any, feature_shape: Sequence[int]) -> dict[str, torch.Tensor]:
-  """SingaCNN's state dict holding the flax CNN's `params`.
-
-  Args:
-    params: the flax CNN's "params" collection (Conv_0, Conv_1, Dense_0, Dense_1).
-    feature_shape: (channels, height, width) of the last pooled feature map,
-      which the first dense layer flattens.
-
-  Returns:
-    Tensors keyed as `SingaCNN.state_dict()`.
+  """SingaCNN's state dict holding the flax CNN's `params` (`feature_shape`: the last pooled
+  map's (channels, height, width), which the first dense layer flattens).
   """
   channels, height, width = feature_shape
   state = {}
@@ -59,13 +52,7 @@ def torch_state(params: Any, feature_shape: Sequence[int]) -> dict[str, torch.Te
 
 
 def singa_cnn_from_flax(flax_model, params: Any, input_shape: Sequence[int]) -> nn.Module:
-  """`torch_peer.SingaCNN` shaped as `flax_model` and holding its `params`.
-
-  Args:
-    flax_model: the `jdist.app.models.CNN` (its `padding` and `num_classes`).
-    params: its "params" collection.
-    input_shape: one example's (height, width, channels).
-  """
+  """`torch_peer.SingaCNN` shaped as `flax_model` and holding its `params`."""
   net = torch_peer.SingaCNN(num_classes=flax_model.num_classes)
   if flax_model.padding == "SAME":  # 5x5 kernels, stride 1: two pixels each side
     for index in (0, 3):
@@ -84,13 +71,8 @@ def post_local_sgd(net: nn.Module, optimizer: torch.optim.Optimizer, *, period: 
                    warmup_steps: int):
   """`net` in DDP with PyTorch's post-local SGD, and the optimizer that averages.
 
-  The hook all-reduces gradients for the first `warmup_steps` steps and then
-  nothing (`post_local_gradient_allreduce=False`: one process stands for one
-  machine here, so there is no intra-machine group to reduce in); the
-  optimizer's `PeriodicModelAverager` then averages the parameters over every
-  rank once every `period` steps (at steps warmup_steps, warmup_steps +
-  period, ... counted from 0, where jdist.local_sgd averages after steps
-  warmup_steps + period - 1, ...: the same period, one step apart).
+  Gradients are all-reduced for `warmup_steps` steps, then the parameters averaged every
+  `period` steps (`PeriodicModelAverager`; one step off jdist.local_sgd's schedule).
 
   Returns:
     `(ddp_model, optimizer)`.
@@ -110,15 +92,8 @@ def post_local_sgd(net: nn.Module, optimizer: torch.optim.Optimizer, *, period: 
 
 
 class TorchTrainer:
-  """One torch variant's run: `step(indices)` trains on a batch, `evaluate()` tests.
-
-  Args:
-    variant: "ddp", "ddp_fp16" or "ddp_powersgd" (see `torch_peer.wrap`), or
-      "ddp_postlocal" (`post_local_sgd`).
-    flax_model: the flax CNN whose initial `params` every rank starts from.
-    params: those parameters.
-    data: the `jdist.app.datasets.Dataset`.
-    replicas: the replica indices whose rows this rank trains on.
+  """One torch variant's run (`torch_peer.wrap`'s or "ddp_postlocal") from the flax CNN's
+  `params`: `step(indices)` trains on a batch, `evaluate()` tests.
   """
 
   framework = "torch"

@@ -30,15 +30,8 @@ FLOOR = "compute_floor"
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-  """When a run evaluates and when it may stop.
-
-  Attributes:
-    epochs: the most epochs it trains.
-    steps_per_epoch: steps in one epoch.
-    eval_every: steps between two evaluations.
-    target: the test accuracy it trains to reach.
-    stop_at_target: end at the first evaluation at or above `target`.
-    max_seconds: end once this many training seconds are spent (0: never).
+  """When a run evaluates (every `eval_every` steps) and when it stops (`target` with
+  `stop_at_target`, `max_seconds` of training, or after `epochs`).
   """
   epochs: int
   steps_per_epoch: int
@@ -72,15 +65,12 @@ def run_to_target(trainer, schedule: Schedule, batches: Callable[[int], Any], *,
   """Trains `trainer` on `schedule`; yields each evaluation's row, then the final row.
 
   Args:
-    trainer: has `step(indices) -> loss` (returns once the step is done; a
-      trainer that runs other steps beside its own returns `(loss, its own
-      step's seconds)`), `sync()` (collective: makes the parameters testable), `evaluate() ->
-      accuracy` (called on the root rank only) and `wire_bytes()`.
+    trainer: has `step(indices)` (-> loss, or (loss, its own seconds)), `sync()`
+      (collective), `evaluate()` (root only) and `wire_bytes()`.
     schedule: the epochs, evaluations and target.
     batches: epoch -> its steps' example indices, [steps, replicas, batch].
     is_root: whether this rank measures the accuracy.
-    share: the root's value on every rank (a collective); with it every rank
-      stops after the same step.
+    share: the root's value on every rank (collective: every rank stops alike).
     clock: seconds, for the step times.
   """
   step_times: list[float] = []
@@ -133,15 +123,7 @@ def run_to_target(trainer, schedule: Schedule, batches: Callable[[int], Any], *,
 
 
 class JdistTrainer:
-  """One jdist mode's run: `step(indices)` trains on a batch, `evaluate()` tests.
-
-  Args:
-    mode: a key of `benchmarks.sections.accuracy.MODES`.
-    model: the flax CNN.
-    params: its initial parameters (the same on every rank).
-    data: the `jdist.app.datasets.Dataset`.
-    replicas: the replica indices whose rows this process's devices train on.
-  """
+  """One jdist mode's run (a key of `accuracy.MODES`): `step(indices)`, `evaluate()`."""
 
   framework = "jdist"
 
@@ -244,14 +226,10 @@ class FloorTrainer(JdistTrainer):
 
 
 class PairedTrainer:
-  """`train_to_target`'s trainer interface; `step` returns (loss, the mode's seconds).
-
-  Args:
-    variant: `<mode>_paired`, `<mode>` a DiLoCo mode of `benchmarks.sections.accuracy.MODES`.
-    model, params, data, replicas: as `JdistTrainer`'s.
+  """A DiLoCo mode and its floors, a step each in turn; `step` -> (loss, the mode's seconds).
 
   Raises:
-    ValueError: `<mode>` is not a DiLoCo mode.
+    ValueError: `variant` is not `<mode>_paired` of a DiLoCo mode.
   """
 
   framework = "jdist"
