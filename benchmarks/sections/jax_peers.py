@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jdist
 from benchmarks.harness import jobs, netns, outputs, timing, workload
+from benchmarks.harness import report as benchmarks_report
 from benchmarks.harness.section import Run, UsageError, section
 from jdist.app import models
 
@@ -326,21 +327,19 @@ def report(results: dict[str, Any]) -> str:
   lines = [f"# jdist and its JAX peers ({results['link']})", "",
            f"`{results['command']}`; versions {json.dumps(results['versions'])}; loopback "
            f"bytes counted in: {results['bytes_counted_on']}.", ""]
+  paired = lambda ratios: ", ".join(f"{k} {v:.2f}" for k, v in ratios.items())  # noqa: E731
   for name, t in results["topologies"].items():
     lines += [f"## {name} ({t['rounds']} rounds, load average "
-              f"{', '.join(f'{v:.1f}' for v in t['load_average'])})", "",
-              "| variant | median step ms | loopback bytes / step | loss after 20 steps |",
-              "| --- | --- | --- | --- |"]
-    for variant, ms in t["step_ms"].items():
-      lines.append(f"| {variant} | {ms:.1f} | {t['bytes_per_step'].get(variant, 0):,.0f} | "
-                   f"{t['losses'].get(variant, float('nan')):.7f} |")
-    lines += ["", "Paired step ratios (median over rounds): " + ", ".join(
-        f"{k} {v:.2f}" for k, v in t["step_ratios"].items()) + ".",
-              f"Loss spread (every variant but the floor): {t['loss_spread']:.1e} relative.", "",
-              "| 16 MiB all-reduce | median ms |", "| --- | --- |"]
-    lines += [f"| {k} | {v:.1f} |" for k, v in t["allreduce_ms"].items()]
-    lines += ["", "Paired: " + ", ".join(f"{k} {v:.2f}" for k, v in t["allreduce_ratios"].items())
-              + ".", ""]
+              f"{', '.join(f'{v:.1f}' for v in t['load_average'])})", ""]
+    lines += benchmarks_report.table(
+        ["variant", "median step ms", "loopback bytes / step", "loss after 20 steps"],
+        [[variant, f"{ms:.1f}", f"{t['bytes_per_step'].get(variant, 0):,.0f}",
+          f"{t['losses'].get(variant, float('nan')):.7f}"] for variant, ms in t["step_ms"].items()])
+    lines += [f"Paired step ratios (median over rounds): {paired(t['step_ratios'])}.",
+              f"Loss spread (every variant but the floor): {t['loss_spread']:.1e} relative.", ""]
+    lines += benchmarks_report.table(["16 MiB all-reduce", "median ms"],
+                                     [[k, f"{v:.1f}"] for k, v in t["allreduce_ms"].items()])
+    lines += [f"Paired: {paired(t['allreduce_ratios'])}.", ""]
   return "\n".join(lines)
 
 
