@@ -363,6 +363,34 @@ def test_digits_shapes_ranges_and_determinism():
   assert not np.array_equal(dataset.test_y, other.test_y)
 
 
+def test_digits_split_is_cached_and_equals_scikit_learns(monkeypatch, tmp_path):
+  monkeypatch.setenv(datasets.CACHE_ENV, str(tmp_path / "cache"))
+  first = datasets.load_digits(seed=2)  # split by scikit-learn, then cached
+  cached = list((tmp_path / "cache" / "digits").glob("split-test360-seed2-sklearn*.npz"))
+  assert len(cached) == 1
+  monkeypatch.setattr(datasets, "_split_digits", lambda *args: pytest.fail("not read from the cache"))
+  again = datasets.load_digits(seed=2)
+  for field in ("train_x", "train_y", "test_x", "test_y"):
+    assert getattr(again, field).dtype == getattr(first, field).dtype
+    np.testing.assert_array_equal(getattr(again, field), getattr(first, field))
+  assert again.name == "digits" and again.num_classes == 10
+
+
+def test_a_corrupt_or_unwritable_digits_cache_still_loads_the_split(monkeypatch, tmp_path):
+  monkeypatch.setenv(datasets.CACHE_ENV, str(tmp_path / "cache"))
+  reference = datasets._split_digits(100, 0)  # pylint: disable=protected-access
+  target = datasets._digits_cache_file(100, 0)  # pylint: disable=protected-access
+  target.parent.mkdir(parents=True)
+  target.write_bytes(b"not an npz")
+  np.testing.assert_array_equal(datasets.load_digits(test_size=100).test_y, reference.test_y)
+  with np.load(target) as arrays:  # replaced by a whole file
+    np.testing.assert_array_equal(arrays["train_x"], reference.train_x)
+  blocked = tmp_path / "file"
+  blocked.write_text("")
+  monkeypatch.setenv(datasets.CACHE_ENV, str(blocked))  # the cache's directory cannot exist
+  np.testing.assert_array_equal(datasets.load_digits(test_size=100).train_y, reference.train_y)
+
+
 def test_synthetic_is_seeded_and_learnable():
   dataset = datasets.synthetic(num_train=500, num_test=100, seed=3)
   assert dataset.train_x.shape == (500, 8, 8, 1) and dataset.test_y.shape == (100,)
