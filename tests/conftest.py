@@ -8,7 +8,6 @@ Every test compares against a single-device reference computed locally, so
 the same assertions check all three topologies.
 """
 
-import collections
 import fcntl
 import os
 import tempfile
@@ -46,55 +45,15 @@ def _is_rig_test(nodeid: str) -> bool:
   return "rig" in name.split("_")
 
 
-def _launches_jobs(nodeid: str) -> bool:
-  """A test that starts its own jobs (the naming rule scripts/test.sh selects on)."""
-  name = nodeid.rsplit("::", 1)[-1].split("[", 1)[0]
-  return name.startswith("test_fault") or "subprocess" in name or _is_rig_test(nodeid)
-
-
-def _work_unit(nodeid: str) -> str:
-  """The scheduler's unit: the rig's tests together, else the test's file."""
-  return "the multi-node rig" if _is_rig_test(nodeid) else nodeid.split("::", 1)[0]
-
-
-# What a test costs, in in-process tests (median well under 1 s in the 1x4
-# session): one that launches jobs 4-19 s, a rig test (4 ranks in namespaces) 10-35 s.
-_JOB_WEIGHT, _RIG_WEIGHT = 10, 40
-
-
-def _weight(nodeid: str) -> int:
-  if _is_rig_test(nodeid):
-    return _RIG_WEIGHT
-  return _JOB_WEIGHT if _launches_jobs(nodeid) else 1
-
-
-def _heaviest_units_first(items) -> None:
-  """Orders `items` by their work unit's expected cost, most first (stable inside a unit).
-
-  With two workers, a heavy unit dealt last (the watchdog's fault jobs, the
-  rig's tests) ran alone while the other worker idled: the longest first
-  leaves the short ones to even out the end.
-  """
-  cost: dict[str, int] = collections.Counter()
-  for item in items:
-    cost[_work_unit(item.nodeid)] += _weight(item.nodeid)
-  order = {unit: rank for rank, unit in enumerate(sorted(cost, key=lambda u: -cost[u]))}
-  items.sort(key=lambda item: order[_work_unit(item.nodeid)])
-
-
 def pytest_collection_modifyitems(config, items):
-  """Holds the naming rule the scheduler below relies on: a rig test says `rig` in its name.
-
-  Under pytest-xdist the units are dealt heaviest first (`_heaviest_units_first`).
-  """
+  """Holds the naming rule the scheduler below relies on: a rig test says `rig` in its name."""
+  del config
   for item in items:
     if ("rig_ready" in getattr(item, "fixturenames", ())) != _is_rig_test(item.nodeid):
       raise pytest.UsageError(
           f"{item.nodeid}: a test needs the multi-node rig (the `rig_ready` fixture) exactly "
           "when its name has the word `rig` (test_rig_..., test_fault_rig_...): the "
           "scheduler in tests/conftest.py runs those one after another on one worker.")
-  if os.environ.get("PYTEST_XDIST_WORKER") and config.getoption("dist") == "loadfile":
-    _heaviest_units_first(items)
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -110,14 +69,9 @@ def pytest_xdist_make_scheduler(config, log):
   from xdist.scheduler import LoadFileScheduling  # pylint: disable=g-import-not-at-top
 
   class RigAsOneFile(LoadFileScheduling):
-    """Units in the workers' collection order: heaviest first (`_heaviest_units_first`)."""
-
-    def __init__(self, config, log=None):
-      super().__init__(config, log)
-      config.option.loadscopereorder = False  # xdist's own order counts tests, not their cost
 
     def _split_scope(self, nodeid: str) -> str:
-      return _work_unit(nodeid)
+      return "the multi-node rig" if _is_rig_test(nodeid) else super()._split_scope(nodeid)
 
   return RigAsOneFile(config, log)
 
