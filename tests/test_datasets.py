@@ -381,8 +381,9 @@ def test_a_corrupt_or_unwritable_digits_cache_still_loads_the_split(monkeypatch,
   reference = datasets._split_digits(100, 0)  # pylint: disable=protected-access
   target = datasets._digits_cache_file(100, 0)  # pylint: disable=protected-access
   target.parent.mkdir(parents=True)
-  target.write_bytes(b"not an npz")
-  np.testing.assert_array_equal(datasets.load_digits(test_size=100).test_y, reference.test_y)
+  for corrupt in (b"not an npz", b"PK\x03\x04 a cut-off zip"):
+    target.write_bytes(corrupt)
+    np.testing.assert_array_equal(datasets.load_digits(test_size=100).test_y, reference.test_y)
   with np.load(target) as arrays:  # replaced by a whole file
     np.testing.assert_array_equal(arrays["train_x"], reference.train_x)
   blocked = tmp_path / "file"

@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import urllib.request
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -240,6 +241,9 @@ def load_fashion_mnist(data_dir: str | os.PathLike | None = None, *,
 # --- Datasets that need no files ---------------------------------------------
 
 
+_SPLIT_FIELDS = ("train_x", "train_y", "test_x", "test_y")  # what the digits cache keeps
+
+
 def load_digits(*, test_size: int = 360, seed: int = 0) -> Dataset:
   """scikit-learn's bundled 8x8 handwritten digits (1797 images); never downloads.
 
@@ -259,7 +263,7 @@ def load_digits(*, test_size: int = 360, seed: int = 0) -> Dataset:
   try:
     with np.load(cached) as arrays:
       return Dataset(*(arrays[field] for field in _SPLIT_FIELDS), num_classes=10, name="digits")
-  except (OSError, ValueError, KeyError, EOFError):  # none yet, or unreadable: split anew
+  except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):  # none yet, or unreadable
     pass
   dataset = _split_digits(test_size, seed)
   try:
@@ -270,8 +274,6 @@ def load_digits(*, test_size: int = 360, seed: int = 0) -> Dataset:
     log.debug("digits: not cached at %s: %s", cached, err)
   return dataset
 
-
-_SPLIT_FIELDS = ("train_x", "train_y", "test_x", "test_y")
 
 
 def _digits_cache_file(test_size: int, seed: int) -> Path:
