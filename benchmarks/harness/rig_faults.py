@@ -1,6 +1,6 @@
 """`jdist train` under `jdist launch` on the rig, and the faults injected into it.
 
-Shared by the `faults`, `elastic_restart`, `elastic_chaos` and `shrink` sections.
+Shared by the `faults`, `elastic_restart` and `shrink` sections.
 A fault is "kind:target": `kill_rank:R` (launch rank R's processes),
 `kill_node:I`, `link_down:I` (node I) or `partition` (every node on its own).
 """
