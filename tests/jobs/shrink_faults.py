@@ -7,7 +7,9 @@ SIGKILLs itself DELAY seconds into that step instead (mid-step: in the
 gradient or in the allreduce). It prints
 "jdist-job: rank R dies at <unix time>" on stderr first. Every survivor
 prints "jdist-job: rank R digest D" at the end (replicas must agree), R its
-launch rank (processes started to grow the job back have ranks above -np's).
+launch rank (processes started to grow the job back have ranks above -np's),
+and writes D to LOG.digest.R beside the run's --log-file LOG: mpirun may end
+before it forwards a survivor's last line, a file is always there.
 Faults happen in the launch's first run only (not after a `--max-restarts`
 restart). With JDIST_TEST_SLOW_UNTIL_REPLICAS=N, steps on fewer than N
 replicas wait 0.5 s each.
@@ -58,6 +60,9 @@ def main(argv):
   summary = train_shrink.train(config, on_step=on_step)
   rank = summary["launch_rank"]  # a process the job started later has a rank of its own
   print(f"jdist-job: rank {rank} digest {summary['params_digest']}", file=sys.stderr, flush=True)
+  if config.log_file:
+    with open(f"{config.log_file}.digest.{rank}", "w", encoding="utf-8") as out:
+      out.write(summary["params_digest"])
   train_shrink.leave(summary)  # no MPI_Finalize after a shrink: it would wait for the dead rank
   return 0
 
