@@ -17,7 +17,7 @@ from benchmarks.harness.section import Run, Section, UsageError  # pylint: disab
 
 # The order of `list` (and of the docs' table); sections not named here follow by name.
 ORDER = ("suite", "network", "time_to_accuracy", "lm_diloco", "accuracy", "diloco_overlap",
-         "faults", "elastic_restart", "shrink", "jax_peers")
+         "faults", "elastic_restart", "shrink", "styles", "jax_peers")
 
 
 def _worker():

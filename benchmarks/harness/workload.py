@@ -195,6 +195,9 @@ def setup(name: str, per_replica: int, seed: int = 0) -> Setup:
                models.param_count(params))
 
 
+STYLES = ("data_parallel", "jit")
+
+
 @dataclasses.dataclass
 class StyleSetup:
   """One global batch and a model's parameters placed for both step styles: `dp_*` for
@@ -209,7 +212,7 @@ class StyleSetup:
 
   def stepper(self, style: str, tx: optax.GradientTransformation,
               step=None) -> timing.Stepper:
-    """A fresh stepper of `style` ("jit" or "data_parallel") from these parameters and `tx`'s
+    """A fresh stepper of `style` (one of `STYLES`) from these parameters and `tx`'s
     initial state on this batch; `step` defaults to the user's step of that style
     (`jdist_step` or `jit_step` of the model and `tx`)."""
     if style == "jit":
