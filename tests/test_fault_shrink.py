@@ -270,6 +270,28 @@ def _kill_node_after_epoch(rig, log, node: int, epoch: int, stop: threading.Even
         return
 
 
+def _run_rig_shrink_then_lost_node(log) -> subprocess.CompletedProcess:
+  """One run of the scenario below on a fresh rig; `log` is its JSON log."""
+  from benchmarks.harness import cluster  # pylint: disable=import-outside-toplevel
+  job = [sys.executable, JOB, "0", "6", "0.05", "--", *MAIN_JOB, "--epochs", "3", "--train-limit",
+         "1280", "--log-file", str(log), "--checkpoint-dir", str(log.parent / "ckpt"),
+         "--checkpoint-every", "4", "--resume"]
+  stop = threading.Event()
+  with cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
+    argv = rig.launch_argv(job, 2, ["--shrink", "-np", "4", "--mpirun-args", "--map-by slot",
+                                    "--max-restarts", "1"])
+    killer = threading.Thread(target=_kill_node_after_epoch, args=(rig, log, 1, 1, stop))
+    killer.start()
+    try:
+      return launch.run_own_session(argv, rig.launch_env(launch.clean_env()), timeout=300)
+    except subprocess.TimeoutExpired as err:
+      pytest.fail(f"the job hung on the rig: {err}")
+    finally:
+      stop.set()
+      killer.join()
+
+
+@pytest.mark.timeout(600)  # a second run, after PRRTE lost a daemon in the first
 def test_fault_rig_shrink_past_rank_0_then_restart_past_a_lost_node(rig_ready, tmp_path):
   """The rig's 2 nodes x 2 processes under `jdist launch --shrink --max-restarts 1`.
 
@@ -286,25 +308,22 @@ def test_fault_rig_shrink_past_rank_0_then_restart_past_a_lost_node(rig_ready, t
   del rig_ready
   if launch.under_mpirun():
     pytest.skip("launches its own mpirun")
-  from benchmarks.harness import cluster  # pylint: disable=import-outside-toplevel
-  log = tmp_path / "run.jsonl"
-  job = [sys.executable, JOB, "0", "6", "0.05", "--", *MAIN_JOB, "--epochs", "3", "--train-limit",
-         "1280", "--log-file", str(log), "--checkpoint-dir", str(tmp_path / "ckpt"),
-         "--checkpoint-every", "4", "--resume"]
-  stop = threading.Event()
-  with cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
-    argv = rig.launch_argv(job, 2, ["--shrink", "-np", "4", "--mpirun-args", "--map-by slot",
-                                    "--max-restarts", "1"])
-    killer = threading.Thread(target=_kill_node_after_epoch, args=(rig, log, 1, 1, stop))
-    killer.start()
-    try:
-      result = launch.run_own_session(argv, rig.launch_env(launch.clean_env()), timeout=300)
-    except subprocess.TimeoutExpired as err:
-      pytest.fail(f"the job hung on the rig: {err}")
-    finally:
-      stop.set()
-      killer.join()
-  output = result.stdout + result.stderr
+  for attempt in (1, 2):
+    log = tmp_path / f"try{attempt}" / "run.jsonl"
+    log.parent.mkdir()
+    result = _run_rig_shrink_then_lost_node(log)
+    output = result.stdout + result.stderr
+    # PRRTE has lost node B's daemon (it exited 0) in the job's first seconds,
+    # before any fault was injected: node B's ranks then never heard of rank 0's
+    # death and left past --timeout. Seen in two full-suite runs (2026-12-01,
+    # 2026-12-02), never in 11 runs of this test alone, beside busy loops or
+    # beside the watchdog's fault jobs. The scenario did not happen then: once more.
+    logged = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    lost_early = (result.returncode != 0 and "A daemon failed to report back" in output
+                  and not any(r["event"] == "shrink" for r in logged))
+    if not lost_early:
+      break
+    print(f"attempt {attempt}: PRRTE lost node B's daemon before the faults:\n{output[-3000:]}")
   assert result.returncode == 0, output[-4000:]
   records = [json.loads(line) for line in log.read_text().splitlines()]
   shrinks = [r for r in records if r["event"] == "shrink"]
