@@ -5,7 +5,11 @@
     sudo .venv/bin/python -m benchmarks jax_peers --on rig [--rig-rate 1000]
 
 Each round runs two jobs back to back: `jdist` (`jdist_jit`, `jdist_dp`, `mpi4jax`,
-`floor`, interleaved) and `gloo` (`jax_gloo`: XLA's all-reduce over Gloo). Reported:
+`floor`, `sync_floor`, interleaved) and `gloo` (`jax_gloo`: XLA's all-reduce over
+Gloo). `sync_floor` is the floor plus one 4-byte exchange that waits for the whole
+gradient: the least any data-parallel step pays (every rank's compute, then one
+collective's latency), so `sync_floor / jax_gloo` bounds what any exchange can reach
+against Gloo. Reported:
 step medians and paired ratios, 16 MiB all-reduces, loopback bytes per step and the
 losses after 20 steps (which must agree). On the rig a topology's processes are split
 over its two nodes. The runs: docs/jax_processes.md.
@@ -41,7 +45,7 @@ ALLREDUCE_BYTES = 16 << 20
 LOSS_TOLERANCE = 1e-5
 JOB_TIMEOUT = 900
 JDIST_VARIANTS = ("jdist_jit", "jdist_dp")
-PEERS = ("mpi4jax", "jax_gloo", "floor")
+PEERS = ("mpi4jax", "jax_gloo", "floor", "sync_floor")
 
 
 # ---------------------------------------------------------------- one rank of a job
@@ -62,6 +66,22 @@ def _global_batch(size: int) -> tuple[np.ndarray, np.ndarray]:
   x = rng.random((size,) + workload.IMAGE_SHAPE, dtype=np.float32)
   y = rng.integers(0, workload.NUM_CLASSES, size=(size,)).astype(np.int32)
   return x, y
+
+
+def _sync_floor_step(model, tx):
+  """The compute floor plus one 4-byte `jdist.pmean` that depends on every gradient leaf.
+
+  No gradient bytes cross processes, but every rank waits for the others'
+  whole backward pass and one collective's latency, as any data-parallel step must.
+  """
+  def step(params, opt_state, x, y):
+    loss, grads = workload.loss_and_grads(model, params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    # x * 0 is not folded away for floats (NaN), so the exchange waits for every leaf.
+    after_all = sum(jax.numpy.sum(leaf) for leaf in jax.tree.leaves(grads)) * 0.0
+    return optax.apply_updates(params, updates), opt_state, jdist.pmean(loss + after_all)
+
+  return jdist.data_parallel(step)
 
 
 def _jdist_job(ctx, model, params, x, y) -> tuple[dict, dict]:
@@ -87,6 +107,8 @@ def _jdist_job(ctx, model, params, x, y) -> tuple[dict, dict]:
         (hand_params, sgd.init(hand_params)), hand_batch), lambda s: jax.device_get(s.state[0]))
   steps["floor"] = (lambda: placed.stepper("data_parallel", sgd,
                                            workload.compute_step(model, sgd)), first)
+  steps["sync_floor"] = (lambda: placed.stepper("data_parallel", sgd,
+                                                _sync_floor_step(model, sgd)), first)
 
   n = ALLREDUCE_BYTES // 4
   rows = workload.shard(np.ones((devices, n), np.float32))
@@ -254,7 +276,7 @@ def summarize(rounds: list[list[dict]]) -> dict[str, Any]:
 
   steps, reduces = table("step", "time_s"), table("allreduce", "time_s")
   losses = table("loss", "loss")
-  checked = {name: v for name, v in losses.items() if name != "floor"}
+  checked = {name: v for name, v in losses.items() if not name.endswith("floor")}
   reference = checked["jdist_jit"][0]
   spread = max(abs(v - reference) / abs(reference) for values in checked.values() for v in values)
   ratios = {f"{mine}/{peer}": statistics.median(a / b for a, b in zip(steps[mine], steps[peer]))
@@ -336,7 +358,7 @@ def report(results: dict[str, Any]) -> str:
         [[variant, f"{ms:.1f}", f"{t['bytes_per_step'].get(variant, 0):,.0f}",
           f"{t['losses'].get(variant, float('nan')):.7f}"] for variant, ms in t["step_ms"].items()])
     lines += [f"Paired step ratios (median over rounds): {paired(t['step_ratios'])}.",
-              f"Loss spread (every variant but the floor): {t['loss_spread']:.1e} relative.", ""]
+              f"Loss spread (every variant but the floors): {t['loss_spread']:.1e} relative.", ""]
     lines += benchmarks_report.table(["16 MiB all-reduce", "median ms"],
                                      [[k, f"{v:.1f}"] for k, v in t["allreduce_ms"].items()])
     lines += [f"Paired: {paired(t['allreduce_ratios'])}.", ""]
