@@ -30,3 +30,32 @@ def test_dist_opt_starts_from_bfloat16_parameters(topo):
   updates = jdist.unreplicate(step(*(jdist.replicate(t) for t in (params, state, params))))
   assert updates["w"].dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(updates["w"], np.float32), -0.1, rtol=1e-2)
+
+
+class _CountingWorld:
+  """Stands in for the MPI world: records each comparison, every rank agreeing."""
+  size = 2
+
+  def __init__(self):
+    self.compared = []
+
+  def allgather_object(self, value, what):
+    self.compared.append(what)
+    return [value, value]
+
+
+def test_each_init_compares_once_and_never_by_memory_address(monkeypatch):
+  world = _CountingWorld()
+  monkeypatch.setattr(start_check.job_lib, "world", lambda: world)
+  params = {"w": jnp.ones(3), "b": jnp.zeros(2)}
+  tx = jdist.dist_opt(optax.sgd(0.1))  # its chain holds jdist.allreduce: one comparison for both
+  tx.init(params)
+  assert world.compared == ["jdist.dist_opt: comparing initial parameters"]
+  # The same leaves again: compared again. Skipping by id() made one rank skip
+  # when the allocator reused an address, and the ranks' host exchanges went
+  # out of step (a 2x1 suite run: the next test's exchange paired with it).
+  tx.init(params)
+  assert len(world.compared) == 2
+  jdist.allreduce().init(params)  # alone, not inside another jdist init
+  assert world.compared[-1] == "jdist.allreduce: comparing initial parameters"
+  assert len(world.compared) == 3

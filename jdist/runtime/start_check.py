@@ -12,14 +12,20 @@ raises on every process, naming them and the fix. `jdist.broadcast_params`
 afterwards (the start equal after all) clears it.
 
 One hash of the parameters and one host exchange per `tx.init`, none per
-step. An init traced inside a step (`jdist.data_parallel(tx.init)`) sees no
-values and checks nothing. `JDIST_CHECK_START=0` turns the check off.
+step; a jdist transformation inside another one's init (`jdist.allreduce` in
+`jdist.dist_opt`'s chain) compares nothing more. Whether a call exchanges
+depends on the program alone, never on memory addresses (a cache keyed by
+`id()` once let one rank skip the exchange when the allocator reused an
+address, and the ranks' host exchanges went out of step). An init traced
+inside a step (`jdist.data_parallel(tx.init)`) sees no values and checks
+nothing. `JDIST_CHECK_START=0` turns the check off.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from typing import Any
 
 import jax
@@ -31,7 +37,8 @@ from jdist.runtime import job as job_lib
 
 ENABLE_ENV = "JDIST_CHECK_START"
 _pending: str | None = None  # the error the next traced update raises
-_checked: tuple = ()  # the leaves (by id) last fingerprinted, so a chain hashes them once
+# The leaves that enclosing `guarded` inits are comparing now, innermost last.
+_enclosing = threading.local()
 
 
 def enabled() -> bool:
@@ -54,17 +61,15 @@ def note_initial_params(params: Any, what: str) -> None:
 
   A no-op in one process, when disabled, or for traced values.
   """
-  global _pending, _checked
+  global _pending
   world = job_lib.world()
   if not enabled() or world is None or world.size == 1:
     return
   leaves = jax.tree.leaves(params)
   if not leaves or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
     return
-  ids = tuple(id(leaf) for leaf in leaves)
-  if ids == _checked:
+  if _compared_by_an_enclosing_init(leaves):
     return
-  _checked = ids
   digests = world.allgather_object(fingerprint(leaves), f"{what}: comparing initial parameters")
   differ = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
   _pending = None if not differ else (
@@ -74,6 +79,13 @@ def note_initial_params(params: Any, what: str) -> None:
       f"the replicas would train as {len(set(digests))} different models. Start every "
       f"process from rank 0's values: params = jdist.broadcast_params(params) before "
       f"tx.init(params) (or initialize them from the same seed on every process).")
+
+
+def _compared_by_an_enclosing_init(leaves: list) -> bool:
+  """Whether a `guarded` init around this call is comparing these very leaves."""
+  stack = getattr(_enclosing, "stack", ())
+  return bool(stack) and len(stack[-1]) == len(leaves) and all(
+      mine is theirs for mine, theirs in zip(stack[-1], leaves))
 
 
 def params_broadcast() -> None:
@@ -101,7 +113,12 @@ def guarded(tx: optax.GradientTransformation, what: str) -> optax.GradientTransf
   """`tx`, whose init checks the initial parameters and whose update `check_at_step`s."""
   def init_fn(params):
     note_initial_params(params, what)
-    return tx.init(params)
+    stack = _enclosing.__dict__.setdefault("stack", [])
+    stack.append(jax.tree.leaves(params))  # held for this call only
+    try:
+      return tx.init(params)
+    finally:
+      stack.pop()
 
   def update_fn(updates, state, params=None, **extra_args):
     check_at_step()
