@@ -10,6 +10,7 @@ the same assertions check all three topologies.
 
 import fcntl
 import os
+import sys
 import tempfile
 
 from tests import launch  # imports no JAX
@@ -96,3 +97,18 @@ def topo():
 
 def pytest_report_header(config):
   return f"jdist test topology: {jdist.init()}"
+
+
+def pytest_runtest_logreport(report):
+  """Under mpirun, prints a failure at once, naming its rank.
+
+  A test that fails on one rank only leaves the ranks in different places;
+  their next exchange may then end the whole job before pytest's summary,
+  which would have said what failed (a 2x1 suite run ended so, twice).
+  """
+  if not report.failed or not launch.under_mpirun():
+    return
+  rank = jdist.get_topology().process_index
+  print(f"\n[rank {rank}] FAILED {report.nodeid} ({report.when}):\n"
+        f"{report.longreprtext[-4000:]}\n[rank {rank}] end of {report.nodeid}",
+        file=sys.__stderr__, flush=True)
