@@ -3,10 +3,13 @@
     sudo .venv/bin/python -m benchmarks jax_peers [--rounds 5] [--topologies 2x1,2x2]
     sudo .venv/bin/python -m benchmarks jax_peers --on shaped --link 1gbit
     sudo .venv/bin/python -m benchmarks jax_peers --on rig [--rig-rate 1000]
+    sudo .venv/bin/python -m benchmarks jax_peers --mpiwrapper PATH/libmpiwrapper.so  # + XLA's MPI
 
 Each round runs two jobs back to back: `jdist` (`jdist_jit`, `jdist_dp`, `mpi4jax`,
 `floor`, `sync_floor`, interleaved) and `gloo` (`jax_gloo`: XLA's all-reduce over
-Gloo). `sync_floor` is the floor plus one 4-byte exchange that waits for the whole
+Gloo), and with `--mpiwrapper` a third, `mpi` (`jax_mpi`: XLA's all-reduce over its own
+MPI collectives, through MPItrampoline and an MPIwrapper built against this MPI; one
+device per process only, as XLA's MPI collectives allow). `sync_floor` is the floor plus one 4-byte exchange that waits for the whole
 gradient: the least any data-parallel step pays (every rank's compute, then one
 collective's latency), so `sync_floor / jax_gloo` bounds what any exchange can reach
 against Gloo. Reported:
@@ -45,7 +48,9 @@ ALLREDUCE_BYTES = 16 << 20
 LOSS_TOLERANCE = 1e-5
 JOB_TIMEOUT = 900
 JDIST_VARIANTS = ("jdist_jit", "jdist_dp")
-PEERS = ("mpi4jax", "jax_gloo", "floor", "sync_floor")
+PEERS = ("mpi4jax", "jax_gloo", "jax_mpi", "floor", "sync_floor")
+# JAX's CPU collectives each plain-JAX job kind asks for, and its variants' prefix.
+XLA_KINDS = {"gloo": "jax_gloo", "mpi": "jax_mpi"}
 
 
 # ---------------------------------------------------------------- one rank of a job
@@ -128,9 +133,9 @@ def _jdist_job(ctx, model, params, x, y) -> tuple[dict, dict]:
   return steps, reduces
 
 
-def _gloo_job(ctx, model, params, x, y) -> tuple[dict, dict]:
+def _xla_job(ctx, model, params, x, y) -> tuple[dict, dict]:
   """Plain JAX multi-controller: one mesh over every process's devices, XLA's collectives."""
-  del ctx
+  name = XLA_KINDS[ctx.options["kind"]]
   sgd = optax.sgd(LEARNING_RATE)
   mesh = Mesh(np.array(jax.devices()), ("data",))
   replicated, rows = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
@@ -143,13 +148,17 @@ def _gloo_job(ctx, model, params, x, y) -> tuple[dict, dict]:
   g_batch = (put(x, rows), put(y, rows))
   step = workload.plain_jit_step(model, sgd)
   host = lambda s: jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), s.state[0])  # noqa
-  steps = {"jax_gloo": (lambda: timing.Stepper(
+  steps = {name: (lambda: timing.Stepper(
       step, (g_params, jax.jit(sgd.init, out_shardings=replicated)(g_params)), g_batch), host)}
   n = ALLREDUCE_BYTES // 4
   big = put(np.ones((len(jax.devices()), n), np.float32), rows)
   psum = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "data"), mesh=mesh,
                                in_specs=PartitionSpec("data"), out_specs=PartitionSpec("data")))
-  return steps, {"jax_gloo.psum": lambda: psum(big)}
+  # XLA's MPI collectives build their communicator only on the thread that started
+  # MPI ("Multiple threads/devices per process are not yet supported"): a first
+  # all-reduce here, on the main thread, builds the one every later call reuses.
+  jax.block_until_ready(psum(put(np.ones((len(jax.devices()), 1), np.float32), rows)))
+  return steps, {f"{name}.psum": lambda: psum(big)}
 
 
 def run(ctx) -> Iterator[dict[str, Any]]:
@@ -159,7 +168,7 @@ def run(ctx) -> Iterator[dict[str, Any]]:
   params = workload.init_params(model, 0)  # the same on every rank
   x, y = _global_batch(ctx.options.get("global_batch", 64))
   with jax.set_mesh(jdist.mesh()) if kind == "jdist" else contextlib.nullcontext():
-    steps, reduces = (_jdist_job if kind == "jdist" else _gloo_job)(ctx, model, params, x, y)
+    steps, reduces = (_jdist_job if kind == "jdist" else _xla_job)(ctx, model, params, x, y)
     base = {"kind": kind, "processes": ctx.topo.process_count,
             "devices": ctx.topo.local_device_count,
             "collectives": jax.config.jax_cpu_collectives_implementation}
@@ -198,6 +207,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--link", default="1gbit", help="--on shaped: the link (harness/netns.py)")
   parser.add_argument("--rig-rate", type=float, default=1000.0,
                       help="--on rig: each node's link in Mbit/s")
+  parser.add_argument("--mpiwrapper", default=None,
+                      help="an MPIwrapper library built against this MPI: adds plain JAX over "
+                           "XLA's MPI collectives (MPItrampoline's MPITRAMPOLINE_LIB), 1 device "
+                           "per process only")
 
 
 def _topologies(text: str) -> list[tuple[int, int]]:
@@ -214,6 +227,9 @@ def check(args: argparse.Namespace) -> None:
   _topologies(args.topologies)
   if args.rounds < 1 or args.steps < 3:
     raise UsageError("--rounds must be >= 1 and --steps >= 3")
+  if args.mpiwrapper and not os.path.isfile(args.mpiwrapper):
+    raise UsageError(f"--mpiwrapper {args.mpiwrapper}: no such file (libmpiwrapper.so of an "
+                     "MPIwrapper built against this venv's MPI)")
   if args.on == "shaped":
     netns.link_named(args.link)
   if args.on == "rig" and any(processes % 2 for processes, _ in _topologies(args.topologies)):
@@ -299,7 +315,9 @@ def main(args: argparse.Namespace) -> int:
   rounds, steps = (1, 5) if args.quick else (args.rounds, args.steps)
   topologies = _topologies(args.topologies)[:1] if args.quick else _topologies(args.topologies)
   env = {"jdist": (("JDIST_JAX_DISTRIBUTED", "1"),),
-         "gloo": (("JDIST_JAX_DISTRIBUTED", "1"), ("JAX_CPU_COLLECTIVES_IMPLEMENTATION", "gloo"))}
+         "gloo": (("JDIST_JAX_DISTRIBUTED", "1"), ("JAX_CPU_COLLECTIVES_IMPLEMENTATION", "gloo")),
+         "mpi": (("JDIST_JAX_DISTRIBUTED", "1"), ("JAX_CPU_COLLECTIVES_IMPLEMENTATION", "mpi"),
+                 ("MPITRAMPOLINE_LIB", os.path.abspath(args.mpiwrapper or "")))}
   link = {"shaped": args.link, "rig": f"rig, {args.rig_rate:g} Mbit/s per node"}
   results: dict[str, Any] = {"command": args.command, "place": args.on,
                              "link": link.get(args.on, "shm"),
@@ -310,7 +328,8 @@ def main(args: argparse.Namespace) -> int:
       per_round = []
       for index in range(rounds):
         rows = []
-        for kind in ("jdist", "gloo"):
+        kinds = ("jdist", "gloo") + (("mpi",) if args.mpiwrapper and devices == 1 else ())
+        for kind in kinds:
           job = jobs.Job(f"{NAME}-{kind}-{processes}x{devices}", processes, devices,
                          (sys.modules[__name__],), env=env[kind],
                          options=(("kind", kind), ("steps", steps),
