@@ -275,7 +275,6 @@ def load_digits(*, test_size: int = 360, seed: int = 0) -> Dataset:
   return dataset
 
 
-
 def _digits_cache_file(test_size: int, seed: int) -> Path:
   """The cached split's file: named by its arguments and scikit-learn's release."""
   try:
