@@ -1,8 +1,10 @@
 """data_parallel and the placement helpers."""
 
+import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -154,3 +156,45 @@ def test_helpers_work_under_the_global_mesh(topo):
   np.testing.assert_array_equal(stepped["w"], tree["w"] + 1)
   np.testing.assert_array_equal(stepped["step"], 8)
   np.testing.assert_array_equal(synced["w"], tree["w"])
+
+
+# Every jdist file a data_parallel step with one psum may run code in, traced,
+# compiled and called once (issue 37 counted 19 before the job object): the
+# step wrapper, the collective op, its context and fusion, the route and its
+# engine, the job with the trace-time structure check (a host exchange under
+# the watchdog, which the flight recorder notes) and the exchange's label.
+# With JAX's persistent cache on (as the suite runs), a cache miss also runs
+# the hook that lets every rank write its own programs there.
+_PSUM_PATH = {"parallel.py", "fusion.py", "collectives/ops.py", "collectives/context.py",
+              "collectives/routes/base.py", "collectives/routes/local.py",
+              "collectives/routes/mpi4jax.py", "collectives/native/__init__.py",
+              "runtime/job.py", "runtime/world.py", "runtime/watchdog.py",
+              "runtime/flight_recorder.py"}
+
+
+def test_a_psum_step_runs_code_in_at_most_ten_jdist_modules(topo):
+  root = os.path.dirname(jdist.__file__)
+  ran = set()
+
+  def profile(frame, event, arg):
+    del arg
+    if event == "call" and frame.f_code.co_filename.startswith(root):
+      ran.add(os.path.relpath(frame.f_code.co_filename, root))
+
+  @jdist.data_parallel
+  def step(x):
+    return jdist.psum(x * 2.0)
+
+  batch = jdist.shard(np.ones((topo.local_device_count * 2, 3), np.float32))
+  threading.setprofile(profile)
+  sys.setprofile(profile)
+  try:
+    out = jax.block_until_ready(step(batch))
+  finally:
+    sys.setprofile(None)
+    threading.setprofile(None)
+  np.testing.assert_allclose(np.asarray(out), 2.0 * topo.replica_count)
+  if jax.config.jax_compilation_cache_dir:
+    ran.discard("runtime/jax_internals.py")
+  assert ran <= _PSUM_PATH, sorted(ran - _PSUM_PATH)
+  assert len(ran) <= 10, sorted(ran)
