@@ -18,9 +18,9 @@ import os
 import pytest
 
 from benchmarks.harness import cluster
+from benchmarks.harness.section import torch_missing
 from benchmarks.sections.network import rig as cluster_bench
 from benchmarks.sections.network import rig_report as cluster_report
-from benchmarks.sections.network import shaped as network
 from tests import launch
 
 
@@ -54,7 +54,7 @@ def test_rig_quick_run_subprocess_reports_every_row(rig_ready, tmp_path):
 
   steps = {r["variant"]: r for r in summary["training"]}
   expected = {"compute", "plain"}
-  if network.torch_missing() is None:
+  if torch_missing() is None:
     expected |= {"torch_compute", "ddp"}
   else:
     assert any("torch" in reason for reason in results["skipped"]), results["skipped"]

@@ -27,7 +27,7 @@ from tests import launch
 
 def _torch_or_skip():
   """torch, or a skip naming the torch-peer extra (a failure under CI, which installs it)."""
-  missing = time_to_accuracy.network.torch_missing()
+  missing = time_to_accuracy.torch_missing()
   launch.require([missing] if missing else [], "the torch-peer extra")
   import torch  # pylint: disable=import-outside-toplevel
   return torch
@@ -165,11 +165,10 @@ def test_default_full_goes_with_the_default_variants_only():
 def test_skipped_links_and_torch_are_recorded_and_full_variants_train_every_epoch(
     monkeypatch, tmp_path):
   from benchmarks.harness import netns  # pylint: disable=import-outside-toplevel
-  network = time_to_accuracy.network
   shm = netns.link_named("shm")
-  monkeypatch.setattr(network, "available_links",
+  monkeypatch.setattr(netns, "available_links",
                       lambda links: ([shm], ["shaped links skipped: not root"]))
-  monkeypatch.setattr(network, "torch_missing", lambda: "torch is not installed")
+  monkeypatch.setattr(time_to_accuracy, "torch_missing", lambda: "torch is not installed")
   monkeypatch.setattr(netns, "remove_stale", lambda: [])
   launched = []
 
@@ -267,7 +266,7 @@ def test_targets_are_not_measured_without_their_runs():
 def test_command_runs_end_to_end_in_a_subprocess(tmp_path, topo):
   if topo.process_count > 1:
     pytest.skip("starts its own MPI jobs: runs from plain pytest only")
-  variants = "plain" + ("" if time_to_accuracy.network.torch_missing() else ",ddp")
+  variants = "plain" + ("" if time_to_accuracy.torch_missing() else ",ddp")
   result = launch.python(["-m", "benchmarks", "time_to_accuracy", "--links", "shm",
                           "--dataset", "digits", "--epochs", "1", "--target", "0.3",
                           "--variants", variants, "--out", str(tmp_path)], timeout=280)
@@ -385,11 +384,10 @@ def test_slow_targets_bound_a_capped_ddp_plain():
 def test_runs_follow_the_links_with_their_caps_and_report_progress(monkeypatch, tmp_path):
   import contextlib  # pylint: disable=import-outside-toplevel
   from benchmarks.harness import netns  # pylint: disable=import-outside-toplevel
-  network = time_to_accuracy.network
   links = [netns.link_named("shm"), netns.link_named("10mbit")]
-  monkeypatch.setattr(network, "available_links", lambda names: (links, []))
-  monkeypatch.setattr(network, "link_namespace", lambda link: contextlib.nullcontext("ns"))
-  monkeypatch.setattr(network, "in_namespace", lambda job, name: job)
+  monkeypatch.setattr(netns, "available_links", lambda names: (links, []))
+  monkeypatch.setattr(netns, "link_namespace", lambda link: contextlib.nullcontext("ns"))
+  monkeypatch.setattr(netns, "in_namespace", lambda job, name: job)
   monkeypatch.setattr(netns, "remove_stale", lambda: [])
   launched, progress = [], []
   times = {"diloco32": 200.0, "diloco128": 150.0, "local_sgd32": 100.0}

@@ -4,11 +4,7 @@
       rig.popen(["python", "train.py"], processes_per_node=2)
       rig.link_down(1)        # faults: link_down, kill_node, partition
 
-Each node is a namespace with its own address, hostname (a UTS namespace) and veth
-into a bridge, shaped by `tc tbf` on both ends; `mpirun` runs in the root namespace and
-starts its daemons through a launch agent instead of ssh. Needs root, iproute2 and
-`unshare` (`missing_requirements`); every exit path removes what it built, and
-`remove_stale` what a SIGKILLed run left. See docs/multinode.md.
+Needs root, iproute2 and `unshare` (`missing_requirements`); how it works: docs/multinode.md.
 """
 
 from __future__ import annotations
@@ -32,9 +28,7 @@ NODE_NAMES = "ABCDEFGHIJKLMNOP"
 _SUBNETS = range(90, 250)
 NETNS_ETC = "/etc/netns"  # per-namespace files `ip netns exec` mounts over /etc
 
-# Open MPI 5 (PRRTE) over the rig: TCP between nodes on the rig's subnet,
-# shared memory within a node. The keepalive settings make PRRTE notice a
-# node whose link is gone in seconds instead of its default 8 minutes.
+# PRRTE notices a node whose link is gone in seconds instead of its default 8 minutes.
 KEEPALIVE_ENV = {
     "PRTE_MCA_oob_tcp_keepalive_time": "1",
     "PRTE_MCA_oob_tcp_keepalive_intvl": "1",
@@ -55,14 +49,8 @@ def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess
 
 def missing_requirements() -> list[str]:
   """What stops this machine from building the rig (empty: nothing)."""
-  missing = []
-  if hasattr(os, "geteuid") and os.geteuid() != 0:
-    missing.append("not root: network namespaces, bridges and tc need root "
-                   "(or CAP_NET_ADMIN and CAP_SYS_ADMIN)")
-  for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("bridge", "iproute2"),
-                        ("unshare", "util-linux")):
-    if shutil.which(tool) is None:
-      missing.append(f"`{tool}` not found: install {package} (apt-get install -y {package})")
+  missing = netns.missing_tools(("ip", "tc", "bridge", "unshare"),
+                                "network namespaces, bridges and tc")
   if missing:
     return missing
   try:
@@ -93,13 +81,8 @@ def _free_subnet() -> int:
 
 
 class Cluster:
-  """N nodes as network namespaces joined by a bridge; a context manager.
-
-  Args:
-    nodes: how many nodes (2 to 16).
-    rate_mbit: each node's link rate in Mbit/s, per direction; None for no
-      shaping (the veth's own speed).
-  """
+  """`nodes` (2 to 16) network namespaces joined by a bridge, each link shaped to `rate_mbit`
+  per direction (None: the veth's own speed); a context manager."""
 
   def __init__(self, nodes: int = 2, rate_mbit: float | None = None):
     if not 2 <= nodes <= len(NODE_NAMES):
@@ -114,8 +97,6 @@ class Cluster:
     self._tag = tag
     self.nodes: list[Node] = []
     self._workdir: str | None = None
-
-  # -- building and tearing down ------------------------------------------
 
   @property
   def subnet(self) -> str:
@@ -163,12 +144,8 @@ class Cluster:
     self._write_agent()
 
   def _write_hosts(self) -> None:
-    """Lets every node resolve every node's name, as a cluster's DNS or /etc/hosts does.
-
-    `ip netns exec NS` bind-mounts /etc/netns/NS/hosts over /etc/hosts for
-    what it runs. Without it, names like nodeA resolve nowhere, and gloo
-    (JAX's CPU collectives) fails to start its TCP device.
-    """
+    """Lets every node resolve every node's name (`ip netns exec NS` mounts /etc/netns/NS/hosts
+    over /etc/hosts): gloo fails to start its TCP device on names that resolve nowhere."""
     try:
       with open("/etc/hosts", encoding="utf-8") as handle:
         base = handle.read()
@@ -200,8 +177,6 @@ class Cluster:
     if self._workdir is not None:
       shutil.rmtree(self._workdir, ignore_errors=True)
       self._workdir = None
-
-  # -- launching -----------------------------------------------------------
 
   @property
   def agent(self) -> str:
@@ -263,14 +238,11 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c "hostname $name; $*"
                             env=full_env, **kwargs)
 
   def node_argv(self, index: int, command: Sequence[str]) -> list[str]:
-    """`command` run on node `index` (its namespace and hostname), as the agent runs prted.
-
-    For launchers other than mpirun (e.g. one `torchrun` per node).
-    """
+    """`command` run on node `index` (its namespace and hostname), as the agent runs prted."""
     node = self.nodes[index]
     return netns.exec_prefix(node.namespace) + [
         "unshare", "--uts", "/bin/sh", "-c",
-        f"hostname {node.hostname}; exec {shell_command(command)}"]
+        f"hostname {node.hostname}; exec {' '.join(shlex.quote(arg) for arg in command)}"]
 
   def launch_argv(self, command: Sequence[str], processes_per_node: int,
                   launch_args: Sequence[str] = ()) -> list[str]:
@@ -285,16 +257,10 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c "hostname $name; $*"
       full.pop(name, None)
     return full
 
-  # -- faults --------------------------------------------------------------
-
   def link_down(self, index: int) -> None:
     """Takes node `index`'s link down from inside the node (its NIC fails)."""
-    self.set_link(index, "down")
-
-  def set_link(self, index: int, state: str) -> None:
-    """Sets node `index`'s link "up" or "down" from inside the node."""
     node = self.nodes[index]
-    _run(netns.exec_prefix(node.namespace) + ["ip", "link", "set", node.inner_veth, state])
+    _run(netns.exec_prefix(node.namespace) + ["ip", "link", "set", node.inner_veth, "down"])
 
   def kill_node(self, index: int) -> None:
     """Kills every process on node `index` at once (a power loss)."""
@@ -338,7 +304,3 @@ def _live_pids(suffix: str) -> list[int]:
 def tool(name: str) -> str:
   """A console script beside this interpreter (the venv's jdist, mpirun)."""
   return os.path.join(os.path.dirname(sys.executable), name)
-
-
-def shell_command(argv: Sequence[str]) -> str:
-  return " ".join(shlex.quote(arg) for arg in argv)

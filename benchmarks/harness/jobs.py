@@ -1,9 +1,7 @@
-"""The benchmark jobs and how the driver runs them.
+"""Benchmark jobs: one topology (processes x local devices) and the measurements run in it.
 
-A job is one topology (processes x local devices) and the measurements run in it, as
-`python -m benchmarks worker` (under `mpirun -np P --oversubscribe` for P > 1), with a
-hard timeout. `merge_ranks` folds the ranks' JSON files into one result: durations
-(`*_s`) are the maximum over ranks, every other field rank 0's.
+A job's ranks run `python -m benchmarks worker` (under `mpirun -np P --oversubscribe` for
+P > 1) with a hard timeout; `merge_ranks` folds their JSON files into one result.
 """
 
 from __future__ import annotations
@@ -78,41 +76,28 @@ def environment(job: Job) -> dict[str, str]:
   env.setdefault("JAX_PLATFORMS", "cpu")
   env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
   env["PYTHONUNBUFFERED"] = "1"
-  # A rank stalled this long in an exchange ends the job with a diagnosis.
-  env.setdefault("JDIST_TIMEOUT", "60")
-  # The hand-written baselines are per-process `jax.pmap`s (mpi4jax inside);
-  # with JAX's distributed runtime on, a pmap spans every process's devices
-  # (and one with no outputs fails inside JAX: 'safe_zip requires at least 1
-  # argument'). jdist's own exchanges are the same either way.
+  env.setdefault("JDIST_TIMEOUT", "60")  # a rank stalled this long ends the job, diagnosed
+  # The hand-written baselines are per-process `jax.pmap`s: with JAX's distributed runtime
+  # on, a pmap spans every process's devices (jdist's own exchanges are the same either way).
   env.setdefault("JDIST_JAX_DISTRIBUTED", "0")
   env.update(dict(job.env))
   return env
 
 
-def merge_rows(per_rank: list[list[dict]]) -> list[dict]:
-  merged = []
-  for rows in zip(*per_rank):
-    row = dict(rows[0])
-    for key, value in row.items():
-      if key.endswith("_s") and isinstance(value, (int, float)):
-        row[key] = max(r[key] for r in rows)
-    merged.append(row)
-  return merged
-
-
 def merge_ranks(results: list[dict]) -> dict[str, Any]:
-  """One job result from every rank's: see the module docstring.
-
-  A section is complete only if every rank completed it; rows that not every
-  rank wrote (a job killed midway) are dropped.
-  """
+  """One job result from every rank's: durations (`*_s`) the maximum over ranks, all else
+  rank 0's; a section complete only if every rank completed it, rows not every rank wrote
+  dropped."""
   first = results[0]
   merged = {k: first[k] for k in ("job", "topology", "backend", "init_error")}
   merged["sections"] = {}
   for name in first["sections"]:
     sections = [r["sections"].get(name, {"rows": [], "complete": False}) for r in results]
-    section = {"rows": merge_rows([s["rows"] for s in sections]),
-               "complete": all(s["complete"] for s in sections),
+    rows = []
+    for per_rank in zip(*(s["rows"] for s in sections)):
+      rows.append({k: max(r[k] for r in per_rank) if k.endswith("_s") and isinstance(
+          v, (int, float)) else v for k, v in per_rank[0].items()})
+    section = {"rows": rows, "complete": all(s["complete"] for s in sections),
                "wall_s": max(s.get("wall_s", 0.0) for s in sections)}
     errors = [s["error"] for s in sections if "error" in s]
     if errors:
@@ -127,37 +112,39 @@ def _tail(output) -> str:
   return (output or "")[-3000:]
 
 
-def launch(argv: list[str], env: dict[str, str], timeout: float) -> str | None:
-  """Runs argv in its own process group; None if it succeeded, else why not.
-
-  On timeout the whole group (mpirun and every rank it started) is killed,
-  so no rank outlives the job.
-  """
-  proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, start_new_session=True)
+def launch(argvs: list[list[str]], env: dict[str, str], timeout: float) -> str | None:
+  """Runs every argv at once, each in its own process group; None if all succeeded, else why
+  not. Past `timeout` every group (mpirun and the ranks it started) is killed."""
+  procs = [subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True) for argv in argvs]
+  deadline = time.monotonic() + timeout
   try:
-    output, _ = proc.communicate(timeout=timeout)
+    for proc in procs:
+      output = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+      if proc.returncode != 0:
+        return f"exit status {proc.returncode}:\n{_tail(output)}"
+    return None
   except subprocess.TimeoutExpired:
+    output = b""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-      with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, sig)
-      try:
-        output, _ = proc.communicate(timeout=5)
+      _signal(procs, sig)
+      with contextlib.suppress(subprocess.TimeoutExpired):
+        output = b"".join(p.communicate(timeout=5)[0] or b"" for p in procs if p.returncode is None)
         break
-      except subprocess.TimeoutExpired:
-        continue
-    else:
-      output = b""
     return f"timed out after {timeout:.0f} s:\n{_tail(output)}"
-  if proc.returncode != 0:
-    return f"exit status {proc.returncode}:\n{_tail(output)}"
-  return None
+  finally:
+    _signal(procs, signal.SIGKILL)  # what outlived its launcher (a node's torchrun)
+
+
+def _signal(procs: list[subprocess.Popen], sig: int) -> None:
+  for proc in procs:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+      os.killpg(proc.pid, sig)
 
 
 def collect(job: Job, start_job: Callable[[str], str | None]) -> dict[str, Any]:
   """Starts `job` with `start_job(out_prefix)` (its failure or None); merges what its ranks
-  wrote, with an `error` where it failed (unfinished sections: `complete: False`).
-  """
+  wrote, with an `error` where it failed (unfinished sections: `complete: False`)."""
   start = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix=f"jdist-bench-{job.name}-") as tmp:
     prefix = os.path.join(tmp, "result")
@@ -177,10 +164,9 @@ def collect(job: Job, start_job: Callable[[str], str | None]) -> dict[str, Any]:
 
 
 def run(job: Job, *, quick: bool, timeout: float, log=print) -> dict[str, Any]:
-  """Runs `job` to completion (or its timeout) and returns its merged result
-  (`collect`); a failed job does not stop the jobs after it."""
+  """Runs `job` to completion (or its timeout); its merged result (`collect`)."""
   log(f"[{job.name}] {' '.join(m.NAME for m in job.sections)} ...")
-  result = collect(job, lambda prefix: launch(command(job, prefix, quick), environment(job),
+  result = collect(job, lambda prefix: launch([command(job, prefix, quick)], environment(job),
                                               timeout))
   log(f"[{job.name}] done in {result['wall_s']:.1f} s"
       + (f": FAILED {result['error'][:300]}" if "error" in result else ""))
@@ -188,13 +174,8 @@ def run(job: Job, *, quick: bool, timeout: float, log=print) -> dict[str, Any]:
 
 
 def follow(job: subprocess.Popen, read: Callable[[], None], timeout: float) -> float:
-  """Waits for `job` (its own session) while `read` consumes its output in a thread.
-
-  Returns:
-    When it ended (`time.time()`, before the reader is joined: a lost node's daemons can
-    hold the pipe open). Past `timeout` its process group is killed and
-    `subprocess.TimeoutExpired` raised.
-  """
+  """Waits for `job` (its own session) while `read` consumes its output in a thread; returns
+  when it ended (`time.time()`). Past `timeout` its group is killed and TimeoutExpired raised."""
   reader = threading.Thread(target=read, daemon=True)
   reader.start()
   try:
@@ -204,5 +185,5 @@ def follow(job: subprocess.Popen, read: Callable[[], None], timeout: float) -> f
       os.killpg(job.pid, signal.SIGKILL)
       job.wait()
   ended = time.time()
-  reader.join(timeout=5)
+  reader.join(timeout=5)  # a lost node's daemons can hold the pipe open
   return ended

@@ -1,10 +1,8 @@
-"""A cluster network on one machine: a private network namespace, its loopback shaped by `tc`.
+"""Emulated cluster links on one machine: a private network namespace, its loopback shaped by `tc`.
 
 Every rank of a job runs in one namespace whose loopback is rate-limited (`tbf`) and
-optionally delayed (`netem`), so MPI over TCP and gloo cross an emulated link. Needs
-root and iproute2 (`missing_requirements`); namespaces are deleted on every way out of
-`shaped_namespace` (SIGTERM too, with `terminate_on_sigterm`), and `remove_stale`
-deletes those of killed runs.
+optionally delayed (`netem`). Needs root and iproute2 (`missing_requirements`); every way
+out of `shaped_namespace` deletes it, `remove_stale` those of killed runs.
 """
 
 from __future__ import annotations
@@ -16,17 +14,18 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import time
-from typing import Iterator
+from typing import Iterable, Iterator
+
+from benchmarks.harness import jobs
 
 PREFIX = "jdist-net-"
 # Open MPI over TCP on the namespace's loopback (it skips loopback unless told).
 MPI_TCP_ARGS = ("--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
                 "--mca", "btl_tcp_if_include", "lo")
-INSTALL_HINT = "apt-get update && apt-get install -y iproute2"
 _COUNTER = itertools.count()
-_TC_TIMEOUT = 30
 
 
 class NamespaceError(RuntimeError):
@@ -35,13 +34,8 @@ class NamespaceError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-  """A shaped link.
-
-  Attributes:
-    name: label in tables and plots ("1gbit", "100mbit+1ms").
-    rate_mbit: rate limit in Mbit/s; None: no namespace (MPI over shared memory).
-    delay_ms: one-way delay of every packet (netem; a loopback round trip pays it twice).
-  """
+  """A shaped link: its label, rate (None: no namespace, MPI over shared memory) and one-way
+  delay of every packet (netem; a loopback round trip pays it twice)."""
   name: str
   rate_mbit: float | None
   delay_ms: float = 0.0
@@ -51,8 +45,7 @@ class Link:
     return self.rate_mbit is not None
 
 
-SHARED_MEMORY = Link("shm", None)
-LINKS = (SHARED_MEMORY, Link("10gbit", 10_000), Link("1gbit", 1_000), Link("100mbit", 100),
+LINKS = (Link("shm", None), Link("10gbit", 10_000), Link("1gbit", 1_000), Link("100mbit", 100),
          Link("100mbit+1ms", 100, delay_ms=1.0), Link("10mbit", 10))
 
 
@@ -64,23 +57,28 @@ def link_named(name: str) -> Link:
 
 
 def _run(argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess:
-  result = subprocess.run(argv, capture_output=True, text=True, timeout=_TC_TIMEOUT,
-                          check=False)
+  result = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
   if check and result.returncode != 0:
     raise NamespaceError(f"`{' '.join(argv)}` failed ({result.returncode}): "
                          f"{(result.stderr or result.stdout).strip()}")
   return result
 
 
-def missing_requirements() -> list[str]:
-  """What stops this machine from making shaped namespaces, a sentence each (empty: nothing)."""
+def missing_tools(tools: Iterable[str], what: str) -> list[str]:
+  """Why `what` cannot run here (not root, or one of `tools` missing), a sentence each."""
   missing = []
   if hasattr(os, "geteuid") and os.geteuid() != 0:
-    missing.append("not root: network namespaces and tc need root "
-                   "(or CAP_NET_ADMIN and CAP_SYS_ADMIN)")
-  for tool in ("ip", "tc"):
+    missing.append(f"not root: {what} need root (or CAP_NET_ADMIN and CAP_SYS_ADMIN)")
+  for tool in tools:
     if shutil.which(tool) is None:
-      missing.append(f"`{tool}` not found: install iproute2 ({INSTALL_HINT})")
+      package = "util-linux" if tool == "unshare" else "iproute2"
+      missing.append(f"`{tool}` not found: install {package} (apt-get install -y {package})")
+  return missing
+
+
+def missing_requirements() -> list[str]:
+  """What stops this machine from making shaped namespaces, a sentence each (empty: nothing)."""
+  missing = missing_tools(("ip", "tc"), "network namespaces and tc")
   if missing:
     return missing
   try:
@@ -112,11 +110,7 @@ def tbf_args(rate_mbit: float) -> list[str]:
 
 
 def shape(name: str, link: Link) -> None:
-  """Puts `link`'s qdiscs on namespace `name`'s loopback: `tbf`, under `netem` with a delay.
-
-  Raises:
-    NamespaceError: tc refused (e.g. the kernel lacks netem).
-  """
+  """Puts `link`'s qdiscs on namespace `name`'s loopback: `tbf`, under `netem` with a delay."""
   tc = exec_prefix(name) + ["tc", "qdisc"]
   if not link.delay_ms:
     _run(tc + ["replace", "dev", "lo", "root"] + tbf_args(link.rate_mbit))
@@ -171,12 +165,7 @@ def remove_stale() -> list[str]:
 
 @contextlib.contextmanager
 def shaped_namespace(link: Link) -> Iterator[str]:
-  """A fresh namespace with its loopback up and shaped as `link` (shaped); yields its name.
-
-  Raises:
-    NamespaceError: creating or shaping it failed (it is deleted again).
-    ValueError: `link` is not shaped.
-  """
+  """A fresh namespace with its loopback up and shaped as `link`; yields its name."""
   if not link.shaped:
     raise ValueError(f"Link {link.name!r} has no rate: run it without a namespace.")
   with private_namespace() as name:
@@ -186,11 +175,8 @@ def shaped_namespace(link: Link) -> Iterator[str]:
 
 @contextlib.contextmanager
 def private_namespace() -> Iterator[str]:
-  """A fresh namespace with its loopback up, unshaped; yields its name.
-
-  A job run inside it (`exec_prefix(name)`) is alone on that loopback, so its
-  counters (`/proc/net/dev`, read from inside) count that job's bytes only.
-  """
+  """A fresh namespace with its loopback up, unshaped; yields its name. A job run inside it
+  is alone on that loopback (`/proc/net/dev` read inside counts that job's bytes only)."""
   name = f"{PREFIX}{os.getpid()}-{next(_COUNTER)}"
   _run(["ip", "netns", "add", name])
   try:
@@ -206,3 +192,38 @@ def terminate_on_sigterm() -> None:
     del frame
     raise SystemExit(128 + signum)
   signal.signal(signal.SIGTERM, handler)
+
+
+def link_namespace(link: Link):
+  """A context yielding `link`'s fresh shaped namespace, or None for shared memory."""
+  return shaped_namespace(link) if link.shaped else contextlib.nullcontext()
+
+
+def in_namespace(job: jobs.Job, name: str | None) -> jobs.Job:
+  """`job` run inside namespace `name` with MPI over its loopback (None: as it is)."""
+  if name is None:
+    return job
+  return dataclasses.replace(job, prefix=tuple(exec_prefix(name)), mpirun_args=MPI_TCP_ARGS)
+
+
+def available_links(links) -> tuple[list[Link], list[str]]:
+  """`(the links of links this machine can emulate, one sentence per reason others cannot)`:
+  shaped links need root, `ip` and `tc`; delays need netem."""
+  chosen, skipped = list(links), []
+  missing = missing_requirements() if any(l.shaped for l in chosen) else []
+  if missing:
+    skipped.append("shaped links skipped: " + "; ".join(missing))
+    chosen = [l for l in chosen if not l.shaped]
+  if any(l.delay_ms for l in chosen) and not netem_available():
+    skipped.append("links with a delay skipped: this kernel has no netem qdisc (sch_netem); "
+                   "tc cannot add latency here")
+    chosen = [l for l in chosen if not l.delay_ms]
+  return chosen, skipped
+
+
+def gloo_env() -> tuple[tuple[str, str], ...]:
+  """A job's environment for torch.distributed's gloo rendezvous on a free loopback port."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  return (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("GLOO_SOCKET_IFNAME", "lo"))

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
 import traceback
 from typing import Any, Callable, Iterable
 
+from benchmarks.harness import netns
+
 
 def write_report(out_dir: str, results: dict[str, Any], render: Callable[[dict], str], *,
                  json_name: str, md_name: str) -> list[str]:
-  """Writes `results` to `out_dir/json_name` and `render(results)` to `out_dir/md_name`.
-
-  Returns:
-    The names written, JSON first.
-  """
+  """Writes `results` to `out_dir/json_name` and `render(results)` to `out_dir/md_name`;
+  returns the names written, JSON first."""
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, json_name), "w", encoding="utf-8") as f:
     json.dump(results, f, indent=1)
@@ -30,13 +30,26 @@ def write_markdown(path: str, text: str) -> None:
     f.write(text)
 
 
-class Recorder:
-  """One rank's results, rewritten to its JSON file after every row.
+def measure_or_render(args: argparse.Namespace, measure: Callable[[Callable], dict],
+                      summarize: Callable[[dict], dict],
+                      write: Callable[[dict, str], list[str]]) -> tuple[dict, list[str]] | None:
+  """`--render JSON`: re-derives the summary of a results JSON and rewrites its report into
+  `--out`, returning None. Otherwise `measure(progress)` (`progress(partial)` rewrites the
+  report) and its report written: `(results, the files written)`."""
+  if args.render:
+    with open(args.render, encoding="utf-8") as f:
+      results = json.load(f)
+    results["summary"] = summarize(results)
+    print(f"Rewrote {', '.join(write(results, args.out))} into {args.out}.")
+    return None
+  netns.terminate_on_sigterm()  # so a killed run still deletes its namespaces or rig
+  results = measure(lambda partial: write(partial, args.out))
+  return results, write(results, args.out)
 
-  A measurement yields one row (a dict) per measurement; when a job hangs and
-  is killed, what was measured and where it stopped survive. One that raises
-  is recorded as an error and the next one runs.
-  """
+
+class Recorder:
+  """One rank's results, rewritten to its JSON file after every row (a killed job's survive);
+  a measurement that raises is recorded as an error and the next one runs."""
 
   def __init__(self, path: str, header: dict[str, Any]):
     self.path = path

@@ -7,11 +7,12 @@ import importlib.metadata
 import os
 import platform
 import subprocess
+import time
 from typing import Any, Callable, Sequence
 
 from benchmarks.harness import jobs as jobs_lib
 
-PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "mpi4py", "mpi4jax")
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "mpi4py", "mpi4jax", "torch")
 
 
 def _cpu_model() -> str:
@@ -35,7 +36,7 @@ def _open_mpi_version() -> str:
 
 
 def environment() -> dict[str, Any]:
-  """Versions, CPU, cores, date and load: what the numbers depend on."""
+  """Versions, CPU, cores, kernel, date and load: what the numbers depend on."""
   versions = {}
   for name in PACKAGES:
     try:
@@ -45,8 +46,17 @@ def environment() -> dict[str, Any]:
   versions["Open MPI"] = _open_mpi_version()
   versions["python"] = platform.python_version()
   return {"versions": versions, "cpu": _cpu_model(), "cores": os.cpu_count(),
+          "kernel": platform.release(),
           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
           "load_average_start": list(os.getloadavg())}
+
+
+def results(command: str, environment: dict, start: float, **fields) -> dict[str, Any]:
+  """A report's results: `command`, `environment` (its load average at the end added), `fields`
+  and `wall_s` since `start` (`time.perf_counter()`)."""
+  environment["load_average_end"] = list(os.getloadavg())
+  return {"command": command, "environment": environment, **fields,
+          "wall_s": time.perf_counter() - start}
 
 
 def size(nbytes: float) -> str:

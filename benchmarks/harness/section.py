@@ -1,10 +1,6 @@
-"""What a benchmark section is: `Section`, its `Run`s, and `UsageError`.
+"""What a benchmark section is: `Section`, its `Run`s (one per `--on` place), `UsageError`.
 
-A section runs in one or more places (`--on`): `host` (this machine; jobs over shared
-memory), `mpirun` (every rank runs the command), `shaped` (`tc`-shaped links of a network
-namespace, `netns`; root) or `rig` (nodes of network namespaces, `cluster`; root). A run
-is a module with `main(args) -> int` and optionally `add_arguments(parser)` and
-`check(args)`; its `report` renders its Markdown, which `outputs` writes.
+The places and what a run module holds: docs/benchmarks/index.md.
 """
 
 from __future__ import annotations
@@ -22,24 +18,25 @@ PLACES = (HOST, MPIRUN, SHAPED, RIG)
 EXTRAS = {"torch-peer": "torch"}
 
 
+def torch_missing() -> str | None:
+  """Why the PyTorch peer cannot run here (its extra is missing), or None."""
+  if importlib.util.find_spec("torch") is None:
+    return ("torch is not installed: the DDP peer is skipped (pip install -e '.[torch-peer]' "
+            "(torch==2.13.0, the CPU build))")
+  return None
+
+
 class UsageError(ValueError):
   """A section's options do not fit; the entry point reports it as a usage error."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-  """How a section runs in one place.
-
-  Attributes:
-    load: returns the run's module (a function: a module needing an extra loads late).
-    report: renders the run's Markdown report from its results (None: it only prints).
-    out: the default `--out` directory, relative to the repository (None: no `--out`).
-    quick: whether it has a smoke run (`--quick`, into a temporary directory).
-  """
-  load: Callable[[], types.ModuleType]
-  report: Callable[[dict], str] | None = None
-  out: str | None = None
-  quick: bool = False
+  """How a section runs in one place."""
+  load: Callable[[], types.ModuleType]  # the run's module (late: a module needing an extra)
+  report: Callable[[dict], str] | None = None  # its Markdown renderer (None: it only prints)
+  out: str | None = None  # the default `--out`, relative to the repository (None: no `--out`)
+  quick: bool = False  # whether it has a smoke run (`--quick`, into a temporary directory)
 
   @classmethod
   def of(cls, module: types.ModuleType, **kwargs) -> Run:

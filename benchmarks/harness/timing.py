@@ -1,9 +1,5 @@
-"""Timing helpers shared by every benchmark: warm-up, interleaving, medians.
-
-Every timed call is waited for (`block_until_ready`); variants compared run interleaved
-round-robin after `warmup` rounds; the reported time is the median. Repeat counts follow
-from sizes (`repeats_for`), never from timings, so every rank runs as many.
-"""
+"""Timing shared by every benchmark: warm-up, interleaved rounds, medians (method:
+docs/benchmarks/results.md); every timed call is waited for (`block_until_ready`)."""
 
 from __future__ import annotations
 
@@ -45,17 +41,8 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 def interleaved(variants: Mapping[str, Callable[[], Any]], *, repeats: int, warmup: int = 2,
                 sync: Callable[[], None] | None = None) -> dict[str, Series]:
-  """Times `variants` (name -> a call, which may carry state) round-robin.
-
-  Args:
-    variants: name -> a function of no arguments running one call.
-    repeats: timed rounds, each calling every variant once.
-    warmup: untimed rounds first.
-    sync: called before the first timed round (e.g. an MPI barrier).
-
-  Returns:
-    name -> `Series` of `repeats` timings.
-  """
+  """name -> `Series` of `repeats` timed rounds of `variants` (name -> a call of no arguments)
+  round-robin, after `warmup` untimed rounds and then `sync()` (e.g. a barrier)."""
   for _ in range(warmup):
     for fn in variants.values():
       timed(fn)
@@ -75,22 +62,15 @@ def paired_ratio(numerator: Series, denominator: Series) -> float:
 
 def repeats_for(nbytes: int, *, quick: bool, budget_bytes: int = 1 << 28,
                 least: int = 7, most: int = 60) -> int:
-  """Repeats for a transfer of `nbytes`: many for small buffers, a few for big ones.
-
-  Depends on the size only, so every rank of a job agrees on it.
-  """
+  """Repeats for a transfer of `nbytes` (the size only: every rank agrees): many when small."""
   if quick:
     return 3
   return max(least, min(most, budget_bytes // max(1, nbytes)))
 
 
 class Stepper:
-  """A training step that feeds its own state back: `(state, batch) -> state`.
-
-  `Stepper(step, state, batch)()` runs one step and keeps the new state, so
-  `interleaved` can time steps of several variants that each evolve their
-  own parameters and optimizer state.
-  """
+  """A training step feeding its own state back: each call runs `step(*state, *batch)` once and
+  keeps the new state (so `interleaved` can time variants that each train their own)."""
 
   def __init__(self, step: Callable, state: tuple, batch: tuple):
     self.step = step

@@ -1,8 +1,7 @@
 """One benchmark job's rank: `python -m benchmarks worker --out PREFIX --config JSON`.
 
-Initializes jdist (the config's backend), runs the config's measurements (modules with
-`NAME` and a generator `run(ctx)` of rows) in order and records them in
-`PREFIX.rank<R>.json` (`outputs.Recorder`); the driver merges the ranks (`jobs`).
+Runs the config's measurements (modules with `NAME` and a generator `run(ctx)` of rows) in
+order into `PREFIX.rank<R>.json`; `jobs` merges the ranks.
 """
 
 from __future__ import annotations
@@ -18,8 +17,6 @@ import jax
 
 import jdist
 from benchmarks.harness import outputs
-
-
 
 
 @dataclasses.dataclass
@@ -48,12 +45,8 @@ class Context:
 
 
 def init_backend(backend: str | None) -> tuple[jdist.Topology, str | None]:
-  """`jdist.init(backend=...)`; for "jax", retries with the proposed fix.
-
-  Returns:
-    The topology, and the error the unmodified `jdist.init` raised (None when it worked):
-    under Open MPI 5 `jax.distributed.initialize()` needs `cluster_detection_method="mpi4py"`.
-  """
+  """`(jdist.init(backend=...), the error it raised or None)`: for "jax" a failed init is retried
+  with `cluster_detection_method="mpi4py"` (what Open MPI 5 needs)."""
   if backend != "jax":
     return jdist.init(backend=backend), None
   try:

@@ -121,7 +121,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
   from benchmarks.harness import jobs as jobs_lib  # pylint: disable=import-outside-toplevel
   from benchmarks.harness import netns  # pylint: disable=import-outside-toplevel
-  from benchmarks.sections.network import shaped as network  # pylint: disable=g-import-not-at-top
   netns.terminate_on_sigterm()
   options = (("rounds", args.rounds), ("sync_every", args.sync_every),
              ("fragments", args.fragments), ("delay", args.delay), ("payload", args.payload))
@@ -129,8 +128,8 @@ def main(args: argparse.Namespace) -> int:
   for link in [netns.link_named(name) for name in args.links.split(",")]:
     job = jobs_lib.Job(f"diloco_overlap@{link.name}", 2, 1, (sys.modules[__name__],),
                        options=options)
-    with network.link_namespace(link) as name:
-      result = jobs_lib.run(network.in_namespace(job, name), quick=False, timeout=600)
+    with netns.link_namespace(link) as name:
+      result = jobs_lib.run(netns.in_namespace(job, name), quick=False, timeout=600)
     if "error" in result:
       print(result["error"], file=sys.stderr)
       failed = True

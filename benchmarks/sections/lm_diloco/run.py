@@ -11,17 +11,16 @@ every run. The method and the runs: docs/diloco.md (the language model).
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from typing import Any, Callable
 
 from benchmarks.harness import jobs as jobs_lib
 from benchmarks.harness import netns
 from benchmarks.harness import outputs
+from benchmarks.harness import report
 from benchmarks.harness.section import UsageError
 from benchmarks.sections.lm_diloco import report as lm_diloco_report
 from benchmarks.sections.lm_diloco import train as lm_train
-from benchmarks.sections.network import shaped as network
 from benchmarks.sections.time_to_accuracy import run as time_to_accuracy
 
 DEFAULTS = dict(lm_train.DEFAULTS, links="10mbit,100mbit",
@@ -36,17 +35,15 @@ JOB_TIMEOUT = 900  # seconds per job
 def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print,
                   progress: Callable[[dict], None] | None = None) -> dict[str, Any]:
   """Runs every (link, variant) job of `args`; returns the results, summary included."""
-  start = time.perf_counter()
-  environment = network.environment()
+  start, environment = time.perf_counter(), report.environment()
   options = {key: getattr(args, key) for key in SIZES}
 
   def results_of(runs: list[dict], skipped: list[str], plan: list) -> dict[str, Any]:
     del plan  # every run is in `runs`
-    environment["load_average_end"] = list(os.getloadavg())
-    results = {"command": args.command, "environment": environment, "skipped": skipped,
-               "options": dict(options, target_at=args.target_at, max_seconds=args.max_seconds,
-                               caps={f"{v}@{l}": c for (v, l), c in args.caps.items()}),
-               "runs": list(runs), "wall_s": time.perf_counter() - start}
+    results = report.results(
+        args.command, environment, start, skipped=skipped, runs=list(runs),
+        options=dict(options, target_at=args.target_at, max_seconds=args.max_seconds,
+                     caps={f"{v}@{l}": c for (v, l), c in args.caps.items()}))
     results["summary"] = lm_diloco_report.summarize(results)
     return results
 
@@ -96,8 +93,8 @@ def check(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-  done = time_to_accuracy.measure_or_render(args, run_benchmark, lm_diloco_report.summarize,
-                                            write_outputs)
+  done = outputs.measure_or_render(args, lambda progress: run_benchmark(args, progress=progress),
+                                   lm_diloco_report.summarize, write_outputs)
   if done is None:
     return 0
   results, written = done

@@ -10,10 +10,6 @@ one `torchrun --nnodes 2` per node. Writes results.json and results.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import signal
-import subprocess
 import time
 from typing import Any, Callable
 
@@ -21,6 +17,8 @@ from benchmarks.harness import cluster
 from benchmarks.harness import jobs as jobs_lib
 from benchmarks.harness import netns
 from benchmarks.harness import outputs
+from benchmarks.harness import report
+from benchmarks.harness.section import torch_missing
 from benchmarks.sections.network import rig_allreduce
 from benchmarks.sections.network import rig_report as cluster_report
 from benchmarks.sections.network import shaped as network
@@ -43,72 +41,39 @@ QUICK_MODES = ("plain",)
 QUICK_TORCH_VARIANTS = ("compute", "ddp")
 JOB_TIMEOUT = 480
 QUICK_TIMEOUT = 240
-# The ranks' environment on the rig. jdist's JAX distributed runtime stays off
-# (its coordinator address does not resolve on the rig yet). Open MPI yields
-# the core while it waits: each rig node believes it has the machine's cores
-# to itself, so Open MPI busy-polls, and 4 spinning ranks on 2 shared cores
-# starve the ranks they wait for (measured at 1 Gbit/s per node: 1 MB
-# all-reduce 150 ms spinning against 22.5 ms yielding, 4 MB 1,168 against
-# 71 ms). On a real cluster each rank has its own core and spinning is free.
+# The ranks' environment on the rig: JAX's distributed runtime off (its coordinator address
+# does not resolve on the rig yet); Open MPI yields the core while it waits (4 busy-polling
+# ranks on 2 shared cores starve the ones they wait for: 1 MB all-reduce 150 ms against 22.5).
 RANK_ENV = {"JDIST_JAX_DISTRIBUTED": "0", "OMPI_MCA_mpi_yield_when_idle": "1"}
 FORWARDED = ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH", "PYTHONUNBUFFERED", "JDIST_TIMEOUT")
 
 
 def run_job(rig: cluster.Cluster, job: jobs_lib.Job, *, quick: bool, timeout: float) -> dict:
-  """`job` under `mpirun --hostfile` on the rig, its processes split evenly over the nodes.
-
-  The ranks get `RANK_ENV`; the job's own `env` wins over it.
-  """
+  """`job` under `mpirun --hostfile` on the rig, its processes split evenly over the nodes
+  (its ranks get `RANK_ENV`, the job's own `env` over it)."""
   env = {**jobs_lib.environment(job), **RANK_ENV, **dict(job.env), **rig.mpi_env()}
   names = dict.fromkeys([*RANK_ENV, *dict(job.env), *FORWARDED])
   extra = [arg for key in names for arg in ("-x", key)]
-  return jobs_lib.collect(job, lambda prefix: jobs_lib.launch(rig.mpirun_argv(
+  return jobs_lib.collect(job, lambda prefix: jobs_lib.launch([rig.mpirun_argv(
       jobs_lib.program_argv(job, prefix, quick), job.processes // len(rig.nodes),
-      jobs_lib.binary("mpirun"), extra), env, timeout))
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-  for proc in procs:
-    with contextlib.suppress(ProcessLookupError):
-      os.killpg(proc.pid, signal.SIGKILL)
+      jobs_lib.binary("mpirun"), extra)], env, timeout))
 
 
 def run_torch(rig: cluster.Cluster, name: str, options: dict, *, timeout: float) -> dict:
-  """`benchmarks.harness.torch_peer` under one `torchrun` per node, DDP over gloo on the rig.
-
-  The peer's compute-only variant is renamed `torch_compute`, as
-  `benchmarks.sections.network.steps` names it, so `network_report` pairs the rows.
-  """
+  """`benchmarks.harness.torch_peer` under one `torchrun` per node, DDP over gloo on the rig;
+  its compute-only variant renamed `torch_compute` (as `steps` names it)."""
   master = rig.nodes[0]
-  port = str(network.free_port())
+  port = dict(netns.gloo_env())["MASTER_PORT"]
   job = jobs_lib.Job(name, NODES * PROCESSES_PER_NODE, 1, (), options=tuple(options.items()),
                      program="torch_peer")
   env = dict(jobs_lib.environment(job), **RANK_ENV, GLOO_SOCKET_IFNAME=master.inner_veth,
              OMP_NUM_THREADS="1")
-
-  def start(prefix: str) -> str | None:
-    procs = []
-    for node in rig.nodes:
-      command = [jobs_lib.binary("torchrun"), "--nnodes", str(NODES), "--nproc-per-node",
-                 str(PROCESSES_PER_NODE), "--node-rank", str(node.index), "--master-addr",
-                 master.address, "--master-port", port] + jobs_lib.program_argv(
-                     job, prefix, False)[1:]
-      procs.append(subprocess.Popen(rig.node_argv(node.index, command), env=env,
-                                    cwd=jobs_lib.REPO, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True))
-    deadline = time.monotonic() + timeout
-    try:
-      for proc in procs:
-        output = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
-        if proc.returncode != 0:
-          return f"exit status {proc.returncode}:\n" + output.decode(errors="replace")[-3000:]
-      return None
-    except subprocess.TimeoutExpired:
-      return f"timed out after {timeout:.0f} s"
-    finally:
-      _stop(procs)
-
-  result = jobs_lib.collect(job, start)
+  torchrun = [jobs_lib.binary("torchrun"), "--nnodes", str(NODES), "--nproc-per-node",
+              str(PROCESSES_PER_NODE), "--master-addr", master.address, "--master-port", port]
+  result = jobs_lib.collect(job, lambda prefix: jobs_lib.launch(
+      [rig.node_argv(node.index, torchrun + ["--node-rank", str(node.index)]
+                     + jobs_lib.program_argv(job, prefix, False)[1:]) for node in rig.nodes],
+      env, timeout))
   for row in result.get("sections", {}).get("torch", {}).get("rows", []):
     if row["variant"] == "compute":
       row["variant"] = "torch_compute"
@@ -159,27 +124,21 @@ def run_link(link: str, *, quick: bool, repeats: int | None, with_torch: bool,
 def run_all(links=None, *, quick: bool = False, repeats: int | None = None,
             log: Callable[[str], None] = print) -> dict[str, Any]:
   """Runs every link's jobs; returns the results with their summary."""
-  start = time.perf_counter()
-  environment = network.environment()  # versions (torch included), load at the start
+  start, environment = time.perf_counter(), report.environment()
   links = list(links or (QUICK_LINKS if quick else LINKS))
   skipped = cluster.missing_requirements()
   if skipped:
-    skipped = ["the cluster rig cannot be built here: " + "; ".join(skipped)]
-    links = []
-  torch_reason = network.torch_missing()
-  if torch_reason:
-    skipped.append(torch_reason)
-  for reason in skipped:
-    log(f"[cluster] SKIPPED {reason}")
+    skipped, links = ["the cluster rig cannot be built here: " + "; ".join(skipped)], []
+  skipped += [reason] if (reason := torch_missing()) else []
+  for line in skipped:
+    log(f"[cluster] SKIPPED {line}")
   cluster.remove_stale()
   results = []
   for link in links:
-    results += run_link(link, quick=quick, repeats=repeats, with_torch=torch_reason is None,
-                        log=log)
-  environment["load_average_end"] = list(os.getloadavg())
-  out = {"command": "python -m benchmarks network --on rig" + (" --quick" if quick else ""),
-         "quick": quick, "environment": environment, "skipped": skipped, "links": links,
-         "topology": TOPOLOGY, "jobs": results, "wall_s": time.perf_counter() - start}
+    results += run_link(link, quick=quick, repeats=repeats, with_torch=reason is None, log=log)
+  out = report.results("python -m benchmarks network --on rig" + (" --quick" if quick else ""),
+                       environment, start, quick=quick, skipped=skipped, links=links,
+                       topology=TOPOLOGY, jobs=results)
   out["summary"] = cluster_report.summarize(out)
   return out
 
@@ -196,5 +155,6 @@ check = network.check
 
 
 def main(args: argparse.Namespace) -> int:
-  return network.run_main(args, lambda: run_all(args.links, quick=args.quick, repeats=args.repeats),
+  return network.run_main(args, lambda: run_all(args.links, quick=args.quick,
+                                                repeats=args.repeats),
                           cluster_report.summarize, write_outputs)

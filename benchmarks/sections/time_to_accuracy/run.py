@@ -13,7 +13,6 @@ The method and the runs: docs/communication.md, docs/diloco.md.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from typing import Any, Callable
 
@@ -21,9 +20,8 @@ from benchmarks.harness import jobs as jobs_lib
 from benchmarks.harness import netns
 from benchmarks.harness import outputs
 from benchmarks.harness import report
-from benchmarks.harness.section import UsageError
+from benchmarks.harness.section import UsageError, torch_missing
 from benchmarks.sections import accuracy
-from benchmarks.sections.network import shaped as network
 from benchmarks.sections.time_to_accuracy import report as time_to_accuracy_report
 from benchmarks.sections.time_to_accuracy import targets
 from benchmarks.sections.time_to_accuracy import train as train_to_target
@@ -42,11 +40,8 @@ JOB_TIMEOUT = 3600  # seconds per job: DDP plain at 100 Mbit/s needs about 12 mi
 
 def parse_variants(text: str, links: list[str],
                    choices: tuple[str, ...] = VARIANTS) -> list[tuple[str, str]]:
-  """`(variant, link)` pairs of `"NAME,NAME@LINK,..."` over `links`, in order (NAME in `choices`).
-
-  Raises:
-    ValueError: an unknown variant, or a link not in `links`.
-  """
+  """`(variant, link)` pairs of `"NAME,NAME@LINK,..."` over `links`, in order (NAME in `choices`);
+  ValueError for an unknown variant or link."""
   pairs = []
   for entry in filter(None, (e.strip() for e in text.split(","))):
     name, _, link = entry.partition("@")
@@ -60,11 +55,7 @@ def parse_variants(text: str, links: list[str],
 
 def parse_caps(text: str, links: list[str],
                choices: tuple[str, ...] = VARIANTS) -> dict[tuple[str, str], float]:
-  """`{(variant, link): seconds}` of `"NAME=S,NAME@LINK=S,..."` over `links`.
-
-  Raises:
-    ValueError: an entry without `=S`, S not a positive number, or a bad name or link.
-  """
+  """`{(variant, link): seconds}` of `"NAME=S,NAME@LINK=S,..."` over `links` (S > 0)."""
   caps = {}
   for entry in filter(None, (e.strip() for e in text.split(","))):
     name, sep, seconds = entry.partition("=")
@@ -81,14 +72,13 @@ def parse_caps(text: str, links: list[str],
 
 def variant_job(link: netns.Link, variant: str, options: dict[str, Any]) -> jobs_lib.Job:
   """The job training `variant` on `link` (placed in its namespace by the caller)."""
-  env = network.gloo_env() if variant in train_to_target.TORCH_VARIANTS else ()
+  env = netns.gloo_env() if variant in train_to_target.TORCH_VARIANTS else ()
   return jobs_lib.Job(f"{variant}@{link.name}", 2, 1, (train_to_target,), env=env,
                       options=tuple(dict(options, variant=variant).items()))
 
 
 def run_record(key: str, link: str, variant: str, result: dict) -> dict[str, Any]:
-  """One run's curve, final row and error (None when it went well), from its job's
-  results under `key` (the worker measurement's `NAME`)."""
+  """One run's curve, final row and error (None: it went well) from its job's results."""
   section = result.get("sections", {}).get(key, {})
   rows = section.get("rows", [])
   return {"link": link, "variant": variant,
@@ -103,20 +93,11 @@ def run_plan(args: argparse.Namespace, measurement,
              drop: Callable[[list], tuple[list, list[str]]] | None = None,
              log: Callable[[str], None] = print,
              progress: Callable[[dict], None] | None = None) -> dict[str, Any]:
-  """Runs each `(variant, link)` of `args.variants`, a fresh shaped namespace per link.
-
-  Also lm_diloco's driver.
-
-  Args:
-    args: has `links`, `variants` (`(variant, link)` pairs) and `timeout`.
-    measurement: the jobs' worker measurement (its `NAME` keys their results).
-    job_for: `(link, variant)` -> the job.
-    results_of: `(runs, skipped, plan)` -> the results so far, summary included.
-    drop: `plan` -> `(plan, reasons)`, less what this machine cannot run.
-    log: takes each progress line.
-    progress: called with the results so far after each run.
-  """
-  links, skipped = network.available_links(netns.link_named(n) for n in args.links)
+  """Runs each `(variant, link)` of `args.variants` (`job_for(link, variant)`, `measurement`'s
+  rows), a fresh shaped namespace per link; `results_of(runs, skipped, plan)` after each
+  run goes to `progress`, the last is returned. `drop(plan)` -> `(plan, reasons)` leaves
+  out what this machine cannot run. Also lm_diloco's driver."""
+  links, skipped = netns.available_links(netns.link_named(n) for n in args.links)
   plan = [(v, l) for v, l in args.variants if l in {link.name for link in links}]
   if drop is not None:
     plan, reasons = drop(plan)
@@ -129,9 +110,9 @@ def run_plan(args: argparse.Namespace, measurement,
     variants = [v for v, l in plan if l == link.name]
     if not variants:
       continue
-    with network.link_namespace(link) as name:
+    with netns.link_namespace(link) as name:
       for variant in variants:
-        job = network.in_namespace(job_for(link, variant), name)
+        job = netns.in_namespace(job_for(link, variant), name)
         result = jobs_lib.run(job, quick=False, timeout=args.timeout, log=log)
         runs.append(run_record(measurement.NAME, link.name, variant, result))
         if progress is not None:
@@ -141,7 +122,7 @@ def run_plan(args: argparse.Namespace, measurement,
 
 def _without_torch(plan: list[tuple[str, str]]) -> tuple[list, list[str]]:
   """`plan` less its torch variants where torch is missing, and why."""
-  reason = network.torch_missing()
+  reason = torch_missing()
   if not reason or not any(v in train_to_target.TORCH_VARIANTS for v, _ in plan):
     return plan, []
   return [(v, l) for v, l in plan if v not in train_to_target.TORCH_VARIANTS], [reason]
@@ -150,23 +131,20 @@ def _without_torch(plan: list[tuple[str, str]]) -> tuple[list, list[str]]:
 def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print,
                   progress: Callable[[dict], None] | None = None) -> dict[str, Any]:
   """Runs every (link, variant) job of `args` (`run_plan`); returns the results, summary included."""
-  start = time.perf_counter()
-  environment = network.environment()  # load average at the start
+  start, environment = time.perf_counter(), report.environment()
   options = {"dataset": args.dataset, "limit": args.limit, "epochs": args.epochs,
              "batch": args.batch, "target": args.target, "eval_every": args.eval_every}
 
   def results_of(runs: list[dict], skipped: list[str], plan: list) -> dict[str, Any]:
-    environment["load_average_end"] = list(os.getloadavg())
-    results = {"command": args.command, "environment": environment, "skipped": skipped,
-               "options": dict(options, stop_at_target=args.stop_at_target,
-                               full=[f"{v}@{l}" for v, l in plan if (v, l) in args.full],
-                               max_seconds=args.max_seconds,
-                               caps={f"{v}@{l}": c for (v, l), c in args.caps.items()},
-                               learning_rate=accuracy.LEARNING_RATE,
-                               momentum=accuracy.MOMENTUM),
-               "runs": [dict(r, framework="torch" if r["variant"] in train_to_target.TORCH_VARIANTS
-                             else "jdist") for r in runs],
-               "wall_s": time.perf_counter() - start}
+    results = report.results(
+        args.command, environment, start, skipped=skipped,
+        options=dict(options, stop_at_target=args.stop_at_target,
+                     full=[f"{v}@{l}" for v, l in plan if (v, l) in args.full],
+                     max_seconds=args.max_seconds,
+                     caps={f"{v}@{l}": c for (v, l), c in args.caps.items()},
+                     learning_rate=accuracy.LEARNING_RATE, momentum=accuracy.MOMENTUM),
+        runs=[dict(r, framework="torch" if r["variant"] in train_to_target.TORCH_VARIANTS
+                   else "jdist") for r in runs])
     results["summary"] = targets.summarize(results)
     return results
 
@@ -205,8 +183,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_plan_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any],
                        choices: tuple[str, ...], json_name: str, timeout: float) -> None:
-  """--links, --variants (NAME from `choices`), --max-seconds, --max-seconds-of, --timeout
-  and --render: what `parse_plan` and `measure_or_render` read; also lm_diloco's."""
+  """--links, --variants (NAME from `choices`), --max-seconds(-of), --timeout and --render;
+  also lm_diloco's."""
   parser.add_argument("--links", help=f"comma-separated, from "
                       f"{','.join(l.name for l in netns.LINKS)} (default {defaults['links']})")
   parser.add_argument("--variants", help="comma-separated NAME or NAME@LINK, NAME from "
@@ -224,13 +202,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any]
 
 def parse_plan(args: argparse.Namespace, base: dict[str, Any], choices: tuple[str, ...],
                also: tuple[str, ...] = ()) -> None:
-  """Fills the options `args` left unset from `base`, then parses `--links`, `--variants`
-  (and each option named in `also`, into a set) and `--max-seconds-of` over them;
-  also lm_diloco's.
-
-  Raises:
-    UsageError: an unknown link or variant, or a bad cap.
-  """
+  """Fills the options `args` left unset from `base`, then parses `--links`, `--variants` (and
+  each option named in `also`, into a set) and `--max-seconds-of`; also lm_diloco's."""
   for key, value in base.items():
     if getattr(args, key) is None:
       setattr(args, key, value)
@@ -256,22 +229,9 @@ def check(args: argparse.Namespace) -> None:
                      "quarter epoch), --target in (0, 1], --max-seconds >= 0 (0: no cap).")
 
 
-def measure_or_render(args: argparse.Namespace, run_benchmark, summarize,
-                      write: Callable[[dict, str], list[str]]) -> tuple[dict, list[str]] | None:
-  """`--render`: rewrites the report of a results JSON and returns None; otherwise
-  `run_benchmark(args, progress=...)`, its report rewritten into `--out` after every
-  run; returns the results and the files written. Also lm_diloco's."""
-  if args.render:
-    network.render(args.render, summarize, write, args.out)
-    return None
-  netns.terminate_on_sigterm()  # so a killed run still deletes its namespace
-  results = run_benchmark(args, progress=lambda partial: write(partial, args.out))
-  return results, write(results, args.out)
-
-
 def main(args: argparse.Namespace) -> int:
-  done = measure_or_render(args, run_benchmark, targets.summarize,
-                           write_outputs)
+  done = outputs.measure_or_render(args, lambda progress: run_benchmark(args, progress=progress),
+                                   targets.summarize, write_outputs)
   if done is None:
     return 0
   results, written = done
