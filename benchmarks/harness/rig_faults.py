@@ -1,8 +1,7 @@
-"""`jdist train` under `jdist launch` on the rig, and the faults injected into it.
+"""`jdist train` under `jdist launch` on the rig, and the faults injected into it (`RigJob`).
 
-Shared by the `faults`, `elastic_restart` and `shrink` sections.
-A fault is "kind:target": `kill_rank:R` (launch rank R's processes),
-`kill_node:I`, `link_down:I` (node I) or `partition` (every node on its own).
+A fault is "kind:target": `kill_rank:R` (launch rank R's processes), `kill_node:I`,
+`link_down:I` (node I) or `partition` (every node on its own).
 """
 
 from __future__ import annotations
@@ -12,8 +11,9 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from benchmarks.harness import cluster
 from benchmarks.harness import jobs
@@ -27,42 +27,61 @@ def train_env(base: dict[str, str] | None = None) -> dict[str, str]:
               XLA_FLAGS="--xla_force_host_platform_device_count=1")
 
 
-def launch(rig: cluster.Cluster, command: list[str], per_node: int, launch_args: list[str],
-           env: dict[str, str]) -> subprocess.Popen:
-  """`jdist launch LAUNCH_ARGS -- COMMAND` over `per_node` slots a node, in a session of its own."""
-  return subprocess.Popen(rig.launch_argv(command, per_node, launch_args),
-                          env=rig.launch_env(env), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, cwd=jobs.REPO,
-                          start_new_session=True)
+class RigJob:
+  """`jdist launch FLAGS -- COMMAND` over `per_node` slots a node of `rig`, in its own session.
 
-
-class Output:
-  """A job's output lines as they come (`stamped`: with their `time.time()`).
-
-  Args:
-    job: a `launch`ed job.
-    on_line: called with each line as it comes (in the reading thread).
+  `faults[i]` is injected `delay` s after the line of epoch `first + i` (their `time.time()`
+  in `fault_times`); `on_line(line)` sees each line as it comes; `stamped` holds them with
+  their `time.time()`.
   """
 
-  def __init__(self, job: subprocess.Popen, on_line: Callable[[str], None] | None = None):
-    self.job, self.on_line = job, on_line
-    self.lines: list[str] = []
+  def __init__(self, rig: cluster.Cluster, command: list[str], per_node: int,
+               flags: list[str], env: dict[str, str], *, faults: Sequence[str] = (),
+               first: int = 1, delay: float = 1.0,
+               on_line: Callable[[str], None] | None = None):
+    self.rig, self.faults, self.first, self.delay, self.on_line = rig, faults, first, delay, on_line
+    self.proc = subprocess.Popen(rig.launch_argv(command, per_node, flags),
+                                 env=rig.launch_env(env), stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, cwd=jobs.REPO,
+                                 start_new_session=True)
     self.stamped: list[tuple[float, str]] = []
+    self.fault_times: list[float] = []
+    self._started: set[int] = set()
 
   def _read(self) -> None:
-    for line in self.job.stdout:
-      self.lines.append(line)
+    for line in self.proc.stdout:
       self.stamped.append((time.time(), line))
+      epoch = line.startswith("epoch ") and line.split()[1].split("/")[0]
+      index = int(epoch) - self.first if epoch and epoch.isdigit() else -1
+      if 0 <= index < len(self.faults) and index not in self._started:
+        self._started.add(index)
+        fault = self.faults[index]
+        threading.Timer(self.delay, lambda: self.fault_times.append(
+            inject(self.rig, fault))).start()
       if self.on_line is not None:
         self.on_line(line)
 
   def follow(self, timeout: float) -> float:
     """Waits for the job to end (`jobs.follow`: killed, raising, past `timeout`); its end."""
-    return jobs.follow(self.job, self._read, timeout)
+    return jobs.follow(self.proc, self._read, timeout)
+
+  @property
+  def code(self) -> int | None:
+    return self.proc.returncode
+
+  @property
+  def lines(self) -> list[str]:
+    return [line for _, line in self.stamped]
 
   @property
   def text(self) -> str:
     return "".join(self.lines)
+
+  def first_line(self, start: str, after: float | None) -> float | None:
+    """When the first line starting with `start` came at or after `after` (None: no such line)."""
+    if after is None:
+      return None
+    return next((at for at, line in self.stamped if at >= after and line.startswith(start)), None)
 
 
 def pids_where(rig: cluster.Cluster, test: Callable[[list[bytes]], bool],
@@ -77,17 +96,12 @@ def pids_where(rig: cluster.Cluster, test: Callable[[list[bytes]], bool],
   return found
 
 
-def rank_pids(rig: cluster.Cluster, rank: int) -> list[int]:
-  """The processes of launch rank `rank` (its OMPI_COMM_WORLD_RANK) on any node."""
-  marker = f"OMPI_COMM_WORLD_RANK={rank}".encode()
-  return pids_where(rig, lambda words: marker in words, "environ")
-
-
 def inject(rig: cluster.Cluster, fault: str) -> float:
   """Injects `fault` ("kind:target", see the module docstring); returns its `time.time()`."""
   kind, _, target = fault.partition(":")
   if kind == "kill_rank":
-    pids = rank_pids(rig, int(target))
+    marker = f"OMPI_COMM_WORLD_RANK={target}".encode()
+    pids = pids_where(rig, lambda words: marker in words, "environ")
     if not pids:
       raise RuntimeError(f"no process of rank {target} on the rig")
     at = time.time()

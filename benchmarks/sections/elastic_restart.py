@@ -2,10 +2,8 @@
 
     sudo .venv/bin/python -m benchmarks elastic_restart --nodes 2 --per-node 2 --epochs 6
 
-`jdist train` on the rig, undisturbed and then with `--fault` on node B in the middle
-of an epoch; one JSON line per run: exit status, seconds from the fault to the
-restarted job's "resumed from" line and to its next epoch, final test accuracy, and
-whether the JSON-lines log holds one record per epoch, steps one epoch apart.
+`jdist train` on the rig, undisturbed, then with `--fault` on node B mid-epoch; one JSON line
+per run (docs/multinode.md).
 """
 
 from __future__ import annotations
@@ -15,8 +13,6 @@ import json
 import os
 import sys
 import tempfile
-import threading
-import time
 
 from benchmarks.harness import cluster
 from benchmarks.harness import rig_faults
@@ -34,35 +30,20 @@ def train_args(epochs: int, batch: int, checkpoint_dir: str, log_file: str,
 def run_job(rig, per_node: int, train: list[str], *, fault_after_epoch: int | None = None,
             fault_delay_s: float = 1.0, fault: str = "link_down", max_restarts: int = 1,
             timeout: float = 240, env: dict | None = None) -> dict:
-  """Runs `train` under `jdist launch` on `rig`; `fault` ("link_down", "kill_node") hits
-  node 1 `fault_delay_s` after epoch `fault_after_epoch`'s line.
-
-  Returns:
-    code, output, fault_at (monotonic time or None), resumed_s (fault -> the restarted
-    run's "resumed from"), next_epoch_s (fault -> its first finished epoch).
-  """
-  job = rig_faults.launch(rig, train, per_node, ["--max-restarts", str(max_restarts)],
-                          env or dict(os.environ))
-  marks = {"fault_at": None, "resumed_at": None, "next_epoch_at": None}
-
-  def on_line(line: str) -> None:
-    now = time.monotonic()
-    if marks["fault_at"] is None:
-      if fault_after_epoch is not None and line.startswith(f"epoch {fault_after_epoch}/"):
-        threading.Timer(fault_delay_s, lambda: (rig_faults.inject(rig, f"{fault}:1"), marks.update(
-            fault_at=time.monotonic()))).start()
-    elif marks["resumed_at"] is None and line.startswith("resumed from"):
-      marks["resumed_at"] = now
-    elif (marks["resumed_at"] is not None and marks["next_epoch_at"] is None
-          and line.startswith("epoch ")):
-      marks["next_epoch_at"] = now
-
-  output = rig_faults.Output(job, on_line)
-  output.follow(timeout)
-  fault_at = marks["fault_at"]
+  """Runs `train` under `jdist launch` on `rig`, `fault` hitting node 1 `fault_delay_s` after
+  epoch `fault_after_epoch`'s line; its exit code, output, `fault_at` and the seconds from
+  the fault to the restarted run's "resumed from" line and to its next epoch."""
+  job = rig_faults.RigJob(rig, train, per_node, ["--max-restarts", str(max_restarts)],
+                          env or dict(os.environ), first=fault_after_epoch or 0,
+                          faults=[f"{fault}:1"] if fault_after_epoch is not None else [],
+                          delay=fault_delay_s)
+  job.follow(timeout)
+  fault_at = job.fault_times[0] if job.fault_times else None
+  resumed_at = job.first_line("resumed from", fault_at)
   since = lambda t: None if fault_at is None or t is None else round(t - fault_at, 1)  # noqa: E731
-  return {"code": job.returncode, "output": output.text, "fault_at": fault_at,
-          "resumed_s": since(marks["resumed_at"]), "next_epoch_s": since(marks["next_epoch_at"])}
+  return {"code": job.code, "output": job.text, "fault_at": fault_at,
+          "resumed_s": since(resumed_at),
+          "next_epoch_s": since(job.first_line("epoch ", resumed_at))}
 
 
 def read_log(path: str) -> tuple[list[dict], dict | None]:

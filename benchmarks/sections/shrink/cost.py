@@ -1,10 +1,8 @@
 """ULFM's steady-state cost: the step loop (`steploop`) under `mpirun --with-ft ulfm` and without.
 
-Configurations, alternated within each round: `ulfm` (`launch_shrink.ULFM_MPIRUN_ARGS`,
-what `jdist launch --shrink` runs), `tcp` (the same transport and collectives without
-ULFM) and `default` (plain mpirun); placements `shm` (2 processes on this host) and
-`rig` (1 process on each of the rig's 2 nodes). One BLAS thread per process
-(`ONE_THREAD`): two threads on a bound core fight each other.
+Configurations alternated within each round: `ulfm` (what `jdist launch --shrink` runs), `tcp`
+(the same without ULFM), `default` (plain mpirun); placements `shm` (2 processes here) and
+`rig` (1 on each node); one BLAS thread per process (docs/multinode.md).
 """
 
 from __future__ import annotations
@@ -14,7 +12,10 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from typing import Callable
+
+import numpy as np
 
 from benchmarks.harness import cluster
 from benchmarks.harness import jobs
@@ -26,8 +27,8 @@ CONFIGS = {
     "default": [],
 }
 ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-LOOP_CODE = ("import sys; from benchmarks.sections.shrink import steploop; "
-             "steploop.main(*map(int, sys.argv[1:]))")
+LOOP_CODE = ("import sys; from benchmarks.sections.shrink import cost; "
+             "cost.steploop(*map(int, sys.argv[1:]))")
 
 
 def _loop_command(steps: int, warmup: int) -> list[str]:
@@ -92,3 +93,37 @@ def ratios(records: list[dict], key: str = "step_s") -> dict[str, float]:
     if per_round:
       out[f"ulfm/{other}"] = statistics.median(per_round)
   return out
+
+
+GRADIENT_ELEMENTS = 131_080 + 3  # the digits CNN's parameters, then loss, correct, examples
+
+
+def steploop(steps: int = 200, warmup: int = 20, compute: int = 192) -> int:
+  """One rank of the loop: fixed host compute, then `jdist train --shrink`'s exchange (one
+  `ShrinkableComm.sum` of the digits CNN's gradient, `confirm()` every `CONFIRM_EVERY` steps);
+  rank 0 prints the mean step and exchange times as a JSON line."""
+  from jdist.app import train_shrink  # pylint: disable=import-outside-toplevel
+  from jdist.collectives import shrinkable  # pylint: disable=import-outside-toplevel
+  comm = shrinkable.ShrinkableComm()
+  rng = np.random.default_rng(comm.rank)
+  matrix = rng.standard_normal((compute, compute)) if compute else None
+  gradient = rng.standard_normal(GRADIENT_ELEMENTS)
+  times, exchanges = [], []
+  for step in range(warmup + steps):
+    began = time.perf_counter()
+    if matrix is not None:
+      for _ in range(4):
+        np.tanh(matrix @ matrix)  # the same work every step (the result is dropped)
+    exchanged = time.perf_counter()
+    comm.sum(gradient)
+    if (step + 1) % train_shrink.CONFIRM_EVERY == 0:
+      comm.confirm()  # as jdist train --shrink: the window's sums count once agreed
+    ended = time.perf_counter()
+    if step >= warmup:
+      times.append(ended - began)
+      exchanges.append(ended - exchanged)
+  if comm.rank == 0:
+    print(json.dumps({"processes": comm.size, "hosts": sorted(set(comm.hosts)),
+                      "steps": steps, "step_s": statistics.fmean(times),
+                      "exchange_s": statistics.fmean(exchanges)}), flush=True)
+  return 0

@@ -1,19 +1,20 @@
-"""Faults under `jdist launch --shrink` on the rig, and the `--max-restarts` restart beside them.
-
-`run_shrink` starts `jdist train --shrink` on 2 nodes x 2 processes (ranks
-0, 1 on node A, 2, 3 on node B), waits for its first epoch, injects one
-fault a second later and reads the JSON log's {"event": "shrink"} record:
-the seconds from the fault to `detected_at` and to `resumed_at` (the
-survivors' next completed step). A fault the job does not survive is timed
-from the fault to `jdist launch`'s exit, with the line that says why.
+"""Faults under `jdist launch --shrink` on the rig (ranks 0, 1 on node A, 2, 3 on node B): the
+seconds from the fault to the log's shrink record's `detected_at` and `resumed_at`, or (not
+survived) to `jdist launch`'s exit, with the line that says why; and `run_chaos`, one process
+killed at random every `interval` s, the job growing back each time (docs/multinode.md#chaos-run).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import random
+import signal
+import subprocess
 import tempfile
 import threading
+import time
 
 from benchmarks.harness import cluster
 from benchmarks.harness import rig_faults
@@ -96,11 +97,8 @@ def _outcome(run: ShrinkRun, records: list[dict], times: list[float],
 def run_shrink(fault: str, env: dict[str, str], *, epochs: int = 3,
                train_limit: int | None = None, timeout: float = 600,
                restart: bool = False) -> ShrinkRun:
-  """One `jdist launch --shrink` job on a fresh 2-node rig, `fault` after its first epoch.
-
-  With `restart`, under `--max-restarts 1` with checkpoints every 8 steps
-  (`--resume`): what a lost node ends starts again on the healthy node.
-  """
+  """One `jdist launch --shrink` job on a fresh 2-node rig, `fault` after its first epoch (with
+  `restart`: `--max-restarts 1`, checkpoints every 8 steps, `--resume`)."""
   with tempfile.TemporaryDirectory() as tmp, \
        cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
     log = os.path.join(tmp, "log.jsonl")
@@ -110,20 +108,105 @@ def run_shrink(fault: str, env: dict[str, str], *, epochs: int = 3,
       command += ["--checkpoint-dir", os.path.join(tmp, "ckpt"), "--checkpoint-every", "8",
                   "--resume"]
       flags += ["--max-restarts", "1", "--cooldown", "600"]
-    job = rig_faults.launch(rig, command, PER_NODE, flags, env)
-    chain = [] if fault == "none" else fault.split("+")  # the i-th after epoch i's line
-    times: list[float] = []
+    # The i-th fault of "A+B+C" after epoch i's line.
+    job = rig_faults.RigJob(rig, command, PER_NODE, flags, env,
+                            faults=[] if fault == "none" else fault.split("+"))
+    ended = job.follow(timeout)
+    times = job.fault_times
+    run = _outcome(ShrinkRun(fault, job.code), rig_faults.read_jsonl(log), times, ended, job.text)
+    if restart:
+      _restart_times(run, job.stamped, times)
+    return run
+
+
+@dataclasses.dataclass
+class ChaosRun:
+  """What one chaos job did (`faults` = 0: the undisturbed run)."""
+  faults: int
+  code: int | None
+  hung: bool
+  kills: int = 0
+  shrinks: int = 0
+  grows: int = 0
+  digests_equal: bool | None = None  # after every shrink and growth
+  resumed_s: list | None = None  # each shrink: detected -> next completed step
+  grow_s: list | None = None  # each growth: start -> state handed over
+  take_in_s: list | None = None  # each growth: ready -> state handed over (the members' stall)
+  steps: int | None = None
+  replicas: int | None = None
+  test_accuracy: float | None = None
+  wall_s: float | None = None  # jdist launch's start -> exit, measured here
+  tail: str = ""  # the job's last output lines, when it did not finish
+  restarts: int = 0  # runs PRRTE ended (a node's daemon lost), started again from a checkpoint
+
+
+def training_pids(rig: cluster.Cluster) -> list[int]:
+  """The job's training processes on the rig (`python .../jdist train --shrink`; not mpirun
+  nor `jdist launch`, whose command lines hold the same words)."""
+  return rig_faults.pids_where(rig, lambda argv: (
+      os.path.basename(argv[0]).startswith(b"python") and b"launch" not in argv
+      and b"train" in argv and b"--shrink" in argv))
+
+
+def _killer(rig, count: int, interval: float, stop: threading.Event, kills: list) -> None:
+  chooser = random.Random(0)
+  while len(kills) < count and not stop.wait(interval):
+    pids = training_pids(rig)
+    if len(pids) < 2:  # a growth under way: leave a survivor
+      continue
+    victim = chooser.choice(pids)
+    with contextlib.suppress(ProcessLookupError):
+      os.kill(victim, signal.SIGKILL)
+      kills.append(time.time())
+
+
+def run_chaos(count: int, env: dict[str, str], *, epochs: int, interval: float,
+              timeout: float, restarts: int = 0) -> ChaosRun:
+  """One `--shrink --max-np 4` job on a fresh rig with `count` random kills (with `restarts`,
+  also `--max-restarts` from checkpoints every 8 steps, no cooldown)."""
+  with tempfile.TemporaryDirectory() as tmp, \
+       cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
+    log = os.path.join(tmp, "log.jsonl")
+    processes = 2 * PER_NODE
+    command = train_command(log, epochs, None)
+    flags = ["--shrink", "-np", str(processes), "--max-np", str(processes),
+             "--mpirun-args", "--map-by slot --oversubscribe"]
+    if restarts:
+      command += ["--checkpoint-dir", os.path.join(tmp, "ckpt"), "--checkpoint-every", "8",
+                  "--resume"]
+      flags += ["--max-restarts", str(restarts), "--cooldown", "0"]
+    stop, kills, began = threading.Event(), [], time.time()
+    killer = threading.Thread(target=_killer, args=(rig, count, interval, stop, kills),
+                              daemon=True)
 
     def on_line(line: str) -> None:
-      epoch = line.startswith("epoch ") and line.split()[1].split("/")[0]
-      if epoch and epoch.isdigit() and 1 <= int(epoch) <= len(chain):
-        hit = chain[int(epoch) - 1]
-        threading.Timer(1.0, lambda: times.append(rig_faults.inject(rig, hit))).start()
+      if count and killer.ident is None and line.startswith("epoch 1/"):
+        killer.start()
 
-    output = rig_faults.Output(job, on_line)
-    ended = output.follow(timeout)
-    run = _outcome(ShrinkRun(fault, job.returncode), rig_faults.read_jsonl(log), times, ended,
-                   output.text)
-    if restart:
-      _restart_times(run, output.stamped, times)
-    return run
+    job = rig_faults.RigJob(rig, command, PER_NODE, flags, env, on_line=on_line)
+    try:
+      wall, hung = job.follow(timeout) - began, False
+    except subprocess.TimeoutExpired:
+      wall, hung = None, True
+    stop.set()
+    said = [line for line in job.lines if line.strip() and not line.startswith("NBC_Progress")]
+    tail = "" if job.code == 0 else "".join(said[-60:])
+    restarted = sum(1 for line in job.lines if line.startswith("jdist launch: restart "))
+    return _chaos_outcome(ChaosRun(count, job.code, hung, kills=len(kills), wall_s=wall,
+                             tail=tail, restarts=restarted), rig_faults.read_jsonl(log))
+
+
+def _chaos_outcome(run: ChaosRun, records: list[dict]) -> ChaosRun:
+  shrinks = [r for r in records if r.get("event") == "shrink"]
+  grows = [r for r in records if r.get("event") == "grow"]
+  run.shrinks, run.grows = len(shrinks), len(grows)
+  run.digests_equal = all(r["digests_equal"] for r in shrinks + grows)
+  run.resumed_s = [round(r["resumed_at"] - r["detected_at"], 3) for r in shrinks]
+  run.grow_s = [round(r["joined_at"] - r["started_at"], 3) for r in grows]
+  run.take_in_s = [round(r["joined_at"] - r.get("ready_at", r["started_at"]), 3) for r in grows]
+  summaries = [r for r in records if r.get("event") == "summary"]
+  if summaries:
+    last = summaries[-1]
+    run.steps, run.replicas = last["steps"], last["replicas"]
+    run.test_accuracy = last["test_accuracy"]
+  return run

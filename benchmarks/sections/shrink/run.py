@@ -3,13 +3,11 @@
     python -m benchmarks shrink --on rig                 # docs/benchmarks/cluster/shrink.md
     python -m benchmarks shrink --quick --parts cost     # a smoke run (tests/test_fault_shrink.py)
 
-Parts (`--parts`): `faults` (`jdist train --shrink` on 2 nodes x 2 processes, undisturbed,
-then each fault of `--faults` a second after the first epoch: fault -> detected -> the
-survivors' next step, or -> the job's end), `restart` (`--max-restarts 1` without
-`--shrink`: fault -> "resumed from"), `shrink_restart` (`--shrink --max-restarts 1`
-with checkpoints: a lost rank is shrunk past, a lost node restarts), `cost` (ULFM on
-and off, `cost.py`) and `chaos` (random kills under `--max-np 4`, `chaos.py`). Every
-row carries the load average. The runs: docs/multinode.md.
+Parts (`--parts`): `faults` (`jdist train --shrink` on 2 nodes x 2 processes, undisturbed, then
+each of `--faults` a second after the first epoch), `restart` (`--max-restarts 1` without
+`--shrink`), `shrink_restart` (`--shrink --max-restarts 1` with checkpoints), `cost` (ULFM on
+and off, `cost.py`) and `chaos` (random kills under `--max-np 4`, `faults.py`). Every row
+carries the load average. The runs: docs/multinode.md.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ from benchmarks.harness import outputs
 from benchmarks.harness import report
 from benchmarks.harness import rig_faults
 from benchmarks.sections import elastic_restart
-from benchmarks.sections.shrink import chaos
 from benchmarks.sections.shrink import cost
 from benchmarks.sections.shrink import faults
 
@@ -88,7 +85,7 @@ def run_part(args: argparse.Namespace, part: str) -> list[dict]:
       "restart": (("kill_node", "link_down"), lambda fault: _restart(fault, args.epochs)),
       "shrink_restart": (chosen(args.shrink_restart_faults), lambda fault: faults.run_shrink(
           fault, env, epochs=args.epochs, restart=True, train_limit=limit)),
-      "chaos": ((0, args.chaos_faults), lambda count: chaos.run_chaos(  # undisturbed first
+      "chaos": ((0, args.chaos_faults), lambda count: faults.run_chaos(  # undisturbed first
           count, env, epochs=args.chaos_epochs, interval=args.chaos_interval, timeout=7200,
           restarts=args.chaos_restarts))}
   return _rows(part, *plans[part])

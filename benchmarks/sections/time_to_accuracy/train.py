@@ -1,9 +1,7 @@
 """Worker measurement "time_to_accuracy": one variant trained until it reaches a test accuracy.
 
-SINGA's CNN from the same parameters over the same batches, as a jdist mode
-(`JdistTrainer`), DDP (`torch_trainer`) or `<mode>_paired` (`PairedTrainer`: the mode
-and its floors a step each in turn). `run_to_target` evaluates with the clock stopped;
-rank 0's decisions are shared so every rank stops after the same step.
+A jdist mode (`JdistTrainer`), DDP (`torch_trainer`) or `<mode>_paired` (`PairedTrainer`);
+the method: docs/diloco.md (time to accuracy).
 """
 
 from __future__ import annotations
@@ -30,9 +28,8 @@ FLOOR = "compute_floor"
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-  """When a run evaluates (every `eval_every` steps) and when it stops (`target` with
-  `stop_at_target`, `max_seconds` of training, or after `epochs`).
-  """
+  """When a run evaluates (every `eval_every` steps) and stops (`target` with `stop_at_target`,
+  `max_seconds` of training, or after `epochs`)."""
   epochs: int
   steps_per_epoch: int
   eval_every: int
@@ -62,17 +59,9 @@ def first_at_target(curve: list[dict], target: float) -> dict | None:
 def run_to_target(trainer, schedule: Schedule, batches: Callable[[int], Any], *,
                   is_root: bool, share: Callable[[Any], Any],
                   clock: Callable[[], float] = time.perf_counter) -> Iterator[dict]:
-  """Trains `trainer` on `schedule`; yields each evaluation's row, then the final row.
-
-  Args:
-    trainer: has `step(indices)` (-> loss, or (loss, its own seconds)), `sync()`
-      (collective), `evaluate()` (root only) and `wire_bytes()`.
-    schedule: the epochs, evaluations and target.
-    batches: epoch -> its steps' example indices, [steps, replicas, batch].
-    is_root: whether this rank measures the accuracy.
-    share: the root's value on every rank (collective: every rank stops alike).
-    clock: seconds, for the step times.
-  """
+  """Trains `trainer` on `schedule`; yields each evaluation's row (the clock stopped), then the
+  final row. `trainer.step(indices)` -> loss or (loss, its seconds); `batches(epoch)` -> its
+  steps' indices [steps, replicas, batch]; `share(value)`: the root's value everywhere."""
   step_times: list[float] = []
   losses: list[float] = []
   curve: list[dict] = []
@@ -130,7 +119,7 @@ class JdistTrainer:
   def __init__(self, mode: str, model, params: Any, data, replicas):
     tx = accuracy.mode_transformation(mode)
     # Local-update modes: nothing crosses processes between syncs, not even the loss.
-    step = (workload.compute_step if mode in accuracy.LOCAL_MODES else workload.jdist_step)
+    step = workload.compute_step if mode in accuracy.LOCAL_MODES else workload.jdist_step
     self.start(mode, tx, step(model, tx), params, replicas)
     self.data = data
     self.accuracy_of = accuracy.make_evaluate(model, data)
@@ -146,12 +135,8 @@ class JdistTrainer:
     self.replicas = list(replicas)
 
   def inputs(self, rows) -> tuple:
-    """The step's batch arguments for this process's example indices `rows`.
-
-    On one local device, host arrays as they are: the step's `jax.jit` moves
-    them (as it does `FloorTrainer`'s), 0.7 ms a step sooner than a
-    `jax.device_put` with a sharding from Python.
-    """
+    """The step's batch for this process's example indices `rows` (one device: host arrays,
+    which the step's jit moves 0.7 ms a step sooner than a `device_put` with a sharding)."""
     x, y = self.data.train_x[rows], self.data.train_y[rows]
     if len(self.replicas) == 1:
       return x, y
@@ -161,17 +146,13 @@ class JdistTrainer:
     rows = indices[self.replicas]  # [local devices, batch]
     self.params, self.opt_state, loss = self.train_step(
         self.params, self.opt_state, *self.inputs(rows))
-    # One execution makes every output ready at once: waiting on the loss is
-    # waiting on the step, without a call per state leaf.
-    jax.block_until_ready(loss)
-    # The state's byte counters, added up after the run (`jdist.wire_bytes`
-    # would dispatch ops inside the step's time).
+    jax.block_until_ready(loss)  # every output of the one execution is ready with it
+    # The state's byte counters, added up after the run (`wire_bytes` would dispatch ops here).
     self.sent.append([state.wire_bytes for state in protocol.wire_states(self.opt_state)])
     return float(np.asarray(loss).reshape(-1)[0])
 
   def sync(self) -> None:
-    """Partial sync's, DiLoCo's and local SGD's replicas differ between syncs: test
-    their average (outside the training clock)."""
+    """Tests the replicas' average where they differ between syncs (outside the clock)."""
     synced = jdist.sync_params(self.params) if self.partial else self.params
     self.test_params = jdist.unreplicate(synced)
 
@@ -190,12 +171,8 @@ class JdistTrainer:
 
 
 class FloorTrainer(JdistTrainer):
-  """The compute floor: `optax.sgd(0.005, momentum=0.9)` on this rank's own rows,
-  one `jax.jit` step on its one device, nothing exchanged (not even the loss).
-
-  Its steps are the inner steps of DiLoCo and local SGD; what it tests is rank
-  0's own model (no average: that would be an exchange, and a meaningless model).
-  """
+  """The compute floor: DiLoCo's inner SGD step on this rank's own rows, one device, nothing
+  exchanged; it tests rank 0's own model."""
 
   def __init__(self, model, params: Any, data, replicas):  # pylint: disable=super-init-not-called
     if len(replicas) != 1:
@@ -226,11 +203,8 @@ class FloorTrainer(JdistTrainer):
 
 
 class PairedTrainer:
-  """A DiLoCo mode and its floors, a step each in turn; `step` -> (loss, the mode's seconds).
-
-  Raises:
-    ValueError: `variant` is not `<mode>_paired` of a DiLoCo mode.
-  """
+  """`<mode>_paired`: a DiLoCo mode and its floors, a step each in turn; `step` -> (loss, the
+  mode's seconds)."""
 
   framework = "jdist"
 
