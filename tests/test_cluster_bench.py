@@ -20,7 +20,7 @@ import pytest
 from benchmarks.harness import cluster
 from benchmarks.harness.section import torch_missing
 from benchmarks.sections.network import rig as cluster_bench
-from benchmarks.sections.network import rig_report as cluster_report
+from benchmarks.sections.network import report as cluster_report
 from tests import launch
 
 

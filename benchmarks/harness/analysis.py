@@ -1,7 +1,5 @@
-"""The suite's analysis: from the jobs' rows to the report's figures and the targets.
-
-Every ratio divides two numbers measured interleaved in the same job.
-"""
+"""The suite's analysis: from the jobs' rows to the report's figures and the targets (every ratio
+divides two numbers measured interleaved in the same job)."""
 
 from __future__ import annotations
 
@@ -36,10 +34,8 @@ def _index(rows: list[dict], *keys: str) -> dict[tuple, dict]:
 
 
 def bus_bandwidth(row: dict) -> float | None:
-  """nccl-tests' bus bandwidth, 2(P-1)/P x bytes/time over the P ranks that
-  take part in the row's all-reduce (None for the floors that exchange
-  nothing, memcpy and jdist_noop): it compares all-reduces over different
-  rank counts, as a job's 4 replicas and its 2 MPI ranks."""
+  """nccl-tests' bus bandwidth, 2(P-1)/P x bytes/time over the P ranks taking part (None for the
+  floors that exchange nothing): it compares all-reduces over different rank counts."""
   if row["variant"] in NO_EXCHANGE:
     return None
   ranks = row.get("participants", row["replicas"])  # older results: every replica
@@ -47,8 +43,7 @@ def bus_bandwidth(row: dict) -> float | None:
 
 
 def allreduce(jobs: list[dict]) -> list[dict]:
-  """Bandwidths, and each variant's time and bus bandwidth against MPI's in the
-  same job and size."""
+  """Bandwidths, and each variant's time and bus bandwidth against MPI's (same job and size)."""
   rows = section_rows(jobs, "allreduce")
   by_variant = _index(rows, "job", "bytes", "variant")
   out = []
@@ -64,9 +59,8 @@ def allreduce(jobs: list[dict]) -> list[dict]:
 
 
 def rank_per_replica(allreduce_rows: list[dict]) -> list[dict]:
-  """jdist in each job with several devices per process against raw MPI over
-  as many ranks as it has replicas, one device each (another job of the same
-  run, so not interleaved: the two saw different moments of the machine)."""
+  """jdist with several devices per process against raw MPI over as many one-device ranks (another
+  job of the run: not interleaved)."""
   mpi = {(r["replicas"], r["bytes"], r["per_call"]): r for r in allreduce_rows
          if r["variant"] in ("mpi", "mpi_x8") and r["processes"] == r["replicas"]}
   out = []
@@ -135,7 +129,7 @@ def backends(jobs: list[dict]) -> dict[str, Any]:
                          if job.get("init_error") else None)}
 
 
-def _target(name: str, measured: float | None, bound: float, where: str, *,
+def target(name: str, measured: float | None, bound: float, where: str, *,
             at_least: bool = False) -> dict:
   """A target row; the measured ratio must be <= bound (>= with at_least)."""
   met = None if measured is None else (measured >= bound if at_least else measured <= bound)
@@ -147,19 +141,19 @@ def targets(summary: dict[str, Any]) -> list[dict]:
   """Every target of the issue with the measured ratio (lower is better)."""
   out = []
   for row in summary["overhead"]:
-    out.append(_target("step overhead jdist/pmap (ratio of medians)", row["ratio"],
+    out.append(target("step overhead jdist/pmap (ratio of medians)", row["ratio"],
                        OVERHEAD_BOUND, f"1x{row['devices']} {row['model']}"))
-    out.append(_target("step overhead jdist/shard_map (ratio of medians)",
+    out.append(target("step overhead jdist/shard_map (ratio of medians)",
                        row.get("shard_map_ratio"), OVERHEAD_BOUND,
                        f"1x{row['devices']} {row['model']}"))
   for row in summary["compression"]:
     if row["mode"] == "fp16":
-      out.append(_target("fp16 bytes/float32 bytes", row.get("bytes_ratio"), FP16_BYTES_BOUND,
+      out.append(target("fp16 bytes/float32 bytes", row.get("bytes_ratio"), FP16_BYTES_BOUND,
                          f"{row['job']} {row['model']}"))
     if row["mode"].startswith("topk1%") and row["params"] >= TOPK_MIN_PARAMS:
       name = "top-K 1% comm time/dense comm time" + (
           f" ({row['mode']})" if row["mode"] != "topk1%" else "")
-      out.append(_target(name, row.get("comm_ratio"), TOPK_COMM_BOUND,
+      out.append(target(name, row.get("comm_ratio"), TOPK_COMM_BOUND,
                          f"{row['job']} {row['model']}"))
   by_variant = _index(summary["allreduce"], "job", "bytes", "variant")
   for (job, nbytes, variant), row in sorted(by_variant.items()):
@@ -167,13 +161,13 @@ def targets(summary: dict[str, Any]) -> list[dict]:
         and row.get("busbw_vs_mpi"):
       kind = "8 per step" if variant.endswith("_x8") else "one per call"
       several = row["replicas"] > row["processes"]
-      out.append(_target(f"all-reduce bus bandwidth jdist/raw MPI ({kind})",
+      out.append(target(f"all-reduce bus bandwidth jdist/raw MPI ({kind})",
                          row["busbw_vs_mpi"],
                          MULTI_DEVICE_BANDWIDTH_BOUND if several else BANDWIDTH_BOUND,
                          f"{job} {nbytes >> 20} MB", at_least=True))
     f32 = by_variant.get((job, nbytes, "jdist_mean"))
     if variant == "jdist_fp16" and nbytes >= FP16_MIN_BYTES and f32:
-      out.append(_target("fp16 all-reduce time/float32", row["time_s"] / f32["time_s"],
+      out.append(target("fp16 all-reduce time/float32", row["time_s"] / f32["time_s"],
                          FP16_TIME_BOUND, f"{job} {nbytes >> 20} MB"))
   return out
 
@@ -203,6 +197,5 @@ def summarize(jobs: list[dict]) -> dict[str, Any]:
 
 
 def slowest_per_round(per_process: list[list[float]]) -> list[float]:
-  """Round by round, the longest of every process's sample (rounds line up:
-  every process runs the same rounds in the same order)."""
+  """Round by round, the longest of every process's sample (every process runs the same rounds)."""
   return [max(rounds) for rounds in zip(*per_process)]

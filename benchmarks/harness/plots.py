@@ -93,11 +93,7 @@ def draw_all(summary: dict, out_dir: str) -> list[str]:
 
 
 def network(summary: dict, out_dir: str) -> str | None:
-  """Step and communication time against link rate, one line per mode and peer.
-
-  The T_sync vs T_comp cost model made visible: a mode's step is its compute
-  plus the part of its exchange it cannot hide, which grows as the link slows.
-  """
+  """Step and communication time against link rate, one line per mode and peer."""
   rows = [r for r in summary["rows"] if r["variant"] not in ("compute", "torch_compute")]
   if not rows:
     return None

@@ -1,12 +1,7 @@
-"""The PyTorch peer: DDP (gloo) on SINGA's CNN.
+"""The PyTorch peer: DDP (gloo) on SINGA's CNN (the benchmark-only extra `torch-peer`).
 
-`network.steps` builds its `Trainer`s inside its own processes, so DDP and jdist steps
-interleave; alone it is one rank per process (mpirun or torchrun), writing
-`PREFIX.rank<R>.json` in the worker's format (section "torch"):
-
-    mpirun -np 2 python -m benchmarks torch_peer --out PREFIX --config JSON
-
-torch is the benchmark-only extra `torch-peer`, never a jdist dependency.
+`network.steps` interleaves its `Trainer`s with jdist's steps; alone it is one rank per process
+(`python -m benchmarks torch_peer --out PREFIX --config JSON` under mpirun or torchrun).
 """
 
 from __future__ import annotations
@@ -16,7 +11,6 @@ import datetime
 import json
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -27,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.harness import analysis
 from benchmarks.harness import outputs
+from benchmarks.harness import timing
 
 VARIANTS = ("compute", "ddp", "ddp_fp16", "ddp_powersgd")
 LEARNING_RATE = 0.01
@@ -57,10 +52,8 @@ def wrap(variant: str, model: nn.Module) -> nn.Module:
   if variant == "compute":
     return model
   if variant == "ddp_powersgd":
-    # One bucket: with DDP's default small first bucket, PowerSGD's chained
-    # collectives (issued from future callbacks) and the next bucket's race
-    # under gloo, and about one run in three aborts with "Received data size
-    # doesn't match expected size" (measured here, torch 2.13.0).
+    # One bucket: else PowerSGD's chained collectives and the next bucket's race under gloo
+    # (about one run in three aborts, torch 2.13.0).
     ddp = DistributedDataParallel(model, bucket_cap_mb=25)
   else:
     ddp = DistributedDataParallel(model)
@@ -77,8 +70,8 @@ def wrap(variant: str, model: nn.Module) -> nn.Module:
 
 
 def init(rank: int, size: int, threads: int | None = None) -> None:
-  """Joins the gloo process group (MASTER_ADDR/MASTER_PORT from the environment)
-  once, with `threads` intra-op threads (default: cores / processes, as torchrun)."""
+  """Joins the gloo process group once, with `threads` intra-op threads (default: cores /
+  processes, as torchrun)."""
   torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // size))
   if not dist.is_initialized():
     dist.init_process_group("gloo", rank=rank, world_size=size,
@@ -111,32 +104,21 @@ def measure(options: dict, rank: int):
   batch = int(options.get("per_process_batch", 64))
   variants = options.get("variants", VARIANTS)
   trainers = {v: Trainer(v, batch, seed=0, rank=rank) for v in variants}
-  for _ in range(int(options.get("warmup", 3))):
-    for trainer in trainers.values():
-      trainer()
-  dist.barrier()
-  samples = {v: [] for v in variants}
-  for _ in range(int(options.get("repeats", 15))):
-    for variant, trainer in trainers.items():
-      start = time.perf_counter()
-      trainer()
-      samples[variant].append(time.perf_counter() - start)
-  compute = samples.get("compute")
-  slowest = None
+  series = timing.interleaved(trainers, repeats=int(options.get("repeats", 15)),
+                              warmup=int(options.get("warmup", 3)), sync=dist.barrier)
+  compute = series["compute"].samples if "compute" in series else None
   if compute:  # every rank's compute-only steps, after the timed rounds
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, compute)
     slowest = analysis.slowest_per_round(every)
   for variant in variants:
-    ordered = sorted(samples[variant])
     row = {"variant": variant, "kind": "torch", "params": param_count(SingaCNN()),
            "per_process_batch": batch, "threads": torch.get_num_threads(),
-           "time_s": statistics.median(ordered), "min_s": ordered[0],
-           "p90_s": ordered[int(0.9 * (len(ordered) - 1))], "repeats": len(ordered)}
+           **series[variant].as_dict()}
     if compute:
-      row["comm_paired_s"] = statistics.median(s - c for s, c in zip(samples[variant], compute))
-      row["comm_vs_slowest_s"] = statistics.median(
-          s - c for s, c in zip(samples[variant], slowest))
+      samples = series[variant].samples
+      row["comm_paired_s"] = statistics.median(s - c for s, c in zip(samples, compute))
+      row["comm_vs_slowest_s"] = statistics.median(s - c for s, c in zip(samples, slowest))
     yield row
 
 

@@ -1,10 +1,5 @@
-"""Models, data and training steps the benchmarks time.
-
-Models by name (`MODELS`: SINGA's CNN and MLPs of ~1M and ~10M parameters, tiny ones for
-smoke runs); steps on the same model and data: `jdist_step` (a user's `data_parallel`
-step), `jit_step` (a jit step over global arrays), the hand-written `pmap_step`,
-`shard_map_step` and `mpi4jax_step`, and `compute_step` (no reduction of its own).
-"""
+"""Models (`MODELS`), data and the training steps the benchmarks time: jdist's (`jdist_step`,
+`jit_step`), hand-written ones (`pmap_step`, `shard_map_step`, `mpi4jax_step`) and floors."""
 
 from __future__ import annotations
 
@@ -69,11 +64,8 @@ def loss_and_grads(model: nn.Module, params, x, y):
 
 
 def _user_step(model: nn.Module, tx: optax.GradientTransformation, *, mean_loss: bool = True):
-  """The body a user writes once for either style: `(params, opt_state, x, y) -> (..., loss)`.
-
-  With `mean_loss=False` the step has no reduction of its own: the loss returned is
-  this replica's (`tx` may still exchange: a `jdist.dist_opt` does).
-  """
+  """The body a user writes once for either style: `(params, opt_state, x, y) -> (..., loss)`
+  (`mean_loss=False`: no reduction of its own, this replica's loss)."""
 
   def step(params, opt_state, x, y):
     loss, grads = loss_and_grads(model, params, x, y)
@@ -91,8 +83,7 @@ def jdist_step(model: nn.Module, tx: optax.GradientTransformation, *,
 
 
 def jit_step(model: nn.Module, tx: optax.GradientTransformation):
-  """A user's jit step over global arrays (the README's quickstart): run it under
-  `jax.set_mesh(jdist.mesh())` with replicated parameters and a sharded batch."""
+  """A user's jit step over global arrays (the README's quickstart), under `jdist.mesh()`."""
   return jax.jit(_user_step(model, tx))
 
 
@@ -138,9 +129,8 @@ def mpi4jax_sum(comm):
 
 
 def mpi4jax_step(model: nn.Module, tx: optax.GradientTransformation, comm):
-  """The hand-written step body, one device per process: the raveled gradients
-  summed by one `mpi4jax.allreduce` over `comm`, averaged, then `tx`; returns this
-  process's loss. Not compiled: the caller wraps it in `jax.jit` or `jax.pmap`."""
+  """The hand-written step body (uncompiled), one device per process: the raveled gradients
+  summed by one `mpi4jax.allreduce` over `comm`, averaged, then `tx`; this process's loss."""
   total, size = mpi4jax_sum(comm), comm.Get_size()
 
   def step(params, opt_state, x, y):
@@ -153,17 +143,14 @@ def mpi4jax_step(model: nn.Module, tx: optax.GradientTransformation, comm):
 
 
 def compute_step(model: nn.Module, tx: optax.GradientTransformation):
-  """The same step with no reduction of its own, under `jdist.data_parallel`. With a
-  plain optax `tx` nothing is exchanged (the compute floor); with `jdist.diloco` /
-  `jdist.local_sgd`, only their syncs are (the local-update modes of
-  `benchmarks.sections.time_to_accuracy.train`)."""
+  """The step with no reduction of its own under `jdist.data_parallel` (a plain optax `tx`: the
+  compute floor; `jdist.diloco` / `jdist.local_sgd`: only their syncs)."""
   return jdist.data_parallel(_user_step(model, tx, mean_loss=False))
 
 
 def plain_jit_step(model: nn.Module, tx: optax.GradientTransformation):
-  """The same step under a bare `jax.jit`, no jdist: a plain optax `tx` on one device
-  is the compute floor; on arrays sharded over a multi-process mesh, XLA inserts
-  the gradient all-reduce (plain JAX multi-controller)."""
+  """The step under a bare `jax.jit`: one device's compute floor, or on arrays sharded over a
+  multi-process mesh plain JAX multi-controller (XLA inserts the all-reduce)."""
   return jax.jit(_user_step(model, tx, mean_loss=False))
 
 
@@ -200,9 +187,7 @@ STYLES = ("data_parallel", "jit")
 
 @dataclasses.dataclass
 class StyleSetup:
-  """One global batch and a model's parameters placed for both step styles: `dp_*` for
-  `data_parallel` ([local_devices, per_replica, ...]), `jit_*` over `jdist.mesh()`.
-  """
+  """One global batch and a model's parameters placed for both step styles (`dp_*`, `jit_*`)."""
   model: nn.Module
   process_rows: tuple[np.ndarray, np.ndarray]
   dp_params: Any
@@ -212,9 +197,8 @@ class StyleSetup:
 
   def stepper(self, style: str, tx: optax.GradientTransformation,
               step=None) -> timing.Stepper:
-    """A fresh stepper of `style` (one of `STYLES`) from these parameters and `tx`'s
-    initial state on this batch; `step` defaults to the user's step of that style
-    (`jdist_step` or `jit_step` of the model and `tx`)."""
+    """A fresh stepper of `style` from these parameters and `tx`'s initial state on this batch
+    (`step` defaults to the user's step of that style)."""
     if style == "jit":
       replicated = NamedSharding(jdist.mesh(), PartitionSpec())
       state = jax.jit(tx.init, out_shardings=replicated)(self.jit_params)
@@ -226,8 +210,7 @@ class StyleSetup:
 
 
 def style_setup(model: nn.Module, params: Any, x: np.ndarray, y: np.ndarray) -> StyleSetup:
-  """`params` and the global batch `(x, y)` (the same on every rank) placed for both
-  styles; call it under `jax.set_mesh(jdist.mesh())`."""
+  """`params` and the global batch `(x, y)` placed for both styles (under `jdist.mesh()`)."""
   devices = jdist.init().local_device_count
   rows_x, rows_y = jdist.process_slice((x, y))
   dp_batch = (shard(rows_x.reshape((devices, -1) + x.shape[1:])),

@@ -5,17 +5,11 @@
     sudo .venv/bin/python -m benchmarks jax_peers --on rig [--rig-rate 1000]
     sudo .venv/bin/python -m benchmarks jax_peers --mpiwrapper PATH/libmpiwrapper.so  # + XLA's MPI
 
-Each round runs two jobs back to back: `jdist` (`jdist_jit`, `jdist_dp`, `mpi4jax`,
-`floor`, `sync_floor`, interleaved) and `gloo` (`jax_gloo`: XLA's all-reduce over
-Gloo), and with `--mpiwrapper` a third, `mpi` (`jax_mpi`: XLA's all-reduce over its own
-MPI collectives, through MPItrampoline and an MPIwrapper built against this MPI; one
-device per process only, as XLA's MPI collectives allow). `sync_floor` is the floor plus one 4-byte exchange that waits for the whole
-gradient: the least any data-parallel step pays (every rank's compute, then one
-collective's latency), so `sync_floor / jax_gloo` bounds what any exchange can reach
-against Gloo. Reported:
-step medians and paired ratios, 16 MiB all-reduces, loopback bytes per step and the
-losses after 20 steps (which must agree). On the rig a topology's processes are split
-over its two nodes. The runs: docs/jax_processes.md.
+Each round runs two jobs back to back: `jdist` (`jdist_jit`, `jdist_dp`, `mpi4jax`, `floor`,
+`sync_floor`, interleaved) and `gloo` (`jax_gloo`: XLA's all-reduce over Gloo), and with
+`--mpiwrapper` a third, `mpi` (`jax_mpi`, one device per process). Reported: step medians and
+paired ratios, 16 MiB all-reduces, loopback bytes per step and the losses after 20 steps
+(which must agree). The variants and the runs: docs/jax_processes.md.
 """
 
 from __future__ import annotations
@@ -66,19 +60,9 @@ def _lo_bytes() -> int:
   return 0
 
 
-def _global_batch(size: int) -> tuple[np.ndarray, np.ndarray]:
-  rng = np.random.default_rng(1)
-  x = rng.random((size,) + workload.IMAGE_SHAPE, dtype=np.float32)
-  y = rng.integers(0, workload.NUM_CLASSES, size=(size,)).astype(np.int32)
-  return x, y
-
-
 def _sync_floor_step(model, tx):
-  """The compute floor plus one 4-byte `jdist.pmean` that depends on every gradient leaf.
-
-  No gradient bytes cross processes, but every rank waits for the others'
-  whole backward pass and one collective's latency, as any data-parallel step must.
-  """
+  """The compute floor plus one 4-byte `jdist.pmean` that waits for every gradient leaf: the
+  least any data-parallel step pays (every rank's compute, then one collective's latency)."""
   def step(params, opt_state, x, y):
     loss, grads = workload.loss_and_grads(model, params, x, y)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -166,7 +150,7 @@ def run(ctx) -> Iterator[dict[str, Any]]:
   kind = ctx.options["kind"]
   model = workload.build("cnn")
   params = workload.init_params(model, 0)  # the same on every rank
-  x, y = _global_batch(ctx.options.get("global_batch", 64))
+  x, y = (a[0] for a in workload.local_batch(1, ctx.options.get("global_batch", 64), 1))
   with jax.set_mesh(jdist.mesh()) if kind == "jdist" else contextlib.nullcontext():
     steps, reduces = (_jdist_job if kind == "jdist" else _xla_job)(ctx, model, params, x, y)
     base = {"kind": kind, "processes": ctx.topo.process_count,
@@ -237,39 +221,29 @@ def check(args: argparse.Namespace) -> None:
                      "the rig's 2 nodes, so each count must be even (e.g. 2x1,2x2)")
 
 
-RunJob = Callable[[jobs.Job], dict]
-
-
-def _on_one_host(prefix: tuple[str, ...], mpirun_args: tuple[str, ...], quick: bool) -> RunJob:
-  return lambda job: jobs.run(dataclasses.replace(job, prefix=prefix, mpirun_args=mpirun_args),
-                              quick=quick, timeout=JOB_TIMEOUT)
-
-
-def _on_rig(rig, quick: bool) -> RunJob:
-  """Runs a job with its processes split over the rig's nodes (JAX's runtime as the job says)."""
-  from benchmarks.sections.network import rig as network_rig  # pylint: disable=import-outside-toplevel
-  return lambda job: network_rig.run_job(rig, job, quick=quick, timeout=JOB_TIMEOUT)
-
-
 @contextlib.contextmanager
-def _place(args) -> Iterator[tuple[RunJob, str]]:
+def _place(args) -> Iterator[tuple[Callable[[jobs.Job], dict], str]]:
   """(how a job runs, what counts the bytes) at the place the jobs run."""
-  if args.on == "rig":
+  def on_host(prefix=(), mpirun_args=()):
+    return lambda job: jobs.run(dataclasses.replace(job, prefix=tuple(prefix),
+                                                    mpirun_args=mpirun_args),
+                                quick=args.quick, timeout=JOB_TIMEOUT)
+
+  if args.on == "rig":  # a job's processes split over the rig's nodes
     from benchmarks.harness import cluster  # pylint: disable=import-outside-toplevel
+    from benchmarks.sections.network import rig as network_rig  # pylint: disable=g-import-not-at-top
     with cluster.Cluster(nodes=2, rate_mbit=args.rig_rate) as rig:
-      yield _on_rig(rig, args.quick), (f"rig, {args.rig_rate:g} Mbit/s per node: each node's "
-                                        "loopback (cross-node bytes cross the bridge)")
-    return
-  if args.on == "shaped":
+      yield (lambda job: network_rig.run_job(rig, job, quick=args.quick, timeout=JOB_TIMEOUT),
+             f"rig, {args.rig_rate:g} Mbit/s per node: each node's loopback (cross-node bytes "
+             "cross the bridge)")
+  elif args.on == "shaped":
     with netns.shaped_namespace(netns.link_named(args.link)) as name:
-      yield (_on_one_host(tuple(netns.exec_prefix(name)), netns.MPI_TCP_ARGS, args.quick),
-             f"netns, {args.link}")
-    return
-  if os.geteuid() == 0 and not netns.missing_requirements():
+      yield on_host(netns.exec_prefix(name), netns.MPI_TCP_ARGS), f"netns, {args.link}"
+  elif os.geteuid() == 0 and not netns.missing_requirements():
     with netns.private_namespace() as name:
-      yield _on_one_host(tuple(netns.exec_prefix(name)), (), args.quick), "netns, shared memory"
-    return
-  yield _on_one_host((), (), args.quick), "host loopback (other jobs' bytes included)"
+      yield on_host(netns.exec_prefix(name)), "netns, shared memory"
+  else:
+    yield on_host(), "host loopback (other jobs' bytes included)"
 
 
 def _rows(result: dict) -> list[dict]:
@@ -384,13 +358,11 @@ def report(results: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
-def render_shaped(results: dict[str, Any]) -> str:
-  """The shaped link's report (its own file, the same layout)."""
+def render_shaped(results: dict[str, Any]) -> str:  # each place's report: its own renderer
   return report(results)
 
 
 def render_rig(results: dict[str, Any]) -> str:
-  """The rig's report (its own file, the same layout)."""
   return report(results)
 
 

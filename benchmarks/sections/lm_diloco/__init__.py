@@ -1,6 +1,4 @@
-"""The language-model section: DiLoCo against plain on a small transformer over shaped
-links (`run`; `train` the worker measurement, `workload` the model, `report`).
-"""
+"""The language-model section (`run`; `train` the worker measurement, `workload`, `report`)."""
 
 from benchmarks.harness.section import Run, section
 from benchmarks.sections.lm_diloco import report

@@ -1,7 +1,5 @@
-"""The language-model benchmark's summary and lm_diloco.md: the loss target (plain's
-validation loss at `target_at` of the tokens), then per link and variant the loss at
-equal tokens, seconds, bytes per step and the time to the target (or its lower bound).
-"""
+"""The language-model benchmark's summary and lm_diloco.md (the target: plain's validation loss
+at `target_at` of the tokens)."""
 
 from __future__ import annotations
 
@@ -25,10 +23,8 @@ def _complete(run: dict) -> bool:
 
 
 def loss_target(runs: list[dict], target_at: float) -> dict[str, Any]:
-  """`{"loss", "tokens", "step", "from"}`: plain's validation loss at `target_at` of the tokens.
-
-  Every field is None when no plain run reached that point.
-  """
+  """`{"loss", "tokens", "step", "from"}`: plain's validation loss at `target_at` of the tokens
+  (all None when no plain run got there)."""
   planned = _planned_tokens(runs)
   if planned is None:
     return {"loss": None, "tokens": None, "step": None, "from": None}

@@ -1,7 +1,5 @@
-"""Worker measurement "lm_diloco": one variant of the language model trained for a number
-of tokens (`run_to_target` with no target; rank 0 measures the validation loss of the
-replicas' average every `eval_every` steps, the clock stopped).
-"""
+"""Worker measurement "lm_diloco": one variant of the language model trained for a number of
+tokens (`run_to_target` with no target, the validation loss in place of the accuracy)."""
 
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ from benchmarks.sections.lm_diloco import workload as lm_workload
 from benchmarks.sections.time_to_accuracy import train as train_to_target
 from jdist.runtime import host
 
-# Every mode of benchmarks.sections.accuracy but DGC's momentum correction (it takes SGD's momentum).
+# Every mode of benchmarks.sections.accuracy but DGC's momentum correction (SGD's momentum).
 VARIANTS = tuple(m for m in accuracy.MODES if "momentum_correction" not in accuracy.MODES[m])
 DEFAULTS = {"tokens": 2 ** 20, "batch": 16, "seq": 64, "embed": 64, "blocks": 2, "lr": 1e-3,
             "stories": 8000, "validation_stories": 300, "eval_every": 64}

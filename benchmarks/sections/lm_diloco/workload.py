@@ -1,9 +1,5 @@
-"""The language model, corpus and steps of the `lm_diloco` benchmark.
-
-examples/minigpt_single.py's stories and byte tokenizer (its definitions, read by
-`example_definitions`: the script trains at import) as one token stream cut into
-windows, and its `MiniGPT` in flax linen without dropout.
-"""
+"""The `lm_diloco` benchmark's corpus (examples/minigpt_single.py's stories and byte tokenizer, cut
+into windows), model (its `MiniGPT` in flax linen, no dropout) and steps."""
 
 from __future__ import annotations
 
@@ -21,20 +17,16 @@ import numpy as np
 import optax
 
 import jdist
+from benchmarks.harness import jobs
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-EXAMPLE = os.path.join(REPO, "examples", "minigpt_single.py")
+EXAMPLE = os.path.join(jobs.REPO, "examples", "minigpt_single.py")
 VALIDATION_SEED = 1  # held-out stories: another seed of the same generator
 
 
 @functools.cache
 def example_definitions(path: str = EXAMPLE) -> dict[str, Any]:
-  """`tiny_stories` and `ByteTokenizer` as the example script defines them.
-
-  The script trains at its module level, so only these two top-level
-  definitions of its source are compiled (in a namespace holding `random`,
-  all they use).
-  """
+  """`tiny_stories` and `ByteTokenizer` as the example script defines them (only these are
+  compiled: the script trains at its module level)."""
   with open(path, encoding="utf-8") as f:
     tree = ast.parse(f.read(), path)
   wanted = {"tiny_stories", "ByteTokenizer"}

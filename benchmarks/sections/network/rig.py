@@ -20,7 +20,7 @@ from benchmarks.harness import outputs
 from benchmarks.harness import report
 from benchmarks.harness.section import torch_missing
 from benchmarks.sections.network import rig_allreduce
-from benchmarks.sections.network import rig_report as cluster_report
+from benchmarks.sections.network import report as network_report
 from benchmarks.sections.network import shaped as network
 from benchmarks.sections.network import steps as network_steps
 
@@ -139,13 +139,13 @@ def run_all(links=None, *, quick: bool = False, repeats: int | None = None,
   out = report.results("python -m benchmarks network --on rig" + (" --quick" if quick else ""),
                        environment, start, quick=quick, skipped=skipped, links=links,
                        topology=TOPOLOGY, jobs=results)
-  out["summary"] = cluster_report.summarize(out)
+  out["summary"] = network_report.rig_summarize(out)
   return out
 
 
 def write_outputs(results: dict, out_dir: str) -> list[str]:
   """results.json and results.md into `out_dir`; returns the files written."""
-  return outputs.write_report(out_dir, results, cluster_report.markdown,
+  return outputs.write_report(out_dir, results, network_report.rig_markdown,
                               json_name="results.json", md_name="results.md")
 
 
@@ -157,4 +157,4 @@ check = network.check
 def main(args: argparse.Namespace) -> int:
   return network.run_main(args, lambda: run_all(args.links, quick=args.quick,
                                                 repeats=args.repeats),
-                          cluster_report.summarize, write_outputs)
+                          network_report.rig_summarize, write_outputs)

@@ -1,9 +1,5 @@
-"""Worker measurement "cluster_allreduce": all-reduce across the nodes of the rig.
-
-At each float32 size, interleaved: `mpi` (mpi4py), `hierarchical` (node-aware, by hand,
-checked against `mpi`), `jdist_psum` and `jdist_flat` (the native engine's sums flat).
-Options: `sizes` (bytes per rank, required), `seconds`, `variants`.
-"""
+"""Worker measurement "cluster_allreduce": all-reduce across the rig's nodes, interleaved at each
+float32 size of option `sizes`: `mpi`, `hierarchical` (by hand), `jdist_psum`, `jdist_flat`."""
 
 from __future__ import annotations
 
@@ -26,12 +22,8 @@ MOST_REPEATS = 15
 
 
 def repeats_for(calls: dict[str, Callable[[], object]], seconds: float, quick: bool) -> int:
-  """Runs one untimed round of `calls` and returns the timed rounds for them.
-
-  About `seconds` per variant from the warm-up round's length, 3 to
-  `MOST_REPEATS`. The slowest rank's round decides (an MPI max), so every
-  rank runs as many rounds.
-  """
+  """Runs one untimed round of `calls`; the timed rounds (3 to `MOST_REPEATS`) that take about
+  `seconds` per variant at the slowest rank's pace (every rank agrees)."""
   from mpi4py import MPI  # pylint: disable=import-outside-toplevel
   start = time.perf_counter()
   for call in calls.values():
@@ -44,14 +36,8 @@ def repeats_for(calls: dict[str, Callable[[], object]], seconds: float, quick: b
 
 
 class Hierarchical:
-  """Node-aware all-reduce in mpi4py: reduce-scatter in the node, cross-node
-  all-reduce of each slice among same-local-rank peers, all-gather in the node.
-
-  Args:
-    comm: the communicator over every rank (its nodes found by
-      `Split_type(COMM_TYPE_SHARED)`; every node must hold as many ranks).
-    count: float32 elements per rank, a multiple of the ranks per node.
-  """
+  """Node-aware all-reduce in mpi4py over `comm` (equal nodes): reduce-scatter in the node,
+  all-reduce of each slice across nodes, all-gather in the node; `count` float32 per rank."""
 
   def __init__(self, comm, count: int):
     from mpi4py import MPI  # pylint: disable=import-outside-toplevel

@@ -1,9 +1,5 @@
-"""Worker measurement "network": jdist's modes, a hand-written step and raw MPI on one link.
-
-On SINGA's CNN (64 images per replica), interleaved round by round: `compute` (no
-exchange), jdist's modes, `handwritten` (raw `mpi4jax.allreduce`, one device per
-process), the torch peer's variants (option `torch`), then the `mpi_f32` floor.
-Options: `modes`, `repeats`, `warmup`, `model`, `handwritten`, `floor`, `torch`.
+"""Worker measurement "network": on SINGA's CNN, interleaved round by round, `compute`, jdist's
+modes, `handwritten` (raw mpi4jax), the torch peer's variants (option `torch`), then `mpi_f32`.
 """
 
 from __future__ import annotations
@@ -53,11 +49,8 @@ def torch_steppers(ctx, variants) -> dict:
 
 
 def slowest_compute(series: dict[str, timing.Series]) -> dict[str, list[float]]:
-  """Round by round, the slowest process's compute-only step (jdist's and torch's).
-
-  Every process runs the same rounds, so round i's samples line up across
-  processes; one host gather after the timed rounds (outside them).
-  """
+  """Round by round, the slowest process's compute-only step (jdist's and torch's), gathered
+  after the timed rounds."""
   mine = {name: series[name].samples for name in ("compute", "torch_compute") if name in series}
   every = host.allgather_object(mine, "network: compute steps per round")
   return {name: analysis.slowest_per_round([rank[name] for rank in every]) for name in mine}

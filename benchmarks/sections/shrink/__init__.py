@@ -1,5 +1,4 @@
-"""The shrink section: `jdist launch --shrink` through faults on the rig, and ULFM's cost (`run`).
-"""
+"""The shrink section (`run`; `faults` and `cost` its parts)."""
 
 from benchmarks.harness.section import Run, section
 from benchmarks.sections.shrink import run

@@ -1,6 +1,4 @@
-"""The time-to-accuracy section: seconds to a test accuracy, jdist's modes against PyTorch
-DDP over shaped links (`run`; `train` the worker measurement, `report` and `targets`).
-"""
+"""The time-to-accuracy section (`run`; `train` the worker measurement, `report`, `targets`)."""
 
 from benchmarks.harness.section import Run, section
 from benchmarks.sections.time_to_accuracy import report
