@@ -19,7 +19,6 @@ from benchmarks import __main__ as entry
 from benchmarks.sections import accuracy
 from benchmarks.sections.time_to_accuracy import report as tta_report
 from benchmarks.sections.time_to_accuracy import run as time_to_accuracy
-from benchmarks.sections.time_to_accuracy import targets
 from benchmarks.sections.time_to_accuracy import train as train_to_target
 from jdist.app import models
 from tests import launch
@@ -218,7 +217,7 @@ def _results(runs):
              "skipped": ["torch is not installed"], "runs": runs, "wall_s": 60.0,
              "options": {"epochs": 4, "target": 0.88, "batch": 32, "dataset": "auto",
                          "learning_rate": 0.005, "momentum": 0.9}}
-  results["summary"] = targets.summarize(results)
+  results["summary"] = tta_report.summarize(results)
   return results
 
 
@@ -542,7 +541,7 @@ def test_paired_runs_give_the_floor_rows_of_their_own_job():
   run["final"].update(paired_mode="sdiloco32_int4", paired_floors={
       "compute_floor": [5.0, 10.0, 15.0, 20.0],
       "sdiloco32_int4_nosync": [6.0, 12.0, 18.0, 25.0]})
-  rows = targets.floor_targets([run])
+  rows = tta_report.floor_targets([run])
   paired = [r for r in rows if "same job" in r["target"]]
   assert [r["measured"] for r in paired] == pytest.approx([26 / 20, 26 / 25])
   assert [r["met"] for r in paired] == [False, True]

@@ -2,10 +2,9 @@
 
     python -m benchmarks accuracy [--epochs 4] [--dataset auto] [--modes ...]
 
-SINGA's CNN with `jdist.dist_opt(optax.sgd(0.005, momentum=0.9))` in each mode on 2
-processes, from the same parameters and data order; test accuracy after every epoch.
-Fashion-MNIST where Debian's `dataset-fashion-mnist` is installed, else digits. The
-default takes about 27 minutes on 2 cores; `--epochs 1 --limit 6000` is a quick check.
+SINGA's CNN, `jdist.dist_opt(optax.sgd(0.005, momentum=0.9))` in each mode on 2 processes;
+test accuracy after every epoch, on Fashion-MNIST where installed, else digits (about 27
+minutes on 2 cores; `--epochs 1 --limit 6000` is a quick check).
 """
 
 from __future__ import annotations
@@ -39,10 +38,8 @@ MODES = {
     "powersgd1": {"powersgd": 1},
 }
 LOCAL_SGD_WARMUP = 32  # post-local SGD's synchronous steps (PyTorch's start_localSGD_iter)
-# Modes that exchange parameters every H steps instead of gradients every step
-# (`jdist.diloco`, default outer SGD 0.7 with Nesterov momentum 0.9;
-# `jdist.local_sgd`): the replicas differ between syncs. Used by
-# benchmarks.sections.time_to_accuracy.run; not in this module's default --modes.
+# Modes that exchange parameters every H steps (`jdist.diloco`, `jdist.local_sgd`): the replicas
+# differ between syncs. Used by time_to_accuracy; not in this module's default --modes.
 LOCAL_MODES = {
     "diloco8": {"diloco": 8},
     "diloco32": {"diloco": 32},
@@ -50,8 +47,7 @@ LOCAL_MODES = {
     "sdiloco32": {"diloco": 32, "diloco_fragments": 4},
     "diloco32_int8": {"diloco": 32, "diloco_payload": "int8"},
     "diloco128_int8": {"diloco": 128, "diloco_payload": "int8"},
-    # The outer sync in the background (float32, native route): each fragment's
-    # exchange runs across `diloco_delay` inner steps, then lands with mix 0.5.
+    # The outer sync in the background: each fragment's exchange lands `diloco_delay` steps on.
     "sdiloco32_bg": {"diloco": 32, "diloco_fragments": 4, "diloco_delay": 8,
                      "diloco_mix": 0.5},
     "diloco128_bg": {"diloco": 128, "diloco_delay": 32, "diloco_mix": 0.5},
@@ -70,8 +66,7 @@ LOCAL_MODES = {
     "local_sgd8": {"local_sgd": 8, "local_sgd_warmup": LOCAL_SGD_WARMUP},
     "local_sgd32": {"local_sgd": 32, "local_sgd_warmup": LOCAL_SGD_WARMUP},
 }
-# Each DiLoCo mode's own compute floor: the same step (state, switch, payload
-# code) with a sync period longer than any run, so nothing crosses processes.
+# Each DiLoCo mode's own compute floor: the same step with a sync period longer than any run.
 NEVER = 1 << 30  # inner steps
 NO_SYNC = "_nosync"
 LOCAL_MODES.update({name + NO_SYNC: dict(options, diloco=NEVER)
@@ -82,10 +77,6 @@ PAIRED = "_paired"
 LEARNING_RATE = 0.005  # SINGA's MNIST example: SGD(lr=0.005, momentum=0.9)
 MOMENTUM = 0.9
 SEED = 0
-
-
-# ----------------------------------------------------------------------------
-# The section, run by benchmarks.harness.worker in each rank.
 
 
 def never_syncs(mode: str) -> bool:
@@ -138,11 +129,8 @@ def make_evaluate(model, data):
 
 
 def mode_transformation(mode: str) -> optax.GradientTransformation:
-  """`jdist.dist_opt(optax.sgd(LEARNING_RATE, momentum=MOMENTUM), **MODES[mode])`.
-
-  With momentum correction the momentum moves into the compressor (DGC), so
-  the inner SGD has none.
-  """
+  """`jdist.dist_opt(optax.sgd(LEARNING_RATE, momentum=MOMENTUM), **MODES[mode])` (with
+  momentum correction the momentum moves into the compressor, DGC)."""
   corrected = "momentum_correction" in MODES[mode]
   inner = optax.sgd(LEARNING_RATE, momentum=None if corrected else MOMENTUM)
   return jdist.dist_opt(inner, **MODES[mode])
@@ -150,7 +138,6 @@ def mode_transformation(mode: str) -> optax.GradientTransformation:
 
 def train_mode(ctx, mode: str, data, model, params, evaluate, epochs: int, batch: int):
   """Yields one row per epoch of training in `mode`."""
-
   topo = ctx.topo
   tx = mode_transformation(mode)
   step = workload.jdist_step(model, tx)
@@ -192,10 +179,6 @@ def run(ctx):
                  replicas=ctx.topo.replica_count)
 
 
-# ----------------------------------------------------------------------------
-# The driver.
-
-
 def markdown(results: dict) -> str:
   rows = results["rows"]
   lines = report.header("jdist: accuracy against compression", results, minutes=True)
@@ -230,8 +213,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace) -> None:
   if set(args.modes.split(",")) - set(MODES) or args.epochs < 1 or args.batch < 1:
-    raise UsageError(f"--modes must be from {list(MODES)}; --epochs and --batch must "
-                              "be >= 1.")
+    raise UsageError(f"--modes must be from {list(MODES)}; --epochs and --batch must be >= 1.")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -239,15 +221,12 @@ def main(args: argparse.Namespace) -> int:
   options = {"epochs": args.epochs, "dataset": args.dataset, "modes": modes,
              "batch": args.batch, "limit": args.limit}
   job = jobs.Job("accuracy-2x1", 2, 1, (sys.modules[__name__],), options=tuple(options.items()))
-  start = time.perf_counter()
-  environment = report.environment()
+  start, environment = time.perf_counter(), report.environment()
   result = jobs.run(job, quick=False, timeout=args.timeout)
-  environment["load_average_end"] = list(os.getloadavg())
   section = result.get("sections", {}).get("accuracy", {})
-  results = {"command": args.command,
-             "options": options, "environment": environment,
-             "wall_s": time.perf_counter() - start, "rows": section.get("rows", []),
-             "error": result.get("error") or section.get("error")}
+  results = report.results(args.command, environment, start, options=options,
+                           rows=section.get("rows", []),
+                           error=result.get("error") or section.get("error"))
   outputs.write_report(args.out, results, markdown, json_name="accuracy.json",
                        md_name="accuracy.md")
   print(markdown(results))

@@ -7,7 +7,7 @@ from typing import Any
 
 from benchmarks.harness import report
 from benchmarks.sections.time_to_accuracy import report as time_to_accuracy_report
-from benchmarks.sections.time_to_accuracy.targets import bounded_ratio, show_ratio
+from benchmarks.sections.time_to_accuracy.report import bounded_ratio, show_ratio
 
 REFERENCE = "plain"
 

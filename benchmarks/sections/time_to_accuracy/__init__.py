@@ -1,4 +1,4 @@
-"""The time-to-accuracy section (`run`; `train` the worker measurement, `report`, `targets`)."""
+"""The time-to-accuracy section (`run`; `train` the worker measurement, `report`)."""
 
 from benchmarks.harness.section import Run, section
 from benchmarks.sections.time_to_accuracy import report

@@ -23,7 +23,6 @@ from benchmarks.harness import report
 from benchmarks.harness.section import UsageError, torch_missing
 from benchmarks.sections import accuracy
 from benchmarks.sections.time_to_accuracy import report as time_to_accuracy_report
-from benchmarks.sections.time_to_accuracy import targets
 from benchmarks.sections.time_to_accuracy import train as train_to_target
 
 VARIANTS = (tuple(mode for mode in accuracy.MODES if not accuracy.never_syncs(mode))
@@ -145,7 +144,7 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print,
                      learning_rate=accuracy.LEARNING_RATE, momentum=accuracy.MOMENTUM),
         runs=[dict(r, framework="torch" if r["variant"] in train_to_target.TORCH_VARIANTS
                    else "jdist") for r in runs])
-    results["summary"] = targets.summarize(results)
+    results["summary"] = time_to_accuracy_report.summarize(results)
     return results
 
   def job_for(link: netns.Link, variant: str) -> jobs_lib.Job:
@@ -231,7 +230,7 @@ def check(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> int:
   done = outputs.measure_or_render(args, lambda progress: run_benchmark(args, progress=progress),
-                                   targets.summarize, write_outputs)
+                                   time_to_accuracy_report.summarize, write_outputs)
   if done is None:
     return 0
   results, written = done

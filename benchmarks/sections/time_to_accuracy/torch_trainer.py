@@ -1,7 +1,5 @@
-"""PyTorch DDP trained like jdist in the time-to-accuracy section: `TorchTrainer` loads the
-flax parameters into `torch_peer.SingaCNN` (`torch_state`) and trains the same rows with
-the same SGD, under `torch_peer.wrap` or `post_local_sgd`. Only this module and
-`torch_peer` import torch.
+"""PyTorch DDP trained like jdist in the time-to-accuracy section (`TorchTrainer`: the flax
+parameters in `torch_peer.SingaCNN`, the same rows and SGD). Only this and `torch_peer` import torch.
 """
 
 from __future__ import annotations
@@ -32,8 +30,7 @@ def nchw(images: np.ndarray) -> np.ndarray:
 
 def torch_state(params: Any, feature_shape: Sequence[int]) -> dict[str, torch.Tensor]:
   """SingaCNN's state dict holding the flax CNN's `params` (`feature_shape`: the last pooled
-  map's (channels, height, width), which the first dense layer flattens).
-  """
+  map's (channels, height, width))."""
   channels, height, width = feature_shape
   state = {}
   for flax_name, torch_name in LAYERS.items():
@@ -69,14 +66,8 @@ def singa_cnn_from_flax(flax_model, params: Any, input_shape: Sequence[int]) -> 
 
 def post_local_sgd(net: nn.Module, optimizer: torch.optim.Optimizer, *, period: int,
                    warmup_steps: int):
-  """`net` in DDP with PyTorch's post-local SGD, and the optimizer that averages.
-
-  Gradients are all-reduced for `warmup_steps` steps, then the parameters averaged every
-  `period` steps (`PeriodicModelAverager`; one step off jdist.local_sgd's schedule).
-
-  Returns:
-    `(ddp_model, optimizer)`.
-  """
+  """`(net in DDP with PyTorch's post-local SGD, the optimizer that averages)`: gradients
+  all-reduced for `warmup_steps` steps, then the parameters averaged every `period` steps."""
   # pylint: disable=import-outside-toplevel
   from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
   from torch.distributed.algorithms.model_averaging import averagers
@@ -93,8 +84,7 @@ def post_local_sgd(net: nn.Module, optimizer: torch.optim.Optimizer, *, period: 
 
 class TorchTrainer:
   """One torch variant's run (`torch_peer.wrap`'s or "ddp_postlocal") from the flax CNN's
-  `params`: `step(indices)` trains on a batch, `evaluate()` tests.
-  """
+  `params`."""
 
   framework = "torch"
 
@@ -137,10 +127,7 @@ class TorchTrainer:
     return hits / len(self.test_y)
 
   def sync(self) -> None:
-    """DDP keeps every rank's parameters equal: nothing to gather before a test.
-
-    Post-local SGD's ranks differ between averagings: their average is
-    tested, as for jdist's local SGD (a collective, outside the clock)."""
+    """Post-local SGD's ranks differ between averagings: tests their average (collective)."""
     if self.average_net is None:
       return
     world = torch.distributed.get_world_size()
