@@ -18,9 +18,8 @@ import pytest
 
 from benchmarks import __main__ as entry
 from benchmarks.harness import worker
-from benchmarks.sections.lm_diloco import report as lm_diloco_report
+from benchmarks.sections import lm_diloco
 from benchmarks.sections.lm_diloco import train as lm_train
-from benchmarks.sections.lm_diloco import workload as lm_workload
 from tests import launch
 
 SIZES = {"batch": 2, "seq": 16, "embed": 16, "blocks": 1, "lr": 3e-3, "stories": 60,
@@ -28,15 +27,15 @@ SIZES = {"batch": 2, "seq": 16, "embed": 16, "blocks": 1, "lr": 3e-3, "stories":
 
 
 def test_corpus_is_the_examples_stories_cut_into_windows():
-  defs = lm_workload.example_definitions()
+  defs = lm_train.example_definitions()
   tokenizer = defs["ByteTokenizer"]()
   text = defs["tiny_stories"](3, seed=0)
   tokens = tokenizer.encode(text, allowed_special={tokenizer.eot})
   assert tokenizer.decode(tokens) == text and tokens.count(256) == 3
-  corpus = lm_workload.load_corpus(3, 2, seq=16)
+  corpus = lm_train.load_corpus(3, 2, seq=16)
   assert corpus.train.shape == (len(tokens) // 17, 17) and corpus.train_tokens == len(tokens)
   np.testing.assert_array_equal(corpus.train.ravel(), tokens[:corpus.train.size])
-  held_out = tokenizer.encode(defs["tiny_stories"](2, seed=lm_workload.VALIDATION_SEED),
+  held_out = tokenizer.encode(defs["tiny_stories"](2, seed=lm_train.VALIDATION_SEED),
                               allowed_special={tokenizer.eot})
   np.testing.assert_array_equal(corpus.validation.ravel(), held_out[:corpus.validation.size])
   assert corpus.vocab_size == tokenizer.n_vocab
@@ -50,15 +49,15 @@ def _section_rows(topo, variant: str, steps: int, eval_every: int) -> list[dict]
 
 def _one_device_losses(replicas: int, steps: int, eval_every: int) -> list[float]:
   """AdamW on every replica's windows as one batch, one device: plain's reference."""
-  corpus = lm_workload.load_corpus(SIZES["stories"], SIZES["validation_stories"], SIZES["seq"])
-  model, params = lm_workload.build_model(corpus, SIZES["seq"], SIZES["embed"], SIZES["blocks"])
+  corpus = lm_train.load_corpus(SIZES["stories"], SIZES["validation_stories"], SIZES["seq"])
+  model, params = lm_train.build_model(corpus, SIZES["seq"], SIZES["embed"], SIZES["blocks"])
   tx = optax.adamw(SIZES["lr"])
   state = tx.init(params)
-  validate = lm_workload.make_validate(model, corpus.validation)
+  validate = lm_train.make_validate(model, corpus.validation)
 
   @jax.jit
   def step_fn(params, state, windows):
-    grads = jax.grad(functools.partial(lm_workload.loss, model))(params, windows)
+    grads = jax.grad(functools.partial(lm_train.loss, model))(params, windows)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
@@ -128,7 +127,7 @@ def test_target_is_plains_loss_at_a_fraction_of_the_tokens_from_an_uncapped_run(
   runs = [_run("plain", "10mbit", [3.0], capped=True, seconds=60),
           _run("plain", "100mbit", [3.0, 2.0, 1.5, 1.2]),
           _run("diloco32", "10mbit", [3.5, 2.5, 1.9, 1.3], seconds=2)]
-  summary = lm_diloco_report.summarize(_results(runs))
+  summary = lm_diloco.summarize(_results(runs))
   assert summary["target"] == {"loss": 2.0, "tokens": 200_000, "step": 200,
                                "from": "plain@100mbit"}
   assert summary["plain_loss"] == 1.2 and summary["plain_loss_from"] == "plain@100mbit"
@@ -142,7 +141,7 @@ def test_target_is_plains_loss_at_a_fraction_of_the_tokens_from_an_uncapped_run(
   assert slow["diloco32"]["loss_vs_plain"] == pytest.approx(0.1)
   fast = summary["links"]["100mbit"]
   assert fast[0]["time_to_target_s"] == 20 and fast[0]["vs_plain"] == 1.0
-  text = lm_diloco_report.markdown(dict(
+  text = lm_diloco.markdown(dict(
       _results(runs), summary=summary, command="python -m benchmarks lm_diloco",
       wall_s=60.0, skipped=[], environment={
           "cpu": "cpu", "cores": 2, "date": "today", "versions": {"jax": "0"},
@@ -151,7 +150,7 @@ def test_target_is_plains_loss_at_a_fraction_of_the_tokens_from_an_uncapped_run(
 
 
 def test_no_target_without_a_plain_run_that_got_there():
-  summary = lm_diloco_report.summarize(_results([_run("diloco32", "shm", [2.0, 1.0])]))
+  summary = lm_diloco.summarize(_results([_run("diloco32", "shm", [2.0, 1.0])]))
   assert summary["target"]["loss"] is None and summary["plain_loss"] is None
   row = summary["links"]["shm"][0]
   assert row["time_to_target_s"] is None and row["vs_plain"] is None

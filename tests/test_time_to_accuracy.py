@@ -17,8 +17,8 @@ import pytest
 
 from benchmarks import __main__ as entry
 from benchmarks.sections import accuracy
+from benchmarks.sections import time_to_accuracy
 from benchmarks.sections.time_to_accuracy import report as tta_report
-from benchmarks.sections.time_to_accuracy import run as time_to_accuracy
 from benchmarks.sections.time_to_accuracy import train as train_to_target
 from jdist.app import models
 from tests import launch
@@ -35,7 +35,7 @@ def _torch_or_skip():
 @pytest.mark.parametrize("input_shape", [(28, 28, 1), (8, 8, 1)])
 def test_flax_weights_in_torch_give_flax_logits(input_shape):
   # torch is a benchmark-only extra (only the DDP side of
-  # benchmarks.sections.time_to_accuracy.run needs it); .ci/run installs it.
+  # benchmarks.sections.time_to_accuracy needs it); .ci/run installs it.
   torch = _torch_or_skip()
   from benchmarks.sections.time_to_accuracy import (  # pylint: disable=g-import-not-at-top
       torch_trainer as torch_accuracy)

@@ -178,7 +178,7 @@ class FloorTrainer(JdistTrainer):
     if len(replicas) != 1:
       raise ValueError(f"{FLOOR} runs one device per process; this process has "
                        f"{len(replicas)} replicas ({list(replicas)}). Use 2 processes x 1 "
-                       "device, as benchmarks.sections.time_to_accuracy.run does.")
+                       "device, as benchmarks.sections.time_to_accuracy does.")
     tx = optax.sgd(accuracy.LEARNING_RATE, momentum=accuracy.MOMENTUM)
     self.train_step = workload.plain_jit_step(model, tx)
     self.params = jax.tree.map(jax.numpy.asarray, params)
