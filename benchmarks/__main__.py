@@ -3,9 +3,6 @@
     python -m benchmarks list                      # the sections and where each runs
     python -m benchmarks [suite] [--quick]         # the suite
     python -m benchmarks SECTION --help            # a section's options
-
-The parser holds the common options (`--on`; `--out`, `--quick` where the run has them)
-and the section's own (`add_arguments`), then calls its `check` and `main`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Every benchmark section, found where it declares itself; `python -m benchmarks list`.
-
-Each module or package of `benchmarks.sections` defines `SECTION`; `all_sections()` lists
-them in `ORDER`, then the harness's per-rank programs (`PROGRAMS`), which a job's ranks
-look up without importing every section.
-"""
+"""Every benchmark section (each module or package of `benchmarks.sections` defines `SECTION`),
+then the harness's per-rank programs (`PROGRAMS`); `python -m benchmarks list`."""
 
 from __future__ import annotations
 

@@ -1,3 +1,1 @@
-"""What the benchmark sections share: jobs and their worker processes, timing,
-shaped links and the rig, workloads, the PyTorch peer, reports. It never
-imports a section (tests/test_registry.py checks)."""
+"""What the benchmark sections share; it never imports a section (docs/benchmarks/index.md)."""

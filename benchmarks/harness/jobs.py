@@ -1,8 +1,5 @@
-"""Benchmark jobs: one topology (processes x local devices) and the measurements run in it.
-
-A job's ranks run `python -m benchmarks worker` (under `mpirun -np P --oversubscribe` for
-P > 1) with a hard timeout; `merge_ranks` folds their JSON files into one result.
-"""
+"""Benchmark jobs: one topology (processes x local devices) and its measurements, run as
+`python -m benchmarks worker` ranks (under mpirun for P > 1) with a hard timeout."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Emulated cluster links on one machine: a private network namespace, its loopback shaped by `tc`.
-
-Every rank of a job runs in one namespace whose loopback is rate-limited (`tbf`) and
-optionally delayed (`netem`). Needs root and iproute2 (`missing_requirements`); every way
-out of `shaped_namespace` deletes it, `remove_stale` those of killed runs.
-"""
+"""Emulated cluster links on one machine: a private network namespace, its loopback shaped by `tc`
+(`tbf`, delays `netem`); needs root and iproute2 (`missing_requirements`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""`jdist train` under `jdist launch` on the rig, and the faults injected into it (`RigJob`).
-
-A fault is "kind:target": `kill_rank:R` (launch rank R's processes), `kill_node:I`,
-`link_down:I` (node I) or `partition` (every node on its own).
-"""
+"""`jdist train` under `jdist launch` on the rig (`RigJob`) and the faults injected into it:
+"kind:target", `kill_rank:R` (launch rank R), `kill_node:I`, `link_down:I` or `partition`."""
 
 from __future__ import annotations
 

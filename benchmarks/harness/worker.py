@@ -1,8 +1,5 @@
-"""One benchmark job's rank: `python -m benchmarks worker --out PREFIX --config JSON`.
-
-Runs the config's measurements (modules with `NAME` and a generator `run(ctx)` of rows) in
-order into `PREFIX.rank<R>.json`; `jobs` merges the ranks.
-"""
+"""One benchmark job's rank: `python -m benchmarks worker --out PREFIX --config JSON` runs the
+config's measurements (`NAME`, `run(ctx)`) in order into `PREFIX.rank<R>.json`."""
 
 from __future__ import annotations
 

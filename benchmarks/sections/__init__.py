@@ -1,2 +1,1 @@
-"""The benchmark sections: each module or package here defines `SECTION`
-(`benchmarks.harness.section.Section`); `benchmarks.registry` finds them."""
+"""The benchmark sections: each module or package here defines `SECTION`."""

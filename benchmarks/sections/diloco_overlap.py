@@ -3,12 +3,9 @@
     python -m benchmarks diloco_overlap [--links 1gbit,100mbit] [--rounds 8]
         [--sync-every 32] [--fragments 4] [--delay 4] [--payload int4|sparse|...]
 
-Per link, a 2x1 job in a shaped namespace trains SINGA's CNN in blocks of `--sync-every`
-steps, alternating block by block: `compute` (no exchange), `no_sync` (the DiLoCo step
-never syncing), `in_step` (`delay=0`) and `background` (`delay=τ`). A variant's exposed
-sync time is its block minus the round's `compute` block; `sync_share` the same against
-`no_sync`. The method and the runs: docs/diloco.md. The pacing A/B there was measured
-before commit 96c4069 (`git show 96c4069:benchmarks/sections/diloco_overlap.py`).
+Per link, a 2x1 job trains SINGA's CNN in blocks of `--sync-every` steps, alternating
+`compute`, `no_sync`, `in_step` (`delay=0`) and `background` (`delay=τ`). The method and the
+runs: docs/diloco.md (its pacing A/B: `git show 96c4069:benchmarks/sections/diloco_overlap.py`).
 """
 
 from __future__ import annotations

@@ -3,9 +3,8 @@
   bash scripts/mpirun.sh -np 2 -x XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
       python -m benchmarks styles [--repeats 40] [--global-batch 64] [--models cnn,transformer]
 
-Each process trains SINGA's CNN and a small transformer classifier on the same global
-batch both ways, interleaved step by step; each row gives both medians, their ratios
-(jit / data_parallel), the routes and the load average. The runs: docs/topologies.md.
+SINGA's CNN and a small transformer classifier, both ways on one global batch, interleaved
+step by step; one JSON row per model (docs/topologies.md).
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ def check(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-  done = outputs.measure_or_render(args, lambda progress: run_benchmark(args, progress=progress),
+  done = outputs.measure_or_render(args, lambda each: run_benchmark(args, progress=each),
                                    summarize, write_outputs)
   if done is None:
     return 0

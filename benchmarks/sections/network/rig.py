@@ -1,10 +1,8 @@
-"""The network section on the cluster rig: `python -m benchmarks network --on rig`.
+"""The network section on the cluster rig (2 nodes x 2 processes): all-reduce and training steps.
 
     python -m benchmarks network --on rig [--quick] [--out DIR] [--links 10gbit,1gbit,100mbit]
 
-Per node link rate, a fresh 2 nodes x 2 processes rig runs the worker with
-`rig_allreduce` and, on `TRAIN_LINKS`, `steps` (jdist plain and fp16), then DDP under
-one `torchrun --nnodes 2` per node. Writes results.json and results.md.
+Writes results.json and results.md (docs/benchmarks/cluster/results.md).
 """
 
 from __future__ import annotations

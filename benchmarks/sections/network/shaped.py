@@ -2,10 +2,8 @@
 
     python -m benchmarks network [--quick] [--out DIR] [--links shm,1gbit] [--topologies 2x1]
 
-Per link of `netns.LINKS` (shm: no namespace) and topology (2x1, 2x2), one job
-(`steps`) times jdist's modes, a hand-written mpi4jax step, raw MPI and DDP interleaved
-in the same processes. What this machine cannot run is skipped with the reason. Writes
-network.json, network.md and network.png (method: docs/benchmarks/network.md).
+Per link and topology one job (`steps`) times jdist's modes, a hand-written mpi4jax step,
+raw MPI and DDP interleaved. Writes network.json, .md and .png (docs/benchmarks/network.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""ULFM's steady-state cost: the step loop (`steploop`) under `mpirun --with-ft ulfm` and without.
-
-Configurations alternated within each round: `ulfm` (what `jdist launch --shrink` runs), `tcp`
-(the same without ULFM), `default` (plain mpirun); placements `shm` (2 processes here) and
-`rig` (1 on each node); one BLAS thread per process (docs/multinode.md).
-"""
+"""ULFM's steady-state cost: the step loop (`steploop`) under `mpirun --with-ft ulfm` and without
+(`tcp`, `default`), alternated within each round, on this host and across the rig."""
 
 from __future__ import annotations
 

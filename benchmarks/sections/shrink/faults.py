@@ -1,8 +1,5 @@
-"""Faults under `jdist launch --shrink` on the rig (ranks 0, 1 on node A, 2, 3 on node B): the
-seconds from the fault to the log's shrink record's `detected_at` and `resumed_at`, or (not
-survived) to `jdist launch`'s exit, with the line that says why; and `run_chaos`, one process
-killed at random every `interval` s, the job growing back each time (docs/multinode.md#chaos-run).
-"""
+"""Faults under `jdist launch --shrink` on the rig (`run_shrink`: fault -> detected -> resumed,
+or -> the job's end) and chaos runs (`run_chaos`, docs/multinode.md#chaos-run)."""
 
 from __future__ import annotations
 

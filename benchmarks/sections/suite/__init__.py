@@ -1,8 +1,7 @@
 """The benchmark suite: `python -m benchmarks suite [--quick] [--out DIR] [--only ...]`.
 
-Runs its jobs one after the other, then writes results.json, the figures and results.md
-into --out (default docs/benchmarks; --quick: a temporary directory). Part "network"
-runs the network section on shaped links (its own network.md).
+Writes results.json, the figures and results.md into --out; part "network" runs the network
+section on shaped links (its own network.md).
 """
 
 from __future__ import annotations

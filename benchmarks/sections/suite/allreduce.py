@@ -1,11 +1,5 @@
-"""Suite part 1 (and 5): all-reduce time of float32 buffers, 4 KB to 64 MB.
-
-Variants interleaved at each size: `memcpy`, raw `mpi` (mpi4py), `mpi4jax`, `jdist_psum`
-(the topology's route), `jdist_mean`, `jdist_fp16`, `jdist_callback` and `jdist_native`
-(one route each), `jdist_noop` (a jitted `x + 1`: the one-per-call floor) and `*_x8`
-(eight per call, timed per all-reduce). Rows: `bytes` per replica, `participants`
-(ranks taking part) and the median; the report's method: docs/benchmarks/results.md.
-"""
+"""Suite part 1 (and 5): all-reduce time of float32 buffers, 4 KB to 64 MB, every variant
+interleaved at each size (the variants and the method: docs/benchmarks/results.md)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Suite part 3: bytes on the wire and step time of each compression mode.
-
-Every mode of `jdist.dist_opt(optax.sgd(...))` on MLPs of ~1M and ~10M parameters,
-interleaved with a `compute` step (communication = step - compute, the compressor's own
-work included); bytes from `jdist.wire_bytes` of the mode's state.
-"""
+"""Suite part 3: bytes on the wire and step time of each compression mode, interleaved with a
+`compute` step (communication = step - compute, the compressor's own work included)."""
 
 from __future__ import annotations
 

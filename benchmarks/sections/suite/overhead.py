@@ -1,9 +1,5 @@
-"""Suite part 2: what jdist adds to a train step, against hand-written steps.
-
-One process with forced host devices (1x2, 1x4): `jdist` (`data_parallel` +
-`dist_opt`), `pmap` and `shard_map` (hand-written) and `jdist_nocheck` (without the
-inputs' Python check), interleaved step by step, each feeding its outputs back.
-"""
+"""Suite part 2: what jdist adds to a train step against hand-written `pmap` and `shard_map`
+steps (and without the inputs' check), interleaved step by step."""
 
 from __future__ import annotations
 

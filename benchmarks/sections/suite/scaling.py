@@ -1,6 +1,5 @@
-"""Suite part 4: training throughput as replicas are added (weak scaling), beside the
-same step without reduction (its compute part).
-"""
+"""Suite part 4: training throughput as replicas are added (weak scaling), beside the step's
+compute part."""
 
 from __future__ import annotations
 

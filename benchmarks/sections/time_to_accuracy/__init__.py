@@ -4,10 +4,8 @@
         [--variants ddp,plain@1gbit,powersgd4,powersgd1] [--full plain,powersgd4,powersgd1]
         [--target 0.88] [--epochs 4] [--max-seconds S] [--max-seconds-of NAME[@LINK]=S,...]
 
-Each (link, variant) is one 2x1 job in the link's shaped namespace (`train`); a variant
-is `NAME` (every link) or `NAME@LINK`; `--full` variants train every epoch. Writes
-time_to_accuracy.json and .md after every run; `--render JSON` rewrites the Markdown.
-The method and the runs: docs/communication.md, docs/diloco.md.
+One 2x1 job per (link, variant); a variant is `NAME` (every link) or `NAME@LINK`. The method
+and the runs: docs/communication.md, docs/diloco.md.
 """
 
 from __future__ import annotations
@@ -58,9 +56,9 @@ def parse_caps(text: str, links: list[str],
   """`{(variant, link): seconds}` of `"NAME=S,NAME@LINK=S,..."` over `links` (S > 0)."""
   caps = {}
   for entry in filter(None, (e.strip() for e in text.split(","))):
-    name, sep, seconds = entry.partition("=")
+    name, _, seconds = entry.partition("=")
     try:
-      value = float(seconds) if sep else -1.0
+      value = float(seconds)
     except ValueError:
       value = -1.0
     if value <= 0:
@@ -68,23 +66,6 @@ def parse_caps(text: str, links: list[str],
                        "SECONDS > 0, e.g. ddp@10mbit=120")
     caps.update({pair: value for pair in parse_variants(name, links, choices)})
   return caps
-
-
-def variant_job(link: netns.Link, variant: str, options: dict[str, Any]) -> jobs_lib.Job:
-  """The job training `variant` on `link` (placed in its namespace by the caller)."""
-  env = netns.gloo_env() if variant in train_to_target.TORCH_VARIANTS else ()
-  return jobs_lib.Job(f"{variant}@{link.name}", 2, 1, (train_to_target,), env=env,
-                      options=tuple(dict(options, variant=variant).items()))
-
-
-def run_record(key: str, link: str, variant: str, result: dict) -> dict[str, Any]:
-  """One run's curve, final row and error (None: it went well) from its job's results."""
-  section = result.get("sections", {}).get(key, {})
-  rows = section.get("rows", [])
-  return {"link": link, "variant": variant,
-          "curve": [r for r in rows if r["kind"] == "eval"],
-          "final": next((r for r in rows if r["kind"] == "final"), None),
-          "error": result.get("error") or section.get("error"), "wall_s": result["wall_s"]}
 
 
 def run_plan(args: argparse.Namespace, measurement,
@@ -114,7 +95,13 @@ def run_plan(args: argparse.Namespace, measurement,
       for variant in variants:
         job = netns.in_namespace(job_for(link, variant), name)
         result = jobs_lib.run(job, quick=False, timeout=args.timeout, log=log)
-        runs.append(run_record(measurement.NAME, link.name, variant, result))
+        section = result.get("sections", {}).get(measurement.NAME, {})
+        rows = section.get("rows", [])
+        runs.append({"link": link.name, "variant": variant,
+                     "curve": [r for r in rows if r["kind"] == "eval"],
+                     "final": next((r for r in rows if r["kind"] == "final"), None),
+                     "error": result.get("error") or section.get("error"),
+                     "wall_s": result["wall_s"]})
         if progress is not None:
           progress(results_of(runs, skipped, plan))
   return results_of(runs, skipped, plan)
@@ -149,9 +136,12 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print,
     return results
 
   def job_for(link: netns.Link, variant: str) -> jobs_lib.Job:
-    return variant_job(link, variant, dict(
-        options, stop_at_target=args.stop_at_target and (variant, link.name) not in args.full,
-        max_seconds=args.caps.get((variant, link.name), args.max_seconds)))
+    pair = (variant, link.name)
+    env = netns.gloo_env() if variant in train_to_target.TORCH_VARIANTS else ()
+    mine = dict(options, variant=variant, max_seconds=args.caps.get(pair, args.max_seconds),
+                stop_at_target=args.stop_at_target and pair not in args.full)
+    return jobs_lib.Job(f"{variant}@{link.name}", 2, 1, (train_to_target,), env=env,
+                        options=tuple(mine.items()))
 
   return run_plan(args, train_to_target, job_for, results_of, drop=_without_torch, log=log,
                   progress=progress)
@@ -230,7 +220,7 @@ def check(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-  done = outputs.measure_or_render(args, lambda progress: run_benchmark(args, progress=progress),
+  done = outputs.measure_or_render(args, lambda each: run_benchmark(args, progress=each),
                                    time_to_accuracy_report.summarize, write_outputs)
   if done is None:
     return 0
