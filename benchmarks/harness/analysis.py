@@ -34,8 +34,7 @@ def _index(rows: list[dict], *keys: str) -> dict[tuple, dict]:
 
 
 def bus_bandwidth(row: dict) -> float | None:
-  """nccl-tests' bus bandwidth, 2(P-1)/P x bytes/time over the P ranks taking part (None for the
-  floors that exchange nothing): it compares all-reduces over different rank counts."""
+  """nccl-tests' bus bandwidth 2(P-1)/P x bytes/time (None: a floor)."""
   if row["variant"] in NO_EXCHANGE:
     return None
   ranks = row.get("participants", row["replicas"])  # older results: every replica
@@ -59,8 +58,7 @@ def allreduce(jobs: list[dict]) -> list[dict]:
 
 
 def rank_per_replica(allreduce_rows: list[dict]) -> list[dict]:
-  """jdist with several devices per process against raw MPI over as many one-device ranks (another
-  job of the run: not interleaved)."""
+  """jdist, several devices per process, against MPI over as many ranks."""
   mpi = {(r["replicas"], r["bytes"], r["per_call"]): r for r in allreduce_rows
          if r["variant"] in ("mpi", "mpi_x8") and r["processes"] == r["replicas"]}
   out = []

@@ -144,8 +144,7 @@ class Cluster:
     self._write_agent()
 
   def _write_hosts(self) -> None:
-    """Lets every node resolve every node's name (`ip netns exec NS` mounts /etc/netns/NS/hosts
-    over /etc/hosts): gloo fails to start its TCP device on names that resolve nowhere."""
+    """Lets every node resolve every node's name (gloo needs it)."""
     try:
       with open("/etc/hosts", encoding="utf-8") as handle:
         base = handle.read()

@@ -82,9 +82,7 @@ def environment(job: Job) -> dict[str, str]:
 
 
 def merge_ranks(results: list[dict]) -> dict[str, Any]:
-  """One job result from every rank's: durations (`*_s`) the maximum over ranks, all else
-  rank 0's; a section complete only if every rank completed it, rows not every rank wrote
-  dropped."""
+  """One job result from every rank's: durations their maximum, all else rank 0's."""
   first = results[0]
   merged = {k: first[k] for k in ("job", "topology", "backend", "init_error")}
   merged["sections"] = {}
@@ -140,8 +138,7 @@ def _signal(procs: list[subprocess.Popen], sig: int) -> None:
 
 
 def collect(job: Job, start_job: Callable[[str], str | None]) -> dict[str, Any]:
-  """Starts `job` with `start_job(out_prefix)` (its failure or None); merges what its ranks
-  wrote, with an `error` where it failed (unfinished sections: `complete: False`)."""
+  """`job` started by `start_job(out_prefix)`, its ranks' results merged."""
   start = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix=f"jdist-bench-{job.name}-") as tmp:
     prefix = os.path.join(tmp, "result")

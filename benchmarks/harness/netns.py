@@ -30,8 +30,7 @@ class NamespaceError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-  """A shaped link: its label, rate (None: no namespace, MPI over shared memory) and one-way
-  delay of every packet (netem; a loopback round trip pays it twice)."""
+  """A shaped link: its label, rate (None: shared memory) and one-way delay."""
   name: str
   rate_mbit: float | None
   delay_ms: float = 0.0
@@ -171,8 +170,7 @@ def shaped_namespace(link: Link) -> Iterator[str]:
 
 @contextlib.contextmanager
 def private_namespace() -> Iterator[str]:
-  """A fresh namespace with its loopback up, unshaped; yields its name. A job run inside it
-  is alone on that loopback (`/proc/net/dev` read inside counts that job's bytes only)."""
+  """A fresh namespace with its loopback up, unshaped; yields its name."""
   name = f"{PREFIX}{os.getpid()}-{next(_COUNTER)}"
   _run(["ip", "netns", "add", name])
   try:
@@ -203,8 +201,7 @@ def in_namespace(job: jobs.Job, name: str | None) -> jobs.Job:
 
 
 def available_links(links) -> tuple[list[Link], list[str]]:
-  """`(the links of links this machine can emulate, one sentence per reason others cannot)`:
-  shaped links need root, `ip` and `tc`; delays need netem."""
+  """The links of `links` this machine can emulate, and why not the others."""
   chosen, skipped = list(links), []
   missing = missing_requirements() if any(l.shaped for l in chosen) else []
   if missing:

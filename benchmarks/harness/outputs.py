@@ -14,8 +14,7 @@ from benchmarks.harness import netns
 
 def write_report(out_dir: str, results: dict[str, Any], render: Callable[[dict], str], *,
                  json_name: str, md_name: str) -> list[str]:
-  """Writes `results` to `out_dir/json_name` and `render(results)` to `out_dir/md_name`;
-  returns the names written, JSON first."""
+  """Writes `results` as JSON and `render(results)`; the names written."""
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, json_name), "w", encoding="utf-8") as f:
     json.dump(results, f, indent=1)
@@ -48,8 +47,7 @@ def measure_or_render(args: argparse.Namespace, measure: Callable[[Callable], di
 
 
 class Recorder:
-  """One rank's results, rewritten to its JSON file after every row (a killed job's survive);
-  a measurement that raises is recorded as an error and the next one runs."""
+  """One rank's results, rewritten to its JSON file after every row."""
 
   def __init__(self, path: str, header: dict[str, Any]):
     self.path = path

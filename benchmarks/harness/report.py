@@ -52,8 +52,7 @@ def environment() -> dict[str, Any]:
 
 
 def results(command: str, environment: dict, start: float, **fields) -> dict[str, Any]:
-  """A report's results: `command`, `environment` (its load average at the end added), `fields`
-  and `wall_s` since `start` (`time.perf_counter()`)."""
+  """A report's results: command, environment, `fields`, `wall_s`."""
   environment["load_average_end"] = list(os.getloadavg())
   return {"command": command, "environment": environment, **fields,
           "wall_s": time.perf_counter() - start}
@@ -88,9 +87,7 @@ STATUS = {True: "met", False: "MISSED", None: "not measured"}  # a target's `met
 
 
 def header(title: str, results: dict, *notes: str, minutes: bool = False) -> list[str]:
-  """A report's opening lines: its title, the command, date and run time, the
-  machine and its load average (`results["environment"]`), the versions, then
-  one bullet per note."""
+  """A report's opening lines: title, command, machine, versions, notes."""
   env = results["environment"]
   took = f"{results['wall_s'] / 60:.1f} min" if minutes else f"{results['wall_s']:.0f} s"
   load = lambda key: ", ".join(f"{x:.2f}" for x in env.get(key, []))  # noqa: E731
@@ -122,8 +119,7 @@ def print_targets(targets: Sequence[dict], digits: int = 3) -> None:
 
 def curve_table(runs: Sequence[dict], where: tuple[str, Callable[[dict], str]],
                 cell: Callable[[dict], str]) -> list[str]:
-  """One line per evaluated step, one column per run's variant: `cell(point)` of
-  its curve at that step; `where` names the step's second column and formats it."""
+  """One line per evaluated step, one column per run: `cell(point)`."""
   variants = [r["variant"] for r in runs]
   points: dict[int, dict] = {}
   for run in runs:

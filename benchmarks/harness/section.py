@@ -1,7 +1,5 @@
-"""What a benchmark section is: `Section`, its `Run`s (one per `--on` place), `UsageError`.
-
-The places and what a run module holds: docs/benchmarks/index.md.
-"""
+"""What a benchmark section is: `Section`, its `Run`s (one per `--on` place), `UsageError`
+(docs/benchmarks/index.md)."""
 
 from __future__ import annotations
 

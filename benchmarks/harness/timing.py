@@ -41,8 +41,7 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 def interleaved(variants: Mapping[str, Callable[[], Any]], *, repeats: int, warmup: int = 2,
                 sync: Callable[[], None] | None = None) -> dict[str, Series]:
-  """name -> `Series` of `repeats` timed rounds of `variants` (name -> a call of no arguments)
-  round-robin, after `warmup` untimed rounds and then `sync()` (e.g. a barrier)."""
+  """name -> `Series` of `variants` timed round-robin after a warm-up."""
   for _ in range(warmup):
     for fn in variants.values():
       timed(fn)
@@ -69,8 +68,7 @@ def repeats_for(nbytes: int, *, quick: bool, budget_bytes: int = 1 << 28,
 
 
 class Stepper:
-  """A training step feeding its own state back: each call runs `step(*state, *batch)` once and
-  keeps the new state (so `interleaved` can time variants that each train their own)."""
+  """A training step feeding its own state back, one step a call."""
 
   def __init__(self, step: Callable, state: tuple, batch: tuple):
     self.step = step

@@ -1,8 +1,5 @@
-"""The PyTorch peer: DDP (gloo) on SINGA's CNN (the benchmark-only extra `torch-peer`).
-
-`network.steps` interleaves its `Trainer`s with jdist's steps; alone it is one rank per process
-(`python -m benchmarks torch_peer --out PREFIX --config JSON` under mpirun or torchrun).
-"""
+"""The PyTorch peer, DDP (gloo) on SINGA's CNN: `Trainer`s for `network.steps`, or alone one rank
+per process (`python -m benchmarks torch_peer --out PREFIX --config JSON`); extra `torch-peer`."""
 
 from __future__ import annotations
 
@@ -70,8 +67,7 @@ def wrap(variant: str, model: nn.Module) -> nn.Module:
 
 
 def init(rank: int, size: int, threads: int | None = None) -> None:
-  """Joins the gloo process group once, with `threads` intra-op threads (default: cores /
-  processes, as torchrun)."""
+  """Joins the gloo process group once (threads: cores / processes)."""
   torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // size))
   if not dist.is_initialized():
     dist.init_process_group("gloo", rank=rank, world_size=size,

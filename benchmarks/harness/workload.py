@@ -64,8 +64,7 @@ def loss_and_grads(model: nn.Module, params, x, y):
 
 
 def _user_step(model: nn.Module, tx: optax.GradientTransformation, *, mean_loss: bool = True):
-  """The body a user writes once for either style: `(params, opt_state, x, y) -> (..., loss)`
-  (`mean_loss=False`: no reduction of its own, this replica's loss)."""
+  """The step a user writes once for either style."""
 
   def step(params, opt_state, x, y):
     loss, grads = loss_and_grads(model, params, x, y)
@@ -143,14 +142,12 @@ def mpi4jax_step(model: nn.Module, tx: optax.GradientTransformation, comm):
 
 
 def compute_step(model: nn.Module, tx: optax.GradientTransformation):
-  """The step with no reduction of its own under `jdist.data_parallel` (a plain optax `tx`: the
-  compute floor; `jdist.diloco` / `jdist.local_sgd`: only their syncs)."""
+  """The step with no reduction of its own (the compute floor)."""
   return jdist.data_parallel(_user_step(model, tx, mean_loss=False))
 
 
 def plain_jit_step(model: nn.Module, tx: optax.GradientTransformation):
-  """The step under a bare `jax.jit`: one device's compute floor, or on arrays sharded over a
-  multi-process mesh plain JAX multi-controller (XLA inserts the all-reduce)."""
+  """The step under a bare `jax.jit` (plain JAX multi-controller)."""
   return jax.jit(_user_step(model, tx, mean_loss=False))
 
 
@@ -168,7 +165,7 @@ class Setup:
     return (init or jdist.data_parallel)(tx.init)(self.params)
 
   def stepper(self, step, tx: optax.GradientTransformation, *, init=None) -> timing.Stepper:
-    """`step` training from these parameters and `tx`'s initial state on this batch."""
+    """A fresh stepper of `style` on this batch."""
     return timing.Stepper(step, (self.params, self.opt_state(tx, init=init)), self.batch)
 
 

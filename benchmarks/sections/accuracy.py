@@ -129,8 +129,7 @@ def make_evaluate(model, data):
 
 
 def mode_transformation(mode: str) -> optax.GradientTransformation:
-  """`jdist.dist_opt(optax.sgd(LEARNING_RATE, momentum=MOMENTUM), **MODES[mode])` (with
-  momentum correction the momentum moves into the compressor, DGC)."""
+  """`jdist.dist_opt(optax.sgd(...), **MODES[mode])`."""
   corrected = "momentum_correction" in MODES[mode]
   inner = optax.sgd(LEARNING_RATE, momentum=None if corrected else MOMENTUM)
   return jdist.dist_opt(inner, **MODES[mode])

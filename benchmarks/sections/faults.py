@@ -2,9 +2,8 @@
 
     python -m benchmarks faults --runs 5 --timeout 20 --out docs/benchmarks/cluster/faults.md
 
-Each run: `jdist train` on 2 nodes x 2 processes under `jdist launch`, one fault on node B
-(`link_down`, `kill_node`, `partition`) after its first epoch; the seconds to `jdist
-launch`'s exit, its status, whether it names the lost host and what is left (docs/multinode.md).
+Each run: `jdist train` on 2 nodes x 2 processes under `jdist launch`, one fault on node B after
+its first epoch (docs/multinode.md).
 """
 
 from __future__ import annotations

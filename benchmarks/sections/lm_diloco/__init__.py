@@ -3,8 +3,7 @@
     python -m benchmarks lm_diloco [--links 10mbit,100mbit] [--variants plain,diloco32,...]
         [--tokens N] [--eval-every 64] [--target-at 0.5] [--max-seconds-of NAME[@LINK]=S]
 
-Each (link, variant) is one 2x1 job training `workload`'s miniGPT for `--tokens` tokens;
-lm_diloco.json and .md are rewritten after every run (docs/diloco.md, the language model).
+One 2x1 job per (link, variant) (docs/diloco.md, the language model).
 """
 
 from __future__ import annotations

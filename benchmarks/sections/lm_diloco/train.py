@@ -1,8 +1,5 @@
-"""Worker measurement "lm_diloco": one variant of a small language model trained for a number of
-tokens (`run_to_target` with no target, the validation loss in place of the accuracy), on
-examples/minigpt_single.py's stories and byte tokenizer (cut into windows) and its `MiniGPT`
-in flax linen without dropout.
-"""
+"""Worker measurement "lm_diloco": one variant of examples/minigpt_single.py's miniGPT (flax
+linen, no dropout) trained for a number of tokens of its stories (docs/diloco.md)."""
 
 from __future__ import annotations
 
@@ -32,8 +29,7 @@ VALIDATION_SEED = 1  # held-out stories: another seed of the same generator
 
 @functools.cache
 def example_definitions(path: str = EXAMPLE) -> dict[str, Any]:
-  """`tiny_stories` and `ByteTokenizer` as the example script defines them (only these are
-  compiled: the script trains at its module level)."""
+  """`tiny_stories` and `ByteTokenizer` from the example's source."""
   with open(path, encoding="utf-8") as f:
     tree = ast.parse(f.read(), path)
   wanted = {"tiny_stories", "ByteTokenizer"}

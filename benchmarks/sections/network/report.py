@@ -1,7 +1,5 @@
 """The network section's analysis and reports: network.md (shaped links) and, `rig_*`, the rig's
-results.md (all-reduce against the link floor; training as on shaped links). comm = the median
-over rounds of a step minus its own side's compute-only step (method: docs/benchmarks/network.md).
-"""
+results.md (method: docs/benchmarks/network.md)."""
 
 from __future__ import annotations
 

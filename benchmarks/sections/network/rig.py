@@ -47,8 +47,7 @@ FORWARDED = ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH", "PYTHONUNBUFFERED", "JD
 
 
 def run_job(rig: cluster.Cluster, job: jobs_lib.Job, *, quick: bool, timeout: float) -> dict:
-  """`job` under `mpirun --hostfile` on the rig, its processes split evenly over the nodes
-  (its ranks get `RANK_ENV`, the job's own `env` over it)."""
+  """`job` under `mpirun --hostfile`, its processes split over the rig's nodes."""
   env = {**jobs_lib.environment(job), **RANK_ENV, **dict(job.env), **rig.mpi_env()}
   names = dict.fromkeys([*RANK_ENV, *dict(job.env), *FORWARDED])
   extra = [arg for key in names for arg in ("-x", key)]
@@ -58,8 +57,7 @@ def run_job(rig: cluster.Cluster, job: jobs_lib.Job, *, quick: bool, timeout: fl
 
 
 def run_torch(rig: cluster.Cluster, name: str, options: dict, *, timeout: float) -> dict:
-  """`benchmarks.harness.torch_peer` under one `torchrun` per node, DDP over gloo on the rig;
-  its compute-only variant renamed `torch_compute` (as `steps` names it)."""
+  """The torch peer under one `torchrun` per node of the rig."""
   master = rig.nodes[0]
   port = dict(netns.gloo_env())["MASTER_PORT"]
   job = jobs_lib.Job(name, NODES * PROCESSES_PER_NODE, 1, (), options=tuple(options.items()),

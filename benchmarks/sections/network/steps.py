@@ -49,8 +49,7 @@ def torch_steppers(ctx, variants) -> dict:
 
 
 def slowest_compute(series: dict[str, timing.Series]) -> dict[str, list[float]]:
-  """Round by round, the slowest process's compute-only step (jdist's and torch's), gathered
-  after the timed rounds."""
+  """Round by round, the slowest process's compute-only step."""
   mine = {name: series[name].samples for name in ("compute", "torch_compute") if name in series}
   every = host.allgather_object(mine, "network: compute steps per round")
   return {name: analysis.slowest_per_round([rank[name] for rank in every]) for name in mine}

@@ -3,11 +3,8 @@
     python -m benchmarks shrink --on rig                 # docs/benchmarks/cluster/shrink.md
     python -m benchmarks shrink --quick --parts cost     # a smoke run (tests/test_fault_shrink.py)
 
-Parts (`--parts`): `faults` (`jdist train --shrink` on 2 nodes x 2 processes, undisturbed, then
-each of `--faults` a second after the first epoch), `restart` (`--max-restarts 1` without
-`--shrink`), `shrink_restart` (`--shrink --max-restarts 1` with checkpoints), `cost` (ULFM on
-and off, `cost.py`) and `chaos` (random kills under `--max-np 4`, `faults.py`). Every row
-carries the load average. The runs: docs/multinode.md.
+Parts (`--parts`): `faults` (under `--shrink`), `restart` (`--max-restarts 1`), `shrink_restart`
+(both), `cost` (ULFM on and off) and `chaos` (random kills); the runs: docs/multinode.md.
 """
 
 from __future__ import annotations

@@ -138,8 +138,7 @@ class ChaosRun:
 
 
 def training_pids(rig: cluster.Cluster) -> list[int]:
-  """The job's training processes on the rig (`python .../jdist train --shrink`; not mpirun
-  nor `jdist launch`, whose command lines hold the same words)."""
+  """The job's training processes on the rig (not mpirun nor jdist launch)."""
   return rig_faults.pids_where(rig, lambda argv: (
       os.path.basename(argv[0]).startswith(b"python") and b"launch" not in argv
       and b"train" in argv and b"--shrink" in argv))

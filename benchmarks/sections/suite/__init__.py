@@ -33,8 +33,7 @@ QUICK_TIMEOUT = 150
 
 
 def jobs(sections: set[str] | None = None, *, quick: bool = False) -> list[jobs_lib.Job]:
-  """The suite's jobs (the smoke run skips 1x4), optionally only those
-  measuring one of `sections` ("backends" selects the backend-"jax" job)."""
+  """The suite's jobs, optionally only those measuring one of `sections`."""
   suite = [
       jobs_lib.Job("1x1", 1, 1, (scaling,)),
       jobs_lib.Job("1x2", 1, 2, (overhead, scaling)),

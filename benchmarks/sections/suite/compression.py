@@ -37,8 +37,7 @@ QUICK_MODES = ("plain", "fp16", "topk1%")
 
 
 def threshold_value(bench: workload.Setup) -> float:
-  """The |gradient| quantile of one fixed batch: the same value on every rank,
-  so all ranks build the same transformation."""
+  """The |gradient| quantile of one fixed batch, the same on every rank."""
   x, y = workload.local_batch(1, PER_REPLICA_BATCH, seed=1)
   grads = jax.jit(lambda p: workload.loss_and_grads(bench.model, p, x[0], y[0])[1])(
       jdist.unreplicate(bench.params))

@@ -1,7 +1,5 @@
-"""The time-to-accuracy benchmark's analysis and report: per link each variant's time to the
-target against DDP plain's (a run that missed it gives a bound: "<=" / ">="), and the targets
-(docs/diloco.md).
-"""
+"""The time-to-accuracy benchmark's analysis (times to the target against DDP plain's, bounds
+where a run missed it, the targets of docs/diloco.md) and its report."""
 
 from __future__ import annotations
 
@@ -39,8 +37,7 @@ def is_local(variant: str) -> bool:
 
 
 def time_or_bound(row: dict) -> tuple[float | None, bool]:
-  """`(seconds, exact)`: the time to the target, or (not reached: capped or out of
-  epochs) the training seconds it ran, a lower bound on it."""
+  """`(time to the target, True)`, else `(training seconds, False)`."""
   if row.get("time_to_target_s") is not None:
     return row["time_to_target_s"], True
   return row.get("train_s"), False
@@ -185,8 +182,7 @@ def floor_targets(runs: list[dict]) -> list[dict]:
 
 
 def _paired_floors(run: dict) -> list[dict]:
-  """A `<mode>_paired` run that reached the target: its time against each floor's seconds for
-  the same steps, in the same job."""
+  """A reached `<mode>_paired` run's time against each floor's."""
   final = run.get("final") or {}
   floors, step = final.get("paired_floors"), final.get("reached_step")
   if not floors or not step or final.get("time_to_target_s") is None:

@@ -1,6 +1,5 @@
-"""PyTorch DDP trained like jdist in the time-to-accuracy section (`TorchTrainer`: the flax
-parameters in `torch_peer.SingaCNN`, the same rows and SGD). Only this and `torch_peer` import torch.
-"""
+"""PyTorch DDP trained like jdist in the time-to-accuracy section (only this and `torch_peer`
+import torch)."""
 
 from __future__ import annotations
 
@@ -83,8 +82,7 @@ def post_local_sgd(net: nn.Module, optimizer: torch.optim.Optimizer, *, period: 
 
 
 class TorchTrainer:
-  """One torch variant's run (`torch_peer.wrap`'s or "ddp_postlocal") from the flax CNN's
-  `params`."""
+  """One torch variant's run from the flax CNN's `params`."""
 
   framework = "torch"
 

@@ -1,8 +1,5 @@
-"""Worker measurement "time_to_accuracy": one variant trained until it reaches a test accuracy.
-
-A jdist mode (`JdistTrainer`), DDP (`torch_trainer`) or `<mode>_paired` (`PairedTrainer`);
-the method: docs/diloco.md (time to accuracy).
-"""
+"""Worker measurement "time_to_accuracy": one variant trained until it reaches a test accuracy
+(a jdist mode, DDP or `<mode>_paired`; the method: docs/diloco.md)."""
 
 from __future__ import annotations
 
@@ -28,8 +25,7 @@ FLOOR = "compute_floor"
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-  """When a run evaluates (every `eval_every` steps) and stops (`target` with `stop_at_target`,
-  `max_seconds` of training, or after `epochs`)."""
+  """When a run evaluates and when it stops."""
   epochs: int
   steps_per_epoch: int
   eval_every: int
@@ -135,8 +131,7 @@ class JdistTrainer:
     self.replicas = list(replicas)
 
   def inputs(self, rows) -> tuple:
-    """The step's batch for this process's example indices `rows` (one device: host arrays,
-    which the step's jit moves 0.7 ms a step sooner than a `device_put` with a sharding)."""
+    """The step's batch for this process's example indices `rows`."""
     x, y = self.data.train_x[rows], self.data.train_y[rows]
     if len(self.replicas) == 1:
       return x, y
@@ -171,8 +166,7 @@ class JdistTrainer:
 
 
 class FloorTrainer(JdistTrainer):
-  """The compute floor: DiLoCo's inner SGD step on this rank's own rows, one device, nothing
-  exchanged; it tests rank 0's own model."""
+  """The compute floor: DiLoCo's inner step alone, nothing exchanged."""
 
   def __init__(self, model, params: Any, data, replicas):  # pylint: disable=super-init-not-called
     if len(replicas) != 1:
