@@ -231,9 +231,8 @@ def _place(args) -> Iterator[tuple[Callable[[jobs.Job], dict], str]]:
 
   if args.on == "rig":  # a job's processes split over the rig's nodes
     from benchmarks.harness import cluster  # pylint: disable=import-outside-toplevel
-    from benchmarks.sections.network import rig as network_rig  # pylint: disable=g-import-not-at-top
     with cluster.Cluster(nodes=2, rate_mbit=args.rig_rate) as rig:
-      yield (lambda job: network_rig.run_job(rig, job, quick=args.quick, timeout=JOB_TIMEOUT),
+      yield (lambda job: cluster.run_job(rig, job, quick=args.quick, timeout=JOB_TIMEOUT),
              f"rig, {args.rig_rate:g} Mbit/s per node: each node's loopback (cross-node bytes "
              "cross the bridge)")
   elif args.on == "shaped":

@@ -165,8 +165,9 @@ def link_rows(runs: list[dict], link: str, target: float | None,
     rows.append(row)
   plain = next((r for r in rows if r["variant"] == REFERENCE), None)
   for row in rows:
-    row["vs_plain"], row["vs_plain_kind"] = (time_to_accuracy_report.bounded_ratio(row, plain) if plain
-                                             and not row["failed"] else (None, ""))
+    row["vs_plain"], row["vs_plain_kind"] = (
+        time_to_accuracy_report.bounded_ratio(row, plain) if plain and not row["failed"]
+        else (None, ""))
   return rows
 
 

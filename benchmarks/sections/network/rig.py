@@ -39,30 +39,13 @@ QUICK_MODES = ("plain",)
 QUICK_TORCH_VARIANTS = ("compute", "ddp")
 JOB_TIMEOUT = 480
 QUICK_TIMEOUT = 240
-# The ranks' environment on the rig: JAX's distributed runtime off (its coordinator address
-# does not resolve on the rig yet); Open MPI yields the core while it waits (4 busy-polling
-# ranks on 2 shared cores starve the ones they wait for: 1 MB all-reduce 150 ms against 22.5).
-RANK_ENV = {"JDIST_JAX_DISTRIBUTED": "0", "OMPI_MCA_mpi_yield_when_idle": "1"}
-FORWARDED = ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH", "PYTHONUNBUFFERED", "JDIST_TIMEOUT")
-
-
-def run_job(rig: cluster.Cluster, job: jobs_lib.Job, *, quick: bool, timeout: float) -> dict:
-  """`job` under `mpirun --hostfile`, its processes split over the rig's nodes."""
-  env = {**jobs_lib.environment(job), **RANK_ENV, **dict(job.env), **rig.mpi_env()}
-  names = dict.fromkeys([*RANK_ENV, *dict(job.env), *FORWARDED])
-  extra = [arg for key in names for arg in ("-x", key)]
-  return jobs_lib.collect(job, lambda prefix: jobs_lib.launch([rig.mpirun_argv(
-      jobs_lib.program_argv(job, prefix, quick), job.processes // len(rig.nodes),
-      jobs_lib.binary("mpirun"), extra)], env, timeout))
-
-
 def run_torch(rig: cluster.Cluster, name: str, options: dict, *, timeout: float) -> dict:
   """The torch peer under one `torchrun` per node of the rig."""
   master = rig.nodes[0]
   port = dict(netns.gloo_env())["MASTER_PORT"]
   job = jobs_lib.Job(name, NODES * PROCESSES_PER_NODE, 1, (), options=tuple(options.items()),
                      program="torch_peer")
-  env = dict(jobs_lib.environment(job), **RANK_ENV, GLOO_SOCKET_IFNAME=master.inner_veth,
+  env = dict(jobs_lib.environment(job), **cluster.RANK_ENV, GLOO_SOCKET_IFNAME=master.inner_veth,
              OMP_NUM_THREADS="1")
   torchrun = [jobs_lib.binary("torchrun"), "--nnodes", str(NODES), "--nproc-per-node",
               str(PROCESSES_PER_NODE), "--master-addr", master.address, "--master-port", port]
@@ -102,7 +85,7 @@ def run_link(link: str, *, quick: bool, repeats: int | None, with_torch: bool,
     log(f"[{name}] {' '.join(m.NAME for m in sections)} on {hosts} ...")
     job = jobs_lib.Job(name, NODES * PROCESSES_PER_NODE, 1, tuple(sections),
                        options=tuple(options.items()))
-    results.append(run_job(rig, job, quick=quick, timeout=timeout))
+    results.append(cluster.run_job(rig, job, quick=quick, timeout=timeout))
     if with_torch and network_steps in sections:
       name = f"torch@{link}"
       log(f"[{name}] DDP under torchrun --nnodes {NODES} ...")
