@@ -47,9 +47,6 @@ PEERS = ("mpi4jax", "jax_gloo", "jax_mpi", "floor", "sync_floor")
 XLA_KINDS = {"gloo": "jax_gloo", "mpi": "jax_mpi"}
 
 
-# ---------------------------------------------------------------- one rank of a job
-
-
 def _lo_bytes() -> int:
   """Bytes received on the loopback so far (each byte sent on it is received once)."""
   with open("/proc/net/dev", encoding="utf-8") as f:
@@ -178,9 +175,6 @@ def run(ctx) -> Iterator[dict[str, Any]]:
                                 warmup=2, sync=ctx.sync)
     for name, result in series.items():
       yield dict(base, part="allreduce", variant=name, bytes=ALLREDUCE_BYTES, **result.as_dict())
-
-
-# ---------------------------------------------------------------- the driver
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -105,7 +105,6 @@ def run_shrink(fault: str, env: dict[str, str], *, epochs: int = 3,
       command += ["--checkpoint-dir", os.path.join(tmp, "ckpt"), "--checkpoint-every", "8",
                   "--resume"]
       flags += ["--max-restarts", "1", "--cooldown", "600"]
-    # The i-th fault of "A+B+C" after epoch i's line.
     job = rig_faults.RigJob(rig, command, PER_NODE, flags, env,
                             faults=[] if fault == "none" else fault.split("+"))
     ended = job.follow(timeout)
