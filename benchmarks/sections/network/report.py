@@ -64,9 +64,14 @@ def summarize(results: dict) -> dict[str, Any]:
   by_key = {(r["link"], r["topology"], r["variant"]): r for r in out}
   for row in out:
     cell = (row["link"], row["topology"])
+    ddp, ddp_half = by_key.get(cell + ("ddp",)), by_key.get(cell + ("ddp_fp16",))
     plain = by_key.get(cell + ("plain",))
-    reference = by_key.get(cell + ("ddp_fp16" if row["variant"] in HALF_MODES else "ddp",))
+    reference = ddp_half if row["variant"] in HALF_MODES else ddp
     row.update(
+        step_vs_ddp=_ratio(row["step_s"], ddp and ddp["step_s"]),
+        comm_vs_ddp=_ratio(row["comm_s"], ddp and ddp["comm_s"]),
+        step_vs_ddp_fp16=_ratio(row["step_s"], ddp_half and ddp_half["step_s"]),
+        comm_vs_ddp_fp16=_ratio(row["comm_s"], ddp_half and ddp_half["comm_s"]),
         comm_vs_plain=_ratio(row["comm_s"], plain and plain["comm_s"]),
         reference=reference and reference["variant"],
         step_vs_reference=_ratio(row["step_s"], reference and reference["step_s"]),
