@@ -40,10 +40,10 @@ echo "== tests: 1 process x 4 devices ($workers workers)"
 # compiled on a thread pool) only adds work there: one part took 2x2
 # tests/test_diloco.py from 66 / 63 s to 55 / 54 s (alternated runs). Their tests
 # run in the pytest processes (no launched jobs), where compiling is most of the
-# time: LLVM's level 0 took 2x1 from 613 to 417 s and 2x2 from 486 to 281 s
-# (one crossed pair each, the machine shared; the launched training jobs of the
-# plain session keep tests/launch.py's level 1, which level 0 slows). The plain
-# session keeps the split: its workers often leave a core idle.
+# time: LLVM's level 0 took the 2x1 session from 355 to 273 s (back to back,
+# nothing else running). The plain session's launched training jobs keep
+# tests/launch.py's level 1, which level 0 slows; the plain session also keeps
+# the split: its workers often leave a core idle.
 mpi_xla_flags="--xla_cpu_parallel_codegen_split_count=1 --xla_backend_optimization_level=0 ${XLA_FLAGS:-}"
 for devices in 1 2; do
   echo "== tests: 2 processes x $devices device(s)"
