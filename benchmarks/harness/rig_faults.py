@@ -52,11 +52,14 @@ class RigJob:
       index = int(epoch) - self.first if epoch and epoch.isdigit() else -1
       if 0 <= index < len(self.faults) and index not in self._started:
         self._started.add(index)
-        fault = self.faults[index]
-        threading.Timer(self.delay, lambda: self.fault_times.append(
-            inject(self.rig, fault))).start()
+        threading.Timer(self.delay, self._inject, (self.faults[index],)).start()
       if self.on_line is not None:
         self.on_line(line)
+
+  def _inject(self, fault: str) -> None:
+    # Each timer gets its own fault: a lambda over the loop's variable would
+    # inject whichever fault a later epoch's line had set by then.
+    self.fault_times.append(inject(self.rig, fault))
 
   def follow(self, timeout: float) -> float:
     """Waits for the job to end (`jobs.follow`: killed, raising, past `timeout`); its end."""
