@@ -19,7 +19,7 @@ from benchmarks.harness import cluster
 from benchmarks.harness import outputs
 from benchmarks.harness import report
 from benchmarks.harness import rig_faults
-from benchmarks.harness.section import Run, section
+from benchmarks.harness.section import Run, UsageError, section
 
 FAULTS = ("link_down", "kill_node", "partition")
 PROCESSES_PER_NODE = 2
@@ -91,6 +91,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--timeout", type=float, default=20.0, help="jdist train --timeout")
   parser.add_argument("--faults", default=",".join(FAULTS))
   parser.add_argument("--out", help="Markdown file to write the table to")
+
+
+def check(args: argparse.Namespace) -> None:
+  unknown = [fault for fault in args.faults.split(",") if fault not in FAULTS]
+  if unknown:
+    raise UsageError(f"--faults {', '.join(unknown)}: choose kinds from {', '.join(FAULTS)} "
+                     "(each hits node B; no target to add)")
+  if args.runs < 1:
+    raise UsageError(f"--runs {args.runs}: must be >= 1")
 
 
 def main(args: argparse.Namespace) -> int:
