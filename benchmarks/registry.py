@@ -1,5 +1,6 @@
 """Every benchmark section (each module or package of `benchmarks.sections` defines `SECTION`),
-then the harness's per-rank programs (`PROGRAMS`); `python -m benchmarks list`."""
+then the harness's per-rank programs (`PROGRAMS`); `python -m benchmarks list`.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The suite's analysis: from the jobs' rows to the report's figures and the targets (every ratio
-divides two numbers measured interleaved in the same job)."""
+divides two numbers measured interleaved in the same job).
+"""
 
 from __future__ import annotations
 

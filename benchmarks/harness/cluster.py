@@ -89,7 +89,8 @@ def _free_subnet() -> int:
 
 class Cluster:
   """`nodes` (2 to 16) network namespaces joined by a bridge, each link shaped to `rate_mbit`
-  per direction (None: the veth's own speed); a context manager."""
+  per direction (None: the veth's own speed); a context manager.
+  """
 
   def __init__(self, nodes: int = 2, rate_mbit: float | None = None):
     if not 2 <= nodes <= len(NODE_NAMES):

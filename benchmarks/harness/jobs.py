@@ -1,5 +1,6 @@
 """Benchmark jobs: one topology (processes x local devices) and its measurements, run as
-`python -m benchmarks worker` ranks (under mpirun for P > 1) with a hard timeout."""
+`python -m benchmarks worker` ranks (under mpirun for P > 1) with a hard timeout.
+"""
 
 from __future__ import annotations
 
@@ -109,7 +110,8 @@ def _tail(output) -> str:
 
 def launch(argvs: list[list[str]], env: dict[str, str], timeout: float) -> str | None:
   """Runs every argv at once, each in its own process group; None if all succeeded, else why
-  not. Past `timeout` every group (mpirun and the ranks it started) is killed."""
+  not. Past `timeout` every group (mpirun and the ranks it started) is killed.
+  """
   procs = [subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True) for argv in argvs]
   deadline = time.monotonic() + timeout
@@ -169,7 +171,8 @@ def run(job: Job, *, quick: bool, timeout: float, log=print) -> dict[str, Any]:
 
 def follow(job: subprocess.Popen, read: Callable[[], None], timeout: float) -> float:
   """Waits for `job` (its own session) while `read` consumes its output in a thread; returns
-  when it ended (`time.time()`). Past `timeout` its group is killed and TimeoutExpired raised."""
+  when it ended (`time.time()`). Past `timeout` its group is killed and TimeoutExpired raised.
+  """
   reader = threading.Thread(target=read, daemon=True)
   reader.start()
   try:

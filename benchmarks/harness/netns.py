@@ -1,5 +1,6 @@
 """Emulated cluster links on one machine: a private network namespace, its loopback shaped by `tc`
-(`tbf`, delays `netem`); needs root and iproute2 (`missing_requirements`)."""
+(`tbf`, delays `netem`); needs root and iproute2 (`missing_requirements`).
+"""
 
 from __future__ import annotations
 

@@ -34,7 +34,8 @@ def measure_or_render(args: argparse.Namespace, measure: Callable[[Callable], di
                       write: Callable[[dict, str], list[str]]) -> tuple[dict, list[str]] | None:
   """`--render JSON`: re-derives the summary of a results JSON and rewrites its report into
   `--out`, returning None. Otherwise `measure(progress)` (`progress(partial)` rewrites the
-  report) and its report written: `(results, the files written)`."""
+  report) and its report written: `(results, the files written)`.
+  """
   if args.render:
     with open(args.render, encoding="utf-8") as f:
       results = json.load(f)

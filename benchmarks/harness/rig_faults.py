@@ -1,5 +1,6 @@
 """`jdist train` under `jdist launch` on the rig (`RigJob`) and the faults injected into it:
-"kind:target", `kill_rank:R` (launch rank R), `kill_node:I`, `link_down:I` or `partition`."""
+"kind:target", `kill_rank:R` (launch rank R), `kill_node:I`, `link_down:I` or `partition`.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """What a benchmark section is: `Section`, its `Run`s (one per `--on` place), `UsageError`
-(docs/benchmarks/index.md)."""
+(docs/benchmarks/index.md).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Timing shared by every benchmark: warm-up, interleaved rounds, medians (method:
-docs/benchmarks/results.md); every timed call is waited for (`block_until_ready`)."""
+docs/benchmarks/results.md); every timed call is waited for (`block_until_ready`).
+"""
 
 from __future__ import annotations
 

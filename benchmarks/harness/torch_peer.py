@@ -1,5 +1,6 @@
 """The PyTorch peer, DDP (gloo) on SINGA's CNN: `Trainer`s for `network.steps`, or alone one rank
-per process (`python -m benchmarks torch_peer --out PREFIX --config JSON`); extra `torch-peer`."""
+per process (`python -m benchmarks torch_peer --out PREFIX --config JSON`); extra `torch-peer`.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """One benchmark job's rank: `python -m benchmarks worker --out PREFIX --config JSON` runs the
-config's measurements (`NAME`, `run(ctx)`) in order into `PREFIX.rank<R>.json`."""
+config's measurements (`NAME`, `run(ctx)`) in order into `PREFIX.rank<R>.json`.
+"""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ class Context:
 
 def init_backend(backend: str | None) -> tuple[jdist.Topology, str | None]:
   """`(jdist.init(backend=...), the error it raised or None)`: for "jax" a failed init is retried
-  with `cluster_detection_method="mpi4py"` (what Open MPI 5 needs)."""
+  with `cluster_detection_method="mpi4py"` (what Open MPI 5 needs).
+  """
   if backend != "jax":
     return jdist.init(backend=backend), None
   try:

@@ -1,5 +1,6 @@
 """Models (`MODELS`), data and the training steps the benchmarks time: jdist's (`jdist_step`,
-`jit_step`), hand-written ones (`pmap_step`, `shard_map_step`, `mpi4jax_step`) and floors."""
+`jit_step`), hand-written ones (`pmap_step`, `shard_map_step`, `mpi4jax_step`) and floors.
+"""
 
 from __future__ import annotations
 
@@ -129,7 +130,8 @@ def mpi4jax_sum(comm):
 
 def mpi4jax_step(model: nn.Module, tx: optax.GradientTransformation, comm):
   """The hand-written step body (uncompiled), one device per process: the raveled gradients
-  summed by one `mpi4jax.allreduce` over `comm`, averaged, then `tx`; this process's loss."""
+  summed by one `mpi4jax.allreduce` over `comm`, averaged, then `tx`; this process's loss.
+  """
   total, size = mpi4jax_sum(comm), comm.Get_size()
 
   def step(params, opt_state, x, y):
@@ -195,7 +197,8 @@ class StyleSetup:
   def stepper(self, style: str, tx: optax.GradientTransformation,
               step=None) -> timing.Stepper:
     """A fresh stepper of `style` from these parameters and `tx`'s initial state on this batch
-    (`step` defaults to the user's step of that style)."""
+    (`step` defaults to the user's step of that style).
+    """
     if style == "jit":
       replicated = NamedSharding(jdist.mesh(), PartitionSpec())
       state = jax.jit(tx.init, out_shardings=replicated)(self.jit_params)

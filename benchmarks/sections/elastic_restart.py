@@ -32,7 +32,8 @@ def run_job(rig, per_node: int, train: list[str], *, fault_after_epoch: int | No
             timeout: float = 240, env: dict | None = None) -> dict:
   """Runs `train` under `jdist launch` on `rig`, `fault` hitting node 1 `fault_delay_s` after
   epoch `fault_after_epoch`'s line; its exit code, output, `fault_at` and the seconds from
-  the fault to the restarted run's "resumed from" line and to its next epoch."""
+  the fault to the restarted run's "resumed from" line and to its next epoch.
+  """
   job = rig_faults.RigJob(rig, train, per_node, ["--max-restarts", str(max_restarts)],
                           env or dict(os.environ), first=fault_after_epoch or 0,
                           faults=[f"{fault}:1"] if fault_after_epoch is not None else [],

@@ -38,7 +38,8 @@ class FaultRun:
 def run_fault(rig: cluster.Cluster, fault: str, timeout_s: float, env: dict[str, str],
               wait_s: float = 60) -> FaultRun:
   """One job on `rig` under `jdist launch`, with `fault` injected after its first epoch; the job
-  is killed `timeout_s + wait_s` after the fault if it is still running."""
+  is killed `timeout_s + wait_s` after the fault if it is still running.
+  """
   kill = threading.Timer(1 + timeout_s + wait_s, lambda: os.killpg(job.proc.pid, signal.SIGKILL))
   job = rig_faults.RigJob(
       rig, [cluster.tool("jdist"), "train", "--epochs", "1000", "--batch-size", "8",

@@ -59,7 +59,8 @@ def _lo_bytes() -> int:
 
 def _sync_floor_step(model, tx):
   """The compute floor plus one 4-byte `jdist.pmean` that waits for every gradient leaf: the
-  least any data-parallel step pays (every rank's compute, then one collective's latency)."""
+  least any data-parallel step pays (every rank's compute, then one collective's latency).
+  """
   def step(params, opt_state, x, y):
     loss, grads = workload.loss_and_grads(model, params, x, y)
     updates, opt_state = tx.update(grads, opt_state, params)

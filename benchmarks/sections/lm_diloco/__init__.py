@@ -124,7 +124,8 @@ def _complete(run: dict) -> bool:
 
 def loss_target(runs: list[dict], target_at: float) -> dict[str, Any]:
   """`{"loss", "tokens", "step", "from"}`: plain's validation loss at `target_at` of the tokens
-  (all None when no plain run got there)."""
+  (all None when no plain run got there).
+  """
   planned = _planned_tokens(runs)
   if planned is None:
     return {"loss": None, "tokens": None, "step": None, "from": None}

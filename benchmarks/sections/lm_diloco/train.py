@@ -1,5 +1,6 @@
 """Worker measurement "lm_diloco": one variant of examples/minigpt_single.py's miniGPT (flax
-linen, no dropout) trained for a number of tokens of its stories (docs/diloco.md)."""
+linen, no dropout) trained for a number of tokens of its stories (docs/diloco.md).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The network section's analysis and reports: network.md (shaped links) and, `rig_*`, the rig's
-results.md (method: docs/benchmarks/network.md)."""
+results.md (method: docs/benchmarks/network.md).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Worker measurement "cluster_allreduce": all-reduce across the rig's nodes, interleaved at each
-float32 size of option `sizes`: `mpi`, `hierarchical` (by hand), `jdist_psum`, `jdist_flat`."""
+float32 size of option `sizes`: `mpi`, `hierarchical` (by hand), `jdist_psum`, `jdist_flat`.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ MOST_REPEATS = 15
 
 def repeats_for(calls: dict[str, Callable[[], object]], seconds: float, quick: bool) -> int:
   """Runs one untimed round of `calls`; the timed rounds (3 to `MOST_REPEATS`) that take about
-  `seconds` per variant at the slowest rank's pace (every rank agrees)."""
+  `seconds` per variant at the slowest rank's pace (every rank agrees).
+  """
   from mpi4py import MPI  # pylint: disable=import-outside-toplevel
   start = time.perf_counter()
   for call in calls.values():
@@ -37,7 +39,8 @@ def repeats_for(calls: dict[str, Callable[[], object]], seconds: float, quick: b
 
 class Hierarchical:
   """Node-aware all-reduce in mpi4py over `comm` (equal nodes): reduce-scatter in the node,
-  all-reduce of each slice across nodes, all-gather in the node; `count` float32 per rank."""
+  all-reduce of each slice across nodes, all-gather in the node; `count` float32 per rank.
+  """
 
   def __init__(self, comm, count: int):
     from mpi4py import MPI  # pylint: disable=import-outside-toplevel

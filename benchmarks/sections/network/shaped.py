@@ -51,7 +51,8 @@ def cell_job(topology: str, link: netns.Link, *, quick: bool, repeats: int,
 def run_network(links=None, topologies=None, *, quick: bool = False, repeats: int | None = None,
                 modes=None, log: Callable[[str], None] = print) -> dict[str, Any]:
   """Runs the network section (links and topologies default to all; quick: 1gbit, 2x1; modes
-  to every one of `steps.MODES`); returns its results, summary included."""
+  to every one of `steps.MODES`); returns its results, summary included.
+  """
   start, environment = time.perf_counter(), report.environment()
   names = links or (("1gbit",) if quick else [link.name for link in netns.LINKS])
   topologies = topologies or (("2x1",) if quick else tuple(TOPOLOGIES))

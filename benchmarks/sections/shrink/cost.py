@@ -1,5 +1,6 @@
 """ULFM's steady-state cost: the step loop (`steploop`) under `mpirun --with-ft ulfm` and without
-(`tcp`, `default`), alternated within each round, on this host and across the rig."""
+(`tcp`, `default`), alternated within each round, on this host and across the rig.
+"""
 
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ GRADIENT_ELEMENTS = 131_080 + 3  # the digits CNN's parameters, then loss, corre
 def steploop(steps: int = 200, warmup: int = 20, compute: int = 192) -> int:
   """One rank of the loop: fixed host compute, then `jdist train --shrink`'s exchange (one
   `ShrinkableComm.sum` of the digits CNN's gradient, `confirm()` every `CONFIRM_EVERY` steps);
-  rank 0 prints the mean step and exchange times as a JSON line."""
+  rank 0 prints the mean step and exchange times as a JSON line.
+  """
   from jdist.app import train_shrink  # pylint: disable=import-outside-toplevel
   from jdist.collectives import shrinkable  # pylint: disable=import-outside-toplevel
   comm = shrinkable.ShrinkableComm()

@@ -1,5 +1,6 @@
 """Faults under `jdist launch --shrink` on the rig (`run_shrink`: fault -> detected -> resumed,
-or -> the job's end) and chaos runs (`run_chaos`, docs/multinode.md#chaos-run)."""
+or -> the job's end) and chaos runs (`run_chaos`, docs/multinode.md#chaos-run).
+"""
 
 from __future__ import annotations
 
@@ -95,7 +96,8 @@ def run_shrink(fault: str, env: dict[str, str], *, epochs: int = 3,
                train_limit: int | None = None, timeout: float = 600,
                restart: bool = False) -> ShrinkRun:
   """One `jdist launch --shrink` job on a fresh 2-node rig, `fault` after its first epoch (with
-  `restart`: `--max-restarts 1`, checkpoints every 8 steps, `--resume`)."""
+  `restart`: `--max-restarts 1`, checkpoints every 8 steps, `--resume`).
+  """
   with tempfile.TemporaryDirectory() as tmp, \
        cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
     log = os.path.join(tmp, "log.jsonl")
@@ -158,7 +160,8 @@ def _killer(rig, count: int, interval: float, stop: threading.Event, kills: list
 def run_chaos(count: int, env: dict[str, str], *, epochs: int, interval: float,
               timeout: float, restarts: int = 0) -> ChaosRun:
   """One `--shrink --max-np 4` job on a fresh rig with `count` random kills (with `restarts`,
-  also `--max-restarts` from checkpoints every 8 steps, no cooldown)."""
+  also `--max-restarts` from checkpoints every 8 steps, no cooldown).
+  """
   with tempfile.TemporaryDirectory() as tmp, \
        cluster.Cluster(nodes=2, rate_mbit=1000) as rig:
     log = os.path.join(tmp, "log.jsonl")

@@ -1,5 +1,6 @@
 """Suite part 1 (and 5): all-reduce time of float32 buffers, 4 KB to 64 MB, every variant
-interleaved at each size (the variants and the method: docs/benchmarks/results.md)."""
+interleaved at each size (the variants and the method: docs/benchmarks/results.md).
+"""
 
 from __future__ import annotations
 

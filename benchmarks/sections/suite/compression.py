@@ -1,5 +1,6 @@
 """Suite part 3: bytes on the wire and step time of each compression mode, interleaved with a
-`compute` step (communication = step - compute, the compressor's own work included)."""
+`compute` step (communication = step - compute, the compressor's own work included).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Suite part 2: what jdist adds to a train step against hand-written `pmap` and `shard_map`
-steps (and without the inputs' check), interleaved step by step."""
+steps (and without the inputs' check), interleaved step by step.
+"""
 
 from __future__ import annotations
 

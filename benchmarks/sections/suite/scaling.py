@@ -1,5 +1,6 @@
 """Suite part 4: training throughput as replicas are added (weak scaling), beside the step's
-compute part."""
+compute part.
+"""
 
 from __future__ import annotations
 

@@ -39,7 +39,8 @@ JOB_TIMEOUT = 3600  # seconds per job: DDP plain at 100 Mbit/s needs about 12 mi
 def parse_variants(text: str, links: list[str],
                    choices: tuple[str, ...] = VARIANTS) -> list[tuple[str, str]]:
   """`(variant, link)` pairs of `"NAME,NAME@LINK,..."` over `links`, in order (NAME in `choices`);
-  ValueError for an unknown variant or link."""
+  ValueError for an unknown variant or link.
+  """
   pairs = []
   for entry in filter(None, (e.strip() for e in text.split(","))):
     name, _, link = entry.partition("@")
@@ -77,7 +78,8 @@ def run_plan(args: argparse.Namespace, measurement,
   """Runs each `(variant, link)` of `args.variants` (`job_for(link, variant)`, `measurement`'s
   rows), a fresh shaped namespace per link; `results_of(runs, skipped, plan)` after each
   run goes to `progress`, the last is returned. `drop(plan)` -> `(plan, reasons)` leaves
-  out what this machine cannot run. Also lm_diloco's driver."""
+  out what this machine cannot run. Also lm_diloco's driver.
+  """
   links, skipped = netns.available_links(netns.link_named(n) for n in args.links)
   plan = [(v, l) for v, l in args.variants if l in {link.name for link in links}]
   if drop is not None:
@@ -174,7 +176,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_plan_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any],
                        choices: tuple[str, ...], json_name: str, timeout: float) -> None:
   """--links, --variants (NAME from `choices`), --max-seconds(-of), --timeout and --render;
-  also lm_diloco's."""
+  also lm_diloco's.
+  """
   parser.add_argument("--links", help=f"comma-separated, from "
                       f"{','.join(l.name for l in netns.LINKS)} (default {defaults['links']})")
   parser.add_argument("--variants", help="comma-separated NAME or NAME@LINK, NAME from "
@@ -193,7 +196,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any]
 def parse_plan(args: argparse.Namespace, base: dict[str, Any], choices: tuple[str, ...],
                also: tuple[str, ...] = ()) -> None:
   """Fills the options `args` left unset from `base`, then parses `--links`, `--variants` (and
-  each option named in `also`, into a set) and `--max-seconds-of`; also lm_diloco's."""
+  each option named in `also`, into a set) and `--max-seconds-of`; also lm_diloco's.
+  """
   for key, value in base.items():
     if getattr(args, key) is None:
       setattr(args, key, value)

@@ -1,5 +1,6 @@
 """The time-to-accuracy benchmark's analysis (times to the target against DDP plain's, bounds
-where a run missed it, the targets of docs/diloco.md) and its report."""
+where a run missed it, the targets of docs/diloco.md) and its report.
+"""
 
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def fastest_jdist(rows: list[dict]) -> dict | None:
 def accuracy_after_all_epochs(runs: list[dict], variant: str,
                               link: str) -> tuple[float | None, str | None]:
   """`(variant's accuracy after every epoch, the link of that run)`, `link`'s run first
-  (`(None, None)`: no run of it trained every epoch)."""
+  (`(None, None)`: no run of it trained every epoch).
+  """
   candidates = sorted((r for r in runs if r["variant"] == variant and r.get("final")
                        and r["final"].get("completed_all_epochs")),
                       key=lambda r: r["link"] != link)

@@ -1,5 +1,6 @@
 """PyTorch DDP trained like jdist in the time-to-accuracy section (only this and `torch_peer`
-import torch)."""
+import torch).
+"""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def nchw(images: np.ndarray) -> np.ndarray:
 
 def torch_state(params: Any, feature_shape: Sequence[int]) -> dict[str, torch.Tensor]:
   """SingaCNN's state dict holding the flax CNN's `params` (`feature_shape`: the last pooled
-  map's (channels, height, width))."""
+  map's (channels, height, width)).
+  """
   channels, height, width = feature_shape
   state = {}
   for flax_name, torch_name in LAYERS.items():
@@ -66,7 +68,8 @@ def singa_cnn_from_flax(flax_model, params: Any, input_shape: Sequence[int]) -> 
 def post_local_sgd(net: nn.Module, optimizer: torch.optim.Optimizer, *, period: int,
                    warmup_steps: int):
   """`(net in DDP with PyTorch's post-local SGD, the optimizer that averages)`: gradients
-  all-reduced for `warmup_steps` steps, then the parameters averaged every `period` steps."""
+  all-reduced for `warmup_steps` steps, then the parameters averaged every `period` steps.
+  """
   # pylint: disable=import-outside-toplevel
   from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
   from torch.distributed.algorithms.model_averaging import averagers

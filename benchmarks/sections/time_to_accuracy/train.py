@@ -1,5 +1,6 @@
 """Worker measurement "time_to_accuracy": one variant trained until it reaches a test accuracy
-(a jdist mode, DDP or `<mode>_paired`; the method: docs/diloco.md)."""
+(a jdist mode, DDP or `<mode>_paired`; the method: docs/diloco.md).
+"""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def run_to_target(trainer, schedule: Schedule, batches: Callable[[int], Any], *,
                   clock: Callable[[], float] = time.perf_counter) -> Iterator[dict]:
   """Trains `trainer` on `schedule`; yields each evaluation's row (the clock stopped), then the
   final row. `trainer.step(indices)` -> loss or (loss, its seconds); `batches(epoch)` -> its
-  steps' indices [steps, replicas, batch]; `share(value)`: the root's value everywhere."""
+  steps' indices [steps, replicas, batch]; `share(value)`: the root's value everywhere.
+  """
   step_times: list[float] = []
   losses: list[float] = []
   curve: list[dict] = []
@@ -198,7 +200,8 @@ class FloorTrainer(JdistTrainer):
 
 class PairedTrainer:
   """`<mode>_paired`: a DiLoCo mode and its floors, a step each in turn; `step` -> (loss, the
-  mode's seconds)."""
+  mode's seconds).
+  """
 
   framework = "jdist"
 
