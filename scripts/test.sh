@@ -35,16 +35,14 @@ mpi_selection=(tests --ignore=tests/test_data.py --ignore=tests/test_datasets.py
 workers=${JDIST_TEST_WORKERS:-auto}
 echo "== tests: 1 process x 4 devices ($workers workers)"
 "$python" -m pytest tests -n "$workers" --dist loadfile --durations=15 "$@"
-# In the MPI sessions both ranks compile the same programs at once on the two
-# cores, so XLA's parallel codegen (each program's LLVM module split into parts
-# compiled on a thread pool) only adds work there: one part took 2x2
-# tests/test_diloco.py from 66 / 63 s to 55 / 54 s (alternated runs). Their tests
-# run in the pytest processes (no launched jobs), where compiling is most of the
-# time: LLVM's level 0 took the 2x1 session from 355 to 273 s (back to back,
-# nothing else running). The plain session's launched training jobs keep
-# tests/launch.py's level 1, which level 0 slows; the plain session also keeps
-# the split: its workers often leave a core idle.
-mpi_xla_flags="--xla_cpu_parallel_codegen_split_count=1 --xla_backend_optimization_level=0 ${XLA_FLAGS:-}"
+# Every test process and launched job compiles each program as one LLVM module
+# (tests/launch.py): two workers, or two ranks, already fill the cores. In the
+# MPI sessions the tests run in the pytest processes (no launched jobs), where
+# compiling is most of the time: LLVM's level 0 took the 2x1 session from 355 to
+# 273 s (back to back, nothing else running). The plain session keeps level 1:
+# its launched training jobs run slower at level 0, and its own tests gained
+# nothing (838 s against 792 s).
+mpi_xla_flags="--xla_backend_optimization_level=0 ${XLA_FLAGS:-}"
 for devices in 1 2; do
   echo "== tests: 2 processes x $devices device(s)"
   XLA_FLAGS=$mpi_xla_flags bash scripts/mpirun.sh -np 2 -x XLA_FLAGS \

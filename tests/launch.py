@@ -17,10 +17,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tests check logic and numerics against a reference compiled the same way,
 # not the speed of the generated code, and most of their time is XLA compiling:
 # LLVM's lighter optimization level 1 (below the default) halves it without slowing
-# the training runs (level 0 does: a digits run went from 11 s to 87 s). Every
-# session and every job a test launches gets it, so both sides of a comparison
-# are compiled alike.
-TEST_XLA_FLAGS = ("--xla_backend_optimization_level=1",)
+# the training runs (level 0 does: a digits run went from 11 s to 87 s). Each
+# program compiles as one LLVM module: two pytest workers, or a job's two ranks,
+# already fill the cores, and XLA's parallel codegen only added work (the plain
+# session took 753 s against 787-808 s with it, its processes 10% less CPU).
+# Every session and every job a test launches gets both, so both sides of a
+# comparison are compiled alike.
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=1",
+                  "--xla_cpu_parallel_codegen_split_count=1")
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
